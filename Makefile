@@ -1,0 +1,30 @@
+# Two commands do all the set-up on a fresh machine:
+#   make run    create .venv if needed, then train on the bundled default data
+#   make test   create .venv if needed, then run the test suite
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+ARGS   ?=
+
+.PHONY: run test clean venv
+
+venv: $(STAMP)
+
+# torch and torchvision are installed first, as an exact pair, with plain pip: on the build
+# machines pip takes them from local package files (DESIGN.md). The rest follows from pyproject.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m jobs.train $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,167 @@
+"""Augmentation pipelines declared as data.
+
+A preset is an ordered list of op specs for training, another for evaluation, and the
+normalisation the trainer applies on its own device. Each spec is a one-key mapping
+`{op_name: {param: value}}`, the same form as in a user's YAML or JSON preset file:
+
+    name: my-preset
+    mean: [0.485, 0.456, 0.406]
+    std:  [0.229, 0.224, 0.225]
+    train:
+      - random_crop: {size: 32, padding: 4}
+      - horizontal_flip: {p: 0.5}
+    eval:
+      - center_crop: {size: 32}
+
+The first op of each list is a geometry op (it fixes the output size); the rest act on
+that fixed-size float batch. `Pipeline` turns a list into one module, once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from augment.ops import OPS, check_params
+from augment.rng import KeyedRng
+
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    name: str
+    train: tuple  # op specs, {name: {params}} each
+    eval: tuple
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+    @property
+    def image_size(self) -> int:
+        """Side of the images the model sees (from the first eval op)."""
+        (params,) = self.eval[0].values()
+        size = params["size"]
+        return int(size if isinstance(size, (int, float)) else size[0])
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "mean": list(self.mean), "std": list(self.std), "train": list(self.train), "eval": list(self.eval)}
+
+
+PRESETS = {
+    # The seed's CIFAR pipeline (torchvision: RandomCrop(32, padding=4), RandomHorizontalFlip,
+    # ColorJitter(0.2, 0.2, 0.2), ToTensor, Normalize). Eval is Normalize only; CenterCrop(32)
+    # is the identity on 32x32 images and keeps other sizes batchable.
+    "cifar": Preset(
+        name="cifar",
+        train=(
+            {"random_crop": {"size": 32, "padding": 4}},
+            {"horizontal_flip": {"p": 0.5}},
+            {"color_jitter": {"brightness": 0.2, "contrast": 0.2, "saturation": 0.2}},
+        ),
+        eval=({"center_crop": {"size": 32}},),
+        mean=CIFAR_MEAN,
+        std=CIFAR_STD,
+    ),
+}
+
+
+class PresetError(ValueError):
+    """A preset name or file the user gave is unusable; the message lists what is valid."""
+
+
+def _check_specs(specs, where: str) -> tuple:
+    if not isinstance(specs, (list, tuple)) or not specs:
+        raise PresetError(f"{where}: expected a non-empty list of ops like [{{random_crop: {{size: 32}}}}]")
+    out = []
+    for i, spec in enumerate(specs):
+        if isinstance(spec, str):
+            spec = {spec: {}}
+        if not isinstance(spec, dict) or len(spec) != 1:
+            raise PresetError(f"{where}[{i}]: each op is a one-key mapping {{op_name: {{params}}}}, got {spec!r}")
+        (name, params), = spec.items()
+        if name not in OPS:
+            raise PresetError(f"{where}[{i}]: unknown op {name!r}; valid ops: {sorted(OPS)}")
+        params = dict(params or {})
+        try:
+            check_params(OPS[name], params)
+        except ValueError as e:
+            raise PresetError(f"{where}[{i}]: {e}") from None
+        if OPS[name].geometry != (i == 0):
+            first = sorted(n for n, c in OPS.items() if c.geometry)
+            raise PresetError(f"{where}[{i}]: {name!r} cannot come {'first' if i == 0 else 'here'}; the first op, and only the first, is a geometry op: {first}")
+        out.append({name: params})
+    return tuple(out)
+
+
+def preset_from_dict(data: dict, where: str = "preset") -> Preset:
+    allowed = {"name", "train", "eval", "mean", "std"}
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise PresetError(f"{where}: unknown key(s) {unknown}; valid keys: {sorted(allowed)}")
+    missing = sorted({"train", "eval"} - set(data))
+    if missing:
+        raise PresetError(f"{where}: missing {missing}")
+    preset = Preset(
+        name=str(data.get("name", where)),
+        train=_check_specs(data["train"], f"{where}: train"),
+        eval=_check_specs(data["eval"], f"{where}: eval"),
+        mean=tuple(float(v) for v in data.get("mean", IMAGENET_MEAN)),
+        std=tuple(float(v) for v in data.get("std", IMAGENET_STD)),
+    )
+    Pipeline(preset.train, seed=0)  # constructor errors (bad values) surface now
+    Pipeline(preset.eval, seed=0)
+    return preset
+
+
+def load_preset(name_or_path: str) -> Preset:
+    """A built-in preset by name, or a user preset from a .yaml/.yml/.json file."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    path = Path(name_or_path)
+    if path.suffix.lower() not in (".yaml", ".yml", ".json"):
+        raise PresetError(f"unknown preset {name_or_path!r}; built-in presets: {sorted(PRESETS)}, or a path to a .yaml/.json preset file")
+    if not path.is_file():
+        raise PresetError(f"{path}: preset file not found")
+    text = path.read_text()
+    if path.suffix.lower() == ".json":
+        data = json.loads(text)
+    else:
+        import yaml
+
+        data = yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise PresetError(f"{path}: expected a mapping with keys train, eval, mean, std")
+    try:
+        return preset_from_dict(data, where=str(path))
+    except (TypeError, ValueError) as e:
+        raise PresetError(str(e)) from None
+
+
+class Pipeline(torch.nn.Module):
+    """One module for a list of op specs: canvas + keys in, uint8 (B, S, S, 3) out."""
+
+    def __init__(self, specs, *, seed: int):
+        super().__init__()
+        self.seed = seed
+        ops = []
+        for stream, spec in enumerate(specs, start=1):
+            (name, params), = spec.items()
+            op = OPS[name](**params)
+            op.stream = stream
+            ops.append(op)
+        self.ops = torch.nn.ModuleList(ops)
+
+    @torch.no_grad()
+    def forward(self, canvas: torch.Tensor, sizes: torch.Tensor, keys: torch.Tensor, epoch: int) -> torch.Tensor:
+        """canvas: uint8 (B, Hmax, Wmax, 3); sizes: int64 (B, 2); keys: int64 (B,)."""
+        rng = KeyedRng(keys, self.seed, epoch)
+        x = self.ops[0](canvas, rng, sizes)  # (B, 3, S, S) float in [0, 1], channels_last
+        for op in self.ops[1:]:
+            x = op(x, rng)
+        # back to uint8 NHWC; for a channels_last x this permute is already contiguous
+        return x.mul(255.0).round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+

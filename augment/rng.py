@@ -1,0 +1,79 @@
+"""Counter-based random numbers: one stream per image, keyed by (seed, epoch, op, image key).
+
+Why not a torch.Generator per batch: a batch's composition depends on how Ray Data
+bundles blocks, and which actor runs it depends on scheduling. Drawing every image's
+parameters from a hash of (seed, epoch, stream, the image's own key) makes an image's
+augmentation independent of its batch, its actor and the order of execution, and still
+costs only a few vectorised integer ops for the whole batch, on any device.
+
+The mixer is SplitMix64's finaliser on int64 tensors (multiplication wraps modulo 2**64
+on CPU and CUDA); `reference_uniform` is the same function in pure Python for tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_M64 = (1 << 64) - 1
+_C1 = 0xBF58476D1CE4E5B9
+_C2 = 0x94D049BB133111EB
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _signed(v: int) -> int:
+    v &= _M64
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _srl(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    z = (z ^ _srl(z, 30)) * _signed(_C1)
+    z = (z ^ _srl(z, 27)) * _signed(_C2)
+    return z ^ _srl(z, 31)
+
+
+def _py_mix(z: int) -> int:
+    z &= _M64
+    z = ((z ^ (z >> 30)) * _C1) & _M64
+    z = ((z ^ (z >> 27)) * _C2) & _M64
+    return z ^ (z >> 31)
+
+
+def salt(seed: int, epoch: int, stream: int) -> int:
+    """A 64-bit value that differs for every (seed, epoch, stream)."""
+    return _py_mix(_py_mix(_py_mix(seed) + epoch) + stream)
+
+
+class KeyedRng:
+    """Uniform draws for a batch of images, each from its own key.
+
+    `keys` is the int64 key column of the batch (a stable hash of each file's path).
+    `uniform(stream, n)` returns an (B, n) float tensor in [0, 1); different streams give
+    independent numbers, the same stream always the same numbers.
+    """
+
+    def __init__(self, keys: torch.Tensor, seed: int, epoch: int):
+        self.keys = keys.to(torch.int64)
+        self.seed = seed
+        self.epoch = epoch
+
+    def uniform(self, stream: int, n: int = 1) -> torch.Tensor:
+        base = _signed(salt(self.seed, self.epoch, stream))
+        counters = torch.arange(n, device=self.keys.device, dtype=torch.int64) * _signed(_GOLDEN)
+        z = _mix(self.keys[:, None] + base + counters[None, :])
+        return _srl(z, 40).to(torch.float32) * (1.0 / (1 << 24))
+
+    def batch_seed(self, stream: int) -> int:
+        """One 63-bit seed for ops that draw from torch's global RNG (Kornia's)."""
+        total = int(self.keys.sum().item()) if self.keys.numel() else 0  # host sync, once a batch
+        return _py_mix(salt(self.seed, self.epoch, stream) ^ (total & _M64)) >> 1
+
+
+def reference_uniform(key: int, seed: int, epoch: int, stream: int, i: int) -> float:
+    """Pure-Python twin of KeyedRng.uniform(stream)[row with `key`, i]."""
+    z = _py_mix(key + salt(seed, epoch, stream) + i * _GOLDEN)
+    return (z >> 40) / (1 << 24)

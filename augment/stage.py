@@ -1,0 +1,84 @@
+"""The augment stage: a callable class for `Dataset.map_batches` with an actor pool.
+
+Each actor builds its pipeline once in `__init__`, on `cuda` when Ray gave it a GPU and
+on the CPU otherwise, and then augments whole batches:
+
+    {image: uint8 (B, H, W, 3) or ragged, label, key}  ->  {image: uint8 (B, S, S, 3), label}
+
+The epoch, which the augmentation depends on, comes from a tiny `EpochClock` actor that
+rank 0 of the trainer advances before each epoch starts (Ray Data's split coordinator
+holds every epoch's execution until all ranks have asked for it, so no batch of epoch e
+is augmented before the clock says e).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+
+from augment.presets import Pipeline, preset_from_dict
+
+
+class EpochClock:
+    """Holds the current epoch; run as an actor with num_cpus=0."""
+
+    def __init__(self):
+        self.epoch = 0
+
+    def set(self, epoch: int) -> int:
+        self.epoch = epoch
+        return epoch
+
+    def get(self) -> int:
+        return self.epoch
+
+
+def to_canvas(images) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoded images -> (uint8 canvas (B, Hmax, Wmax, 3), int64 sizes (B, 2)).
+
+    A fixed-shape batch is used as it is (no copy); a ragged one (an object array of HWC
+    arrays) is copied into the top-left corners of a zero canvas.
+    """
+    if isinstance(images, np.ndarray) and images.dtype == np.uint8 and images.ndim == 4:
+        b, h, w, c = images.shape
+        if c != 3:
+            raise ValueError(f"augment: expected RGB images (B, H, W, 3), got shape {images.shape}")
+        with warnings.catch_warnings():  # Arrow's buffers are read-only; nothing here writes to them
+            warnings.simplefilter("ignore", UserWarning)
+            canvas = torch.from_numpy(images)
+        return canvas, torch.tensor([[h, w]], dtype=torch.int64).expand(b, 2)
+    arrays = list(images)
+    for a in arrays:
+        if a.dtype != np.uint8 or a.ndim != 3 or a.shape[2] != 3:
+            raise ValueError(f"augment: expected uint8 HWC RGB images, got {a.dtype} {a.shape}")
+    sizes = torch.tensor([a.shape[:2] for a in arrays], dtype=torch.int64).view(-1, 2)
+    canvas = torch.zeros((len(arrays), int(sizes[:, 0].max()), int(sizes[:, 1].max()), 3), dtype=torch.uint8)
+    for i, a in enumerate(arrays):  # a memcpy per image; unavoidable for ragged input
+        canvas[i, : a.shape[0], : a.shape[1]] = torch.from_numpy(a)
+    return canvas, sizes
+
+
+class AugmentStage:
+    """map_batches callable. `preset` is Preset.to_dict(); `train` picks its train or eval ops."""
+
+    def __init__(self, preset: dict, *, train: bool, seed: int, clock=None, device: str = "auto"):
+        import ray
+
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
+        self.device = torch.device(device)
+        spec = preset_from_dict(preset)
+        self.pipeline = Pipeline(spec.train if train else spec.eval, seed=seed).to(self.device)
+        self.clock = clock
+
+    def __call__(self, batch: dict) -> dict:
+        import ray
+
+        epoch = ray.get(self.clock.get.remote()) if self.clock is not None else 0
+        canvas, sizes = to_canvas(batch["image"])
+        if self.device.type == "cuda":  # uint8 over PCIe: a quarter of the bytes of float32
+            canvas = canvas.pin_memory().to(self.device, non_blocking=True)
+        out = self.pipeline(canvas, sizes.to(self.device), torch.as_tensor(np.array(batch["key"])).to(self.device), epoch)
+        return {"image": out.cpu().numpy(), "label": batch["label"]}  # .cpu() is a sync point on GPU

@@ -1,0 +1,56 @@
+"""Writing run-directory files to local disk or to object storage (s3://, gs://)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+
+
+def _fs(uri: str):
+    import pyarrow.fs as pafs
+
+    if "://" in uri:
+        return pafs.FileSystem.from_uri(uri)
+    return pafs.LocalFileSystem(), os.path.abspath(uri)
+
+
+def write_bytes(uri: str, data: bytes) -> None:
+    """Write a whole file, creating its directory; atomic on local disk."""
+    fs, path = _fs(uri)
+    fs.create_dir(os.path.dirname(path), recursive=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with fs.open_output_stream(tmp) as f:
+        f.write(data)
+    fs.move(tmp, path)
+
+
+def read_bytes(uri: str) -> bytes:
+    fs, path = _fs(uri)
+    with fs.open_input_stream(path) as f:
+        return f.read()
+
+
+def exists(uri: str) -> bool:
+    import pyarrow.fs as pafs
+
+    fs, path = _fs(uri)
+    return fs.get_file_info(path).type != pafs.FileType.NotFound
+
+
+def write_json(uri: str, obj) -> None:
+    write_bytes(uri, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def write_csv(uri: str, rows: list[dict]) -> None:
+    buf = io.StringIO()
+    if rows:
+        writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    write_bytes(uri, buf.getvalue().encode())
+
+
+def join(base: str, *parts: str) -> str:
+    return "/".join([base.rstrip("/"), *parts])

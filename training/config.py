@@ -1,0 +1,96 @@
+"""The one config object of a training job.
+
+Every field has a default and a one-line help text with its unit; `jobs.train` turns the
+fields into command-line flags, so the help, the defaults and the saved `config.json`
+can never disagree. Quantities say whether they are global or per worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import time
+from typing import Optional
+
+
+class ConfigError(ValueError):
+    """A setting the user gave is unusable; the message names the flag and the fix."""
+
+
+def _f(default, help: str, **meta):
+    return dataclasses.field(default=default, metadata={"help": help, **meta})
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    # data
+    data: Optional[str] = _f(None, "image tree: DIR/<class>/<img> or DIR/{train,val}/<class>/<img>; local path or s3://, gs://. Default: the bundled digits dataset")
+    val_fraction: float = _f(0.2, "fraction of DIR/<class>/ files held out for validation by path hash (ignored with train/ + val/)")
+    preset: str = _f("cifar", "augmentation preset name, or a .yaml/.json preset file")
+    # optimisation
+    epochs: int = _f(5, "number of passes over the training set")
+    batch_size: int = _f(64, "global batch size (images per step, summed over all workers)")
+    lr: float = _f(0.08, "peak learning rate for a global batch of 256; scaled linearly with --batch-size (Goyal et al. 2017)")
+    warmup_epochs: float = _f(1.0, "epochs of linear learning-rate warm-up before the cosine decay")
+    momentum: float = _f(0.9, "SGD momentum")
+    weight_decay: float = _f(5e-4, "L2 weight decay")
+    seed: int = _f(0, "drives model init, file order, per-epoch shuffle and augmentation")
+    # resources
+    num_workers: int = _f(0, "Ray Train workers (DDP ranks); 0 = one per GPU, or 1 on a CPU-only cluster")
+    device: str = _f("auto", "where training runs: auto (cuda if the cluster has GPUs), cpu or cuda", choices=("auto", "cpu", "cuda"))
+    threads_per_worker: int = _f(0, "torch intra-op threads per CPU worker; 0 = the CPUs Ray gives it")
+    cpus_per_worker: int = _f(0, "CPUs reserved per train worker; 0 = half the cluster's CPUs / workers (the rest feeds Ray Data)")
+    augment_actors: int = _f(1, "augment actors per split (train, val)")
+    augment_batch_size: int = _f(256, "images per augment call (larger is faster on a GPU)")
+    # output
+    storage_path: str = _f("runs", "where run directories go (local path, or s3://, gs:// for multi-node)")
+    name: str = _f("", "run name; the run directory is STORAGE_PATH/NAME. Default: run-<timestamp>")
+    quiet: bool = _f(False, "print only errors and the final summary")
+
+    def __post_init__(self):
+        positive = ["epochs", "batch_size", "augment_actors", "augment_batch_size"]
+        for field in positive:
+            if getattr(self, field) <= 0:
+                raise ConfigError(f"--{field.replace('_', '-')} must be positive, got {getattr(self, field)}")
+        for field in ("num_workers", "threads_per_worker", "cpus_per_worker"):
+            if getattr(self, field) < 0:
+                raise ConfigError(f"--{field.replace('_', '-')} must be 0 (automatic) or positive, got {getattr(self, field)}")
+        if self.lr <= 0:
+            raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if self.warmup_epochs < 0:
+            raise ConfigError(f"--warmup-epochs must be 0 or more, got {self.warmup_epochs}")
+        if not 0 <= self.val_fraction < 1:
+            raise ConfigError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if self.num_workers and self.batch_size < self.num_workers:
+            raise ConfigError(f"--batch-size {self.batch_size} is smaller than --num-workers {self.num_workers}; each worker needs at least one image per step")
+
+    @property
+    def peak_lr(self) -> float:
+        """The linear scaling rule: lr is quoted per 256 images of global batch."""
+        return self.lr * self.batch_size / 256
+
+    def with_defaults_resolved(self) -> "TrainConfig":
+        """Fill in the run name; paths made absolute so every process agrees on them."""
+        name = self.name or time.strftime("run-%Y%m%d-%H%M%S")
+        storage = self.storage_path if "://" in self.storage_path else os.path.abspath(self.storage_path)
+        return dataclasses.replace(self, name=name, storage_path=storage)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per TrainConfig field, help and default from the field."""
+    for field in dataclasses.fields(TrainConfig):
+        flag = "--" + field.name.replace("_", "-")
+        help_text = f"{field.metadata['help']} (default: {field.default})"
+        if field.type in ("bool", bool):
+            parser.add_argument(flag, action="store_true", help=field.metadata["help"])
+            continue
+        kind = {"int": int, "float": float}.get(field.type if isinstance(field.type, str) else field.type.__name__, str)
+        parser.add_argument(flag, type=kind, default=field.default, choices=field.metadata.get("choices"), help=help_text)
+
+
+def from_args(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})

@@ -1,0 +1,241 @@
+"""The driver side of a training job: check inputs, plan resources, build the data
+pipeline, run the TorchTrainer, write the run directory.
+
+Call order (jobs/train.py):
+
+    cfg, tree, preset = prepare(cfg)   # no Ray yet: every user error surfaces here (exit 2)
+    ray.init(...)                      # the entry point joins or starts a cluster
+    summary = run(cfg, tree, preset)   # TrainingFailed (exit 1) if training breaks
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import time
+
+import ray
+import ray.train
+import torch
+from ray.train.torch import TorchTrainer
+
+from augment.presets import Preset, load_preset
+from augment.stage import AugmentStage, EpochClock
+from training import artifacts
+from training.config import ConfigError, TrainConfig
+from training.data import ImageTree, default_dataset_dir, read_split, scan_tree
+from training.loop import CHECKPOINT_FILE, train_loop
+
+CACHE_DECODED_MAX_BYTES = 256 * 2**20  # encoded bytes under which decoded images are kept in memory
+
+
+class TrainingFailed(RuntimeError):
+    """Training started but did not finish."""
+
+
+def prepare(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree, Preset]:
+    """Everything that needs no cluster: resolve defaults, scan the tree, load the preset."""
+    cfg = cfg.with_defaults_resolved()
+    root = cfg.data or str(default_dataset_dir())
+    tree = scan_tree(root, cfg.val_fraction)
+    preset = load_preset(cfg.preset)
+    if "://" not in cfg.storage_path:
+        try:
+            os.makedirs(os.path.join(cfg.storage_path, cfg.name), exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"--storage-path {cfg.storage_path}: cannot create the run directory ({e.strerror}); choose a writable path") from None
+    return cfg, tree, preset
+
+
+@dataclasses.dataclass(frozen=True)
+class ResourcePlan:
+    use_gpu: bool
+    num_workers: int
+    cpus_per_worker: int
+    threads_per_worker: int
+    augment_gpus: float  # per augment actor; 0 on a CPU-only plan
+    augment_cpus: float
+
+    def describe(self) -> str:
+        where = "GPU" if self.use_gpu else "CPU"
+        aug = f"{self.augment_gpus:g} GPU" if self.augment_gpus else f"{self.augment_cpus:g} CPU"
+        return (
+            f"{self.num_workers} {where} train worker(s) x {self.cpus_per_worker} CPU "
+            f"({self.threads_per_worker} torch threads each); augment actors on {aug} each"
+        )
+
+
+def plan_resources(cfg: TrainConfig, cluster: dict) -> ResourcePlan:
+    """Split the cluster between train workers and Ray Data (DESIGN.md: leave CPUs for ingest)."""
+    cpus, gpus = int(cluster.get("CPU", 0)), int(cluster.get("GPU", 0))
+    use_gpu = cfg.device == "cuda" or (cfg.device == "auto" and gpus > 0)
+    if use_gpu and gpus == 0:
+        raise ConfigError("--device cuda: the Ray cluster has no GPUs; use --device cpu or auto")
+    workers = cfg.num_workers or (gpus if use_gpu else 1)
+    if use_gpu and workers > gpus:
+        raise ConfigError(f"--num-workers {workers} needs {workers} GPUs but the cluster has {gpus}")
+    cpus_per_worker = cfg.cpus_per_worker or max(1, cpus // 2 // workers)
+    if workers * cpus_per_worker > cpus:
+        raise ConfigError(
+            f"--num-workers {workers} x {cpus_per_worker} CPU each needs {workers * cpus_per_worker} CPUs "
+            f"but the cluster has {cpus}; lower --num-workers or --cpus-per-worker"
+        )
+    # CPU training: torch threads may use the cores Ray Data leaves idle between batches.
+    threads = cfg.threads_per_worker or (cpus_per_worker if use_gpu else max(1, cpus // workers))
+    return ResourcePlan(
+        use_gpu=use_gpu,
+        num_workers=workers,
+        cpus_per_worker=cpus_per_worker,
+        threads_per_worker=threads,
+        augment_gpus=0.25 if use_gpu else 0.0,  # a share of a GPU each; the op is light next to ResNet18
+        augment_cpus=1.0 if use_gpu or cpus > 2 else 0.5,
+    )
+
+
+def build_datasets(cfg: TrainConfig, tree: ImageTree, preset: Preset, plan: ResourcePlan, clock) -> dict:
+    """train/val Ray Datasets: read -> decode -> (cache) -> augment actors."""
+    out = {}
+    for split_name, split in (("train", tree.train), ("val", tree.val)):
+        train = split_name == "train"
+        small = split.total_bytes <= CACHE_DECODED_MAX_BYTES
+        ds = read_split(split, seed=cfg.seed, shuffle=train)
+        if small and train:
+            ds = ds.materialize()  # small data: decode once, not every epoch
+        ds = ds.map_batches(
+            AugmentStage,
+            fn_constructor_kwargs={
+                "preset": preset.to_dict(),
+                "train": train,
+                "seed": cfg.seed,
+                "clock": clock if train else None,
+            },
+            batch_format="numpy",
+            batch_size=cfg.augment_batch_size,
+            compute=ray.data.ActorPoolStrategy(size=cfg.augment_actors),
+            num_gpus=plan.augment_gpus,
+            num_cpus=plan.augment_cpus,
+        )
+        # validation output is deterministic: a small set is computed once, not every epoch
+        out[split_name] = ds.materialize() if small and not train else ds
+    return out
+
+
+class _SplitValUnequally(ray.train.DataConfig):
+    """Train is split equally (every DDP rank takes the same number of steps); validation is
+    split without dropping rows, so every validation image is scored exactly once."""
+
+    def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
+        # Ray Train 2.60 configures one dataset per call
+        if set(datasets) != {"val"}:
+            return super().configure(datasets, world_size, worker_handles, worker_node_ids, **kwargs)
+        splits = datasets["val"].streaming_split(world_size, equal=False, locality_hints=worker_node_ids)
+        return [{"val": split} for split in splits]
+
+
+def git_commit() -> str | None:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def run(cfg: TrainConfig, tree: ImageTree, preset: Preset, *, log=print) -> dict:
+    """Train on a connected Ray cluster; returns the summary written to summary.json."""
+    start = time.time()
+    run_dir = artifacts.join(cfg.storage_path, cfg.name)
+    plan = plan_resources(cfg, ray.cluster_resources())
+    if cfg.batch_size < plan.num_workers:
+        raise ConfigError(f"--batch-size {cfg.batch_size} is smaller than the {plan.num_workers} workers; raise it")
+    log(f"data: {tree.describe()}")
+    log(f"plan: {plan.describe()}")
+    artifacts.write_json(
+        artifacts.join(run_dir, "config.json"),
+        {"config": cfg.to_dict(), "plan": dataclasses.asdict(plan), "preset": preset.to_dict(),
+         "class_names": list(tree.class_names), "git_commit": git_commit(), "data_root": tree.root},
+    )
+
+    clock = ray.remote(num_cpus=0)(EpochClock).remote()
+    job = {
+        "config": cfg.to_dict(),
+        "class_names": list(tree.class_names),
+        "preset": preset.to_dict(),
+        "image_size": preset.image_size,
+        "train_size": len(tree.train),
+        "threads_per_worker": plan.threads_per_worker,
+        "clock": clock,
+    }
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config=job,
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=plan.num_workers, use_gpu=plan.use_gpu, resources_per_worker={"CPU": plan.cpus_per_worker}
+        ),
+        run_config=ray.train.RunConfig(
+            name=cfg.name,
+            storage_path=cfg.storage_path,
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1, checkpoint_score_attribute="val_acc", checkpoint_score_order="max"),
+        ),
+        datasets=build_datasets(cfg, tree, preset, plan, clock),
+        dataset_config=_SplitValUnequally(),
+    )
+    try:
+        result = trainer.fit()
+    except Exception as e:  # Ray wraps worker errors; keep the cause, drop the stack
+        raise TrainingFailed(f"training failed: {type(e).__name__}: {e}") from e
+    finally:
+        ray.kill(clock)
+    if result.error:
+        raise TrainingFailed(f"training failed: {result.error}")
+    with result.checkpoint.as_directory() as d:
+        state = torch.load(os.path.join(d, CHECKPOINT_FILE), map_location="cpu", weights_only=True)
+    history = state["history"]
+    artifacts.write_bytes(artifacts.join(run_dir, "model.pt"), _model_bytes(state["model"], tree, preset, cfg))
+    summary = summarize(history, time.time() - start, plan, tree)
+    artifacts.write_json(artifacts.join(run_dir, "summary.json"), summary)
+    return summary
+
+
+def _model_bytes(state_dict, tree: ImageTree, preset: Preset, cfg: TrainConfig) -> bytes:
+    """model.pt: everything inference needs, loadable with torch.load(weights_only=True)."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(
+        {
+            "arch": "resnet18",
+            "state_dict": state_dict,
+            "class_names": list(tree.class_names),
+            "image_size": preset.image_size,
+            "eval_transform": {"ops": json.loads(json.dumps(preset.eval)), "mean": list(preset.mean), "std": list(preset.std)},
+            "config": cfg.to_dict(),
+        },
+        buf,
+    )
+    return buf.getvalue()
+
+
+def summarize(history: list[dict], wall_s: float, plan: ResourcePlan, tree: ImageTree) -> dict:
+    last = history[-1]
+    return {
+        "epochs": last["epoch"],
+        "val_acc": last["val_acc"],
+        "val_loss": last["val_loss"],
+        "best_val_acc": max(r["val_acc"] for r in history),
+        "train_loss": last["train_loss"],
+        "train_acc": last["train_acc"],
+        # steady state: skip the first epoch (start-up, actor launch) when there is more than one
+        "train_images_per_s": round(
+            sum(r["train_images"] for r in history[1:] or history) / sum(r["epoch_s"] for r in history[1:] or history), 1
+        ),
+        "wall_s": round(wall_s, 1),
+        "world_size": plan.num_workers,
+        "device": "cuda" if plan.use_gpu else "cpu",
+        "num_classes": tree.num_classes,
+        "train_images": len(tree.train),
+        "val_images": len(tree.val),
+    }
