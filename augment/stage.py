@@ -81,4 +81,5 @@ class AugmentStage:
         if self.device.type == "cuda":  # uint8 over PCIe: a quarter of the bytes of float32
             canvas = canvas.pin_memory().to(self.device, non_blocking=True)
         out = self.pipeline(canvas, sizes.to(self.device), torch.as_tensor(np.array(batch["key"])).to(self.device), epoch)
-        return {"image": out.cpu().numpy(), "label": batch["label"]}  # .cpu() is a sync point on GPU
+        # key travels on so the trainer can count which images each rank saw
+        return {"image": out.cpu().numpy(), "label": batch["label"], "key": batch["key"]}  # .cpu() is a sync point on GPU

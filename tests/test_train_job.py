@@ -1,4 +1,4 @@
-"""The whole job on the shared Ray cluster: tiny real PNG trees, 2 CPU workers, DDP on gloo."""
+"""The whole job on the shared Ray cluster: tiny real PNG trees, CPU workers, DDP on gloo."""
 
 from __future__ import annotations
 
@@ -7,54 +7,116 @@ import json
 
 import pytest
 import torch
+import torchvision
 
 from tests.conftest import write_tree
 from training import job
 from training.config import ConfigError, TrainConfig
 
 
+def _run(**overrides):
+    cfg, tree, preset = job.prepare(TrainConfig(**overrides))
+    return job.run(cfg, tree, preset, log=lambda *a: None), tree
+
+
 @pytest.fixture(scope="module")
-def one_epoch_run(ray_cluster, tmp_path_factory):
-    base = tmp_path_factory.mktemp("job")
-    data = write_tree(base / "data", {"red": 24, "green": 24, "blue": 24})
-    cfg = TrainConfig(data=str(data), epochs=1, batch_size=16, num_workers=2, storage_path=str(base / "runs"), name="tiny", val_fraction=0.25)
-    cfg, tree, preset = job.prepare(cfg)
-    summary = job.run(cfg, tree, preset, log=lambda *a: None)
-    return base / "runs" / "tiny", summary, tree
+def data(tmp_path_factory):
+    return write_tree(tmp_path_factory.mktemp("data"), {"red": 24, "green": 24, "blue": 24, "cyan": 24, "gray": 24})
 
 
-def test_run_directory_has_sane_contents(one_epoch_run):
-    run_dir, summary, tree = one_epoch_run
-    for name in ("config.json", "metrics.csv", "summary.json", "model.pt"):
+@pytest.fixture(scope="module")
+def two_worker_run(ray_cluster, data, tmp_path_factory):
+    runs = tmp_path_factory.mktemp("runs")
+    summary, tree = _run(data=str(data), epochs=1, batch_size=16, num_workers=2, storage_path=str(runs), name="tiny", val_fraction=0.25)
+    return runs / "tiny", summary, tree
+
+
+def _rows(path):
+    return list(csv.DictReader(path.open()))
+
+
+def test_run_directory_has_sane_contents(two_worker_run):
+    run_dir, summary, tree = two_worker_run
+    for name in ("config.json", "metrics.csv", "timings.csv", "summary.json", "model.pt", "curves.png", "confusion.png"):
         assert (run_dir / name).is_file(), name
+    assert (run_dir / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
     config = json.loads((run_dir / "config.json").read_text())
-    assert config["config"]["num_workers"] == 2 and config["class_names"] == ["blue", "green", "red"]
+    assert config["config"]["num_workers"] == 2 and config["class_names"] == ["blue", "cyan", "gray", "green", "red"]
+    assert len(config["git_commit"] or "0" * 40) == 40
 
-    rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
-    assert [int(r["epoch"]) for r in rows] == [1]
-    # equal=True split may drop up to world_size-1 rows so that both ranks take the same steps
-    assert len(tree.train) - 1 <= int(rows[0]["train_images"]) <= len(tree.train)
-    assert 0.0 <= float(rows[0]["data_wait_frac"]) <= 1.0
+    (row,) = _rows(run_dir / "metrics.csv")
+    assert int(row["epoch"]) == 1 and {"val_top5", "val_loss", "lr", "train_loss"} <= set(row)
+    (timing,) = _rows(run_dir / "timings.csv")
+    assert 0.0 <= float(timing["data_wait_frac"]) <= 1.0 and float(timing["images_per_s"]) > 0
 
-    on_disk = json.loads((run_dir / "summary.json").read_text())
-    assert on_disk == summary
-    assert summary["world_size"] == 2 and summary["device"] == "cpu" and summary["num_classes"] == 3
+    assert json.loads((run_dir / "summary.json").read_text()) == summary
+    assert summary["world_size"] == 2 and summary["device"] == "cpu" and summary["num_classes"] == 5
     assert summary["epochs"] == 1 and summary["val_images"] == len(tree.val) > 0
-    assert 0.0 <= summary["val_acc"] <= 1.0 and summary["best_val_acc"] == summary["val_acc"]
+    assert 0.0 <= summary["val_acc"] <= summary["val_top5"] <= 1.0
     assert summary["train_images_per_s"] > 0 and summary["wall_s"] > 0
+    assert set(summary["per_class_val_acc"]) == set(config["class_names"])
 
     model = torch.load(run_dir / "model.pt", weights_only=True)
-    assert model["class_names"] == ["blue", "green", "red"]
-    assert model["state_dict"]["fc.weight"].shape == (3, 512)
+    assert model["class_names"] == config["class_names"] and model["small_stem"] is True
+    assert model["state_dict"]["fc.weight"].shape == (5, 512)
     assert model["state_dict"]["conv1.weight"].shape == (64, 3, 3, 3)  # small-image stem at 32 px
 
 
-def test_validation_scores_every_image_once(one_epoch_run):
+def test_ranks_start_from_identical_weights_and_see_different_images(two_worker_run):
+    _, summary, tree = two_worker_run
+    ranks = summary["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert ranks[0]["init_digest"] == ranks[1]["init_digest"]
+    cov = summary["last_epoch_coverage"]
+    # streaming_split(equal=True) may drop up to world_size-1 rows so both ranks take the same steps
+    assert len(tree.train) - 1 <= cov["seen_images"] <= len(tree.train)
+    assert cov["per_rank"][0] == cov["per_rank"][1] > 0
+    if cov["seen_images"] == len(tree.train):
+        assert cov["exactly_once"], "the ranks' images overlap or miss some"
+
+
+def test_validation_scores_every_image_once(two_worker_run):
     """val is split across ranks without dropping rows: the accuracy is k / len(val)."""
-    _, summary, tree = one_epoch_run
+    _, summary, tree = two_worker_run
     n = len(tree.val)
     assert any(abs(summary["val_acc"] - k / n) < 1e-5 for k in range(n + 1))
+
+
+def test_deterministic_runs_repeat_and_resume_continues(ray_cluster, data, tmp_path):
+    common = dict(data=str(data), epochs=2, batch_size=16, num_workers=1, deterministic=True, storage_path=str(tmp_path), val_fraction=0.25)
+    _run(name="a", **common)
+    _run(name="b", **common)
+    a, b = (tmp_path / "a" / "metrics.csv").read_text(), (tmp_path / "b" / "metrics.csv").read_text()
+    assert a == b, "same seed and world size must give identical metrics"
+
+    first, _ = _run(name="c", stop_after=1, **common)
+    assert first["epochs"] == 1
+    second, _ = _run(name="c", **common)  # same name: resumes at epoch 2, not from scratch
+    rows = _rows(tmp_path / "c" / "metrics.csv")
+    assert [r["epoch"] for r in rows] == ["1", "2"]
+    assert (tmp_path / "c" / "metrics.csv").read_text() == a
+    assert second["val_acc"] == json.loads((tmp_path / "a" / "summary.json").read_text())["val_acc"]
+
+    fresh, _ = _run(name="c", fresh=True, stop_after=1, **common)
+    assert [r["epoch"] for r in _rows(tmp_path / "c" / "metrics.csv")] == ["1"] and fresh["epochs"] == 1
+
+
+def test_init_weights_from_a_torchvision_state_dict(ray_cluster, data, tmp_path):
+    torch.manual_seed(123)
+    source = torchvision.models.resnet18(weights=None)  # 1000 classes, ImageNet stem
+    torch.save(source.state_dict(), tmp_path / "r18.pt")
+    _run(data=str(data), epochs=1, batch_size=16, num_workers=1, storage_path=str(tmp_path), name="ft", init_weights=str(tmp_path / "r18.pt"), small_stem="off", lr=1e-6, val_fraction=0.25)
+    model = torch.load(tmp_path / "ft" / "model.pt", weights_only=True)["state_dict"]
+    assert model["fc.weight"].shape == (5, 512)
+    # a tiny lr barely moves the loaded weights away from the source's
+    assert torch.allclose(model["layer3.0.conv1.weight"], source.state_dict()["layer3.0.conv1.weight"], atol=1e-4)
+    assert torch.allclose(model["conv1.weight"], source.state_dict()["conv1.weight"], atol=1e-4)
+
+
+def test_missing_init_weights_is_a_config_error(data, tmp_path):
+    with pytest.raises(ConfigError, match="--init-weights .*no such file"):
+        job.prepare(TrainConfig(data=str(data), init_weights=str(tmp_path / "nope.pt"), storage_path=str(tmp_path)))
 
 
 def test_more_gpus_than_the_cluster_has_is_a_config_error(ray_cluster):
@@ -69,3 +131,15 @@ def test_cpu_plan_leaves_cpus_for_ray_data():
         job.plan_resources(TrainConfig(num_workers=4, cpus_per_worker=2), {"CPU": 4})
     gpu = job.plan_resources(TrainConfig(), {"CPU": 16, "GPU": 2})
     assert gpu.use_gpu and gpu.num_workers == 2 and 0 < gpu.augment_gpus < 1
+
+
+def test_weight_decay_skips_batchnorm_and_biases():
+    from training.loop import param_groups
+    from training.model import resnet18
+
+    model = resnet18(10, small_stem=True)
+    decay, no_decay = param_groups(model, 5e-4)
+    assert decay["weight_decay"] == 5e-4 and no_decay["weight_decay"] == 0.0
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all("bn" in names[id(p)] or "downsample.1" in names[id(p)] or names[id(p)].endswith("bias") for p in no_decay["params"])
+    assert all(p.ndim > 1 for p in decay["params"])

@@ -39,6 +39,11 @@ def exists(uri: str) -> bool:
     return fs.get_file_info(path).type != pafs.FileType.NotFound
 
 
+def remove_tree(uri: str) -> None:
+    fs, path = _fs(uri)
+    fs.delete_dir(path)
+
+
 def write_json(uri: str, obj) -> None:
     write_bytes(uri, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 

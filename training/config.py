@@ -32,10 +32,19 @@ class TrainConfig:
     epochs: int = _f(5, "number of passes over the training set")
     batch_size: int = _f(64, "global batch size (images per step, summed over all workers)")
     lr: float = _f(0.08, "peak learning rate for a global batch of 256; scaled linearly with --batch-size (Goyal et al. 2017)")
-    warmup_epochs: float = _f(1.0, "epochs of linear learning-rate warm-up before the cosine decay")
-    momentum: float = _f(0.9, "SGD momentum")
-    weight_decay: float = _f(5e-4, "L2 weight decay")
+    optimizer: str = _f("sgd", "sgd (momentum, Nesterov) or adamw", choices=("sgd", "adamw"))
+    schedule: str = _f("cosine", "cosine: linear warm-up then cosine to 0; onecycle: torch's OneCycleLR", choices=("cosine", "onecycle"))
+    warmup_epochs: float = _f(1.0, "epochs of linear warm-up (cosine schedule; onecycle uses it as its rising phase)")
+    momentum: float = _f(0.9, "SGD momentum (Nesterov)")
+    weight_decay: float = _f(5e-4, "weight decay on conv and linear weights; none on BatchNorm and biases")
+    label_smoothing: float = _f(0.0, "label smoothing of the cross-entropy loss, in [0, 1)")
     seed: int = _f(0, "drives model init, file order, per-epoch shuffle and augmentation")
+    deterministic: bool = _f(False, "torch deterministic algorithms and ordered data: same seed + world size -> identical metrics.csv")
+    # model
+    small_stem: str = _f("auto", "3x3 stride-1 stem without max-pool: auto (images <= 64 px), on, off", choices=("auto", "on", "off"))
+    amp: str = _f("off", "mixed precision on GPU: off, bf16, fp16 (with a GradScaler)", choices=("off", "bf16", "fp16"))
+    compile: bool = _f(False, "torch.compile the model (first steps are slower while it compiles)")
+    init_weights: str = _f("", "fine-tune from a local torchvision ResNet18 state_dict file; the head is replaced")
     # resources
     num_workers: int = _f(0, "Ray Train workers (DDP ranks); 0 = one per GPU, or 1 on a CPU-only cluster")
     device: str = _f("auto", "where training runs: auto (cuda if the cluster has GPUs), cpu or cuda", choices=("auto", "cpu", "cuda"))
@@ -45,7 +54,9 @@ class TrainConfig:
     augment_batch_size: int = _f(256, "images per augment call (larger is faster on a GPU)")
     # output
     storage_path: str = _f("runs", "where run directories go (local path, or s3://, gs:// for multi-node)")
-    name: str = _f("", "run name; the run directory is STORAGE_PATH/NAME. Default: run-<timestamp>")
+    name: str = _f("", "run name; the run directory is STORAGE_PATH/NAME. Default: run-<timestamp>. Rerunning a name resumes it")
+    fresh: bool = _f(False, "start NAME over instead of resuming from its last checkpoint")
+    stop_after: int = _f(0, "stop after this many epochs in this invocation (0 = run to --epochs); rerun to resume")
     quiet: bool = _f(False, "print only errors and the final summary")
 
     def __post_init__(self):
@@ -58,6 +69,10 @@ class TrainConfig:
                 raise ConfigError(f"--{field.replace('_', '-')} must be 0 (automatic) or positive, got {getattr(self, field)}")
         if self.lr <= 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if not 0 <= self.label_smoothing < 1:
+            raise ConfigError(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
+        if self.stop_after < 0:
+            raise ConfigError(f"--stop-after must be 0 or positive, got {self.stop_after}")
         if self.warmup_epochs < 0:
             raise ConfigError(f"--warmup-epochs must be 0 or more, got {self.warmup_epochs}")
         if not 0 <= self.val_fraction < 1:

@@ -23,10 +23,11 @@ from ray.train.torch import TorchTrainer
 
 from augment.presets import Preset, load_preset
 from augment.stage import AugmentStage, EpochClock
-from training import artifacts
+from training import artifacts, plots
 from training.config import ConfigError, TrainConfig
 from training.data import ImageTree, default_dataset_dir, read_split, scan_tree
-from training.loop import CHECKPOINT_FILE, train_loop
+from training.loop import CHECKPOINT_FILE, KEY_MOD, train_loop
+from training.model import uses_small_stem
 
 CACHE_DECODED_MAX_BYTES = 256 * 2**20  # encoded bytes under which decoded images are kept in memory
 
@@ -41,6 +42,11 @@ def prepare(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree, Preset]:
     root = cfg.data or str(default_dataset_dir())
     tree = scan_tree(root, cfg.val_fraction)
     preset = load_preset(cfg.preset)
+    if cfg.init_weights and not os.path.isfile(cfg.init_weights):
+        raise ConfigError(f"--init-weights {cfg.init_weights}: no such file; give a torchvision ResNet18 state_dict saved with torch.save")
+    run_dir = artifacts.join(cfg.storage_path, cfg.name)
+    if cfg.fresh and artifacts.exists(run_dir):
+        artifacts.remove_tree(run_dir)  # Ray Train would otherwise resume from its checkpoints
     if "://" not in cfg.storage_path:
         try:
             os.makedirs(os.path.join(cfg.storage_path, cfg.name), exist_ok=True)
@@ -147,6 +153,8 @@ def run(cfg: TrainConfig, tree: ImageTree, preset: Preset, *, log=print) -> dict
     """Train on a connected Ray cluster; returns the summary written to summary.json."""
     start = time.time()
     run_dir = artifacts.join(cfg.storage_path, cfg.name)
+    if cfg.deterministic:  # rows reach the trainer in file order, so batches are the same every run
+        ray.data.DataContext.get_current().execution_options.preserve_order = True
     plan = plan_resources(cfg, ray.cluster_resources())
     if cfg.batch_size < plan.num_workers:
         raise ConfigError(f"--batch-size {cfg.batch_size} is smaller than the {plan.num_workers} workers; raise it")
@@ -193,9 +201,10 @@ def run(cfg: TrainConfig, tree: ImageTree, preset: Preset, *, log=print) -> dict
         raise TrainingFailed(f"training failed: {result.error}")
     with result.checkpoint.as_directory() as d:
         state = torch.load(os.path.join(d, CHECKPOINT_FILE), map_location="cpu", weights_only=True)
-    history = state["history"]
     artifacts.write_bytes(artifacts.join(run_dir, "model.pt"), _model_bytes(state["model"], tree, preset, cfg))
-    summary = summarize(history, time.time() - start, plan, tree)
+    artifacts.write_bytes(artifacts.join(run_dir, "curves.png"), plots.curves_png(state["history"]))
+    artifacts.write_bytes(artifacts.join(run_dir, "confusion.png"), plots.confusion_png(state["confusion"], list(tree.class_names)))
+    summary = summarize(state, time.time() - start, plan, tree)
     artifacts.write_json(artifacts.join(run_dir, "summary.json"), summary)
     return summary
 
@@ -211,6 +220,7 @@ def _model_bytes(state_dict, tree: ImageTree, preset: Preset, cfg: TrainConfig) 
             "state_dict": state_dict,
             "class_names": list(tree.class_names),
             "image_size": preset.image_size,
+            "small_stem": uses_small_stem(cfg.small_stem, preset.image_size),
             "eval_transform": {"ops": json.loads(json.dumps(preset.eval)), "mean": list(preset.mean), "std": list(preset.std)},
             "config": cfg.to_dict(),
         },
@@ -219,23 +229,40 @@ def _model_bytes(state_dict, tree: ImageTree, preset: Preset, cfg: TrainConfig) 
     return buf.getvalue()
 
 
-def summarize(history: list[dict], wall_s: float, plan: ResourcePlan, tree: ImageTree) -> dict:
+def coverage(seen: list[dict], keys) -> dict:
+    """Did the ranks together train on every image of the epoch exactly once?"""
+    expected_sum = sum(k % KEY_MOD for k in keys) % KEY_MOD
+    seen_count = sum(r["count"] for r in seen)
+    exact = seen_count == len(keys) and sum(r["key_sum"] for r in seen) % KEY_MOD == expected_sum
+    return {"expected_images": len(keys), "seen_images": seen_count, "exactly_once": exact, "per_rank": [r["count"] for r in seen]}
+
+
+def summarize(state: dict, wall_s: float, plan: ResourcePlan, tree: ImageTree) -> dict:
+    history, timings = state["history"], state["timings"]
     last = history[-1]
-    return {
+    steady = timings[1:] or timings  # skip the first epoch (actor start-up) when there is more than one
+    confusion = state["confusion"]
+    summary = {
         "epochs": last["epoch"],
         "val_acc": last["val_acc"],
         "val_loss": last["val_loss"],
         "best_val_acc": max(r["val_acc"] for r in history),
         "train_loss": last["train_loss"],
         "train_acc": last["train_acc"],
-        # steady state: skip the first epoch (start-up, actor launch) when there is more than one
-        "train_images_per_s": round(
-            sum(r["train_images"] for r in history[1:] or history) / sum(r["epoch_s"] for r in history[1:] or history), 1
-        ),
+        "train_images_per_s": round(sum(t["images_per_s"] * t["epoch_s"] for t in steady) / sum(t["epoch_s"] for t in steady), 1),
+        "data_wait_frac": round(sum(t["data_wait_frac"] * t["epoch_s"] for t in steady) / sum(t["epoch_s"] for t in steady), 4),
         "wall_s": round(wall_s, 1),
         "world_size": plan.num_workers,
         "device": "cuda" if plan.use_gpu else "cpu",
         "num_classes": tree.num_classes,
         "train_images": len(tree.train),
         "val_images": len(tree.val),
+        "per_class_val_acc": {
+            name: round(row[i] / sum(row), 6) if sum(row) else None for i, (name, row) in enumerate(zip(tree.class_names, confusion))
+        },
+        "last_epoch_coverage": coverage(state["seen"], tree.train.keys),
+        "ranks": state["ranks"],
     }
+    if "val_top5" in last:
+        summary["val_top5"] = last["val_top5"]
+    return summary

@@ -6,6 +6,8 @@ class names, preset, dataset sizes, the epoch clock). Rank 0 alone writes files.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import math
 import os
 import sys
@@ -22,17 +24,29 @@ import torch.nn.functional as F
 from augment.ops import Normalize
 from training import artifacts
 from training.config import TrainConfig
-from training.model import resnet18
+from training.model import load_init_weights, resnet18, uses_small_stem
 
 CHECKPOINT_FILE = "checkpoint.pt"
+KEY_MOD = (1 << 31) - 1  # per-epoch key digests are kept modulo this (int64 math never overflows)
+TIMING_COLUMNS = ("epoch_s", "images_per_s", "data_wait_frac")  # wall-clock, never deterministic
 
 
-def _all_reduce(values: list[float], device) -> list[float]:
-    """Sum scalars over ranks (one collective; a host sync)."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t)
-    return t.tolist()
+# --------------------------------------------------------------------------- building blocks
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on conv/linear weights only: decaying BatchNorm scales and biases hurts."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        (decay if p.ndim > 1 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(cfg: TrainConfig, model) -> torch.optim.Optimizer:
+    groups = param_groups(model, cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.peak_lr)
+    return torch.optim.SGD(groups, lr=cfg.peak_lr, momentum=cfg.momentum, nesterov=True)
 
 
 def warmup_cosine(total_steps: int, warmup_steps: int):
@@ -47,79 +61,147 @@ def warmup_cosine(total_steps: int, warmup_steps: int):
     return factor
 
 
-def train_epoch(model, batches, optimizer, scheduler, normalize, device) -> dict:
-    """One pass over this rank's shard. Returns global sums (loss, correct, count) and timings."""
+def build_scheduler(cfg: TrainConfig, optimizer, steps_per_epoch: int):
+    total = cfg.epochs * steps_per_epoch
+    warmup = round(cfg.warmup_epochs * steps_per_epoch)
+    if cfg.schedule == "onecycle":
+        return torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=cfg.peak_lr, total_steps=total + 1, pct_start=min(0.5, max(warmup / total, 0.01))
+        )
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(total, warmup))
+
+
+def params_digest(model: torch.nn.Module) -> str:
+    """Hash of every parameter's bytes: equal across ranks iff the weights are identical."""
+    h = hashlib.sha256()
+    for p in model.state_dict().values():
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _all_reduce(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t)
+    return t
+
+
+def _all_gather(obj) -> list:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# --------------------------------------------------------------------------- epochs
+
+
+def train_epoch(model, batches, optimizer, scheduler, scaler, normalize, cfg: TrainConfig, device) -> dict:
+    """One pass over this rank's shard; loss and accuracy summed over ranks."""
     model.train()
-    loss_sum = torch.zeros((), device=device)
-    correct = torch.zeros((), device=device, dtype=torch.int64)
-    count, wait_s, start = 0, 0.0, time.perf_counter()
+    amp = torch.autocast(device.type, dtype=torch.bfloat16 if cfg.amp == "bf16" else torch.float16) if cfg.amp != "off" else contextlib.nullcontext()
+    sums = torch.zeros(3, device=device, dtype=torch.float64)  # loss*n, correct, n: stays on device, no per-step sync
+    digest = torch.zeros(2, device=device, dtype=torch.int64)  # sum of keys, order hash (mod KEY_MOD)
+    wait_s, start = 0.0, time.perf_counter()
     it = iter(batches)
     while True:
         t0 = time.perf_counter()
-        batch = next(it, None)  # time blocked here is time the model waited for data
+        batch = next(it, None)  # time blocked here is time the model waited for input
         wait_s += time.perf_counter() - t0
         if batch is None:
             break
-        x = normalize(batch["image"])  # uint8 (B, H, W, 3) -> float (B, 3, H, W), channels_last
-        y = batch["label"]
-        logits = model(x)
-        loss = F.cross_entropy(logits, y)
+        x, y = normalize(batch["image"]), batch["label"]  # uint8 (B,H,W,3) -> float (B,3,H,W) channels_last
+        with amp:
+            logits = model(x)
+            loss = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
         scheduler.step()
-        loss_sum += loss.detach() * y.shape[0]
-        correct += (logits.argmax(1) == y).sum()
-        count += y.shape[0]
+        sums += torch.stack([loss.detach().double() * y.shape[0], (logits.argmax(1) == y).sum().double(), torch.tensor(y.shape[0], device=device, dtype=torch.float64)])
+        keys = batch["key"] % KEY_MOD
+        digest = torch.stack([(digest[0] + keys.sum()) % KEY_MOD, (digest[1] * 1_000_003 + keys[0]) % KEY_MOD])
     elapsed = time.perf_counter() - start
-    loss_total, correct_total, count_total = _all_reduce([loss_sum.item(), correct.item(), count], device)
+    key_sum, order_hash = digest.tolist()  # the epoch's host syncs are here, after the last step
+    # which images this rank trained on: the driver checks that the ranks' union is the dataset
+    seen = _all_gather({"count": int(sums[2].item()), "key_sum": key_sum, "order_hash": order_hash})
+    loss_sum, correct, count = _all_reduce(sums).tolist()
     return {
-        "train_loss": loss_total / max(count_total, 1),
-        "train_acc": correct_total / max(count_total, 1),
-        "train_images": int(count_total),
+        "train_loss": loss_sum / max(count, 1),
+        "train_acc": correct / max(count, 1),
+        "train_images": int(count),
         "epoch_s": elapsed,
-        "data_wait_frac": wait_s / max(elapsed, 1e-9),  # rank 0's share of time waiting for input
+        "data_wait_frac": wait_s / max(elapsed, 1e-9),  # this rank's share of time waiting for input
+        "seen": seen,
     }
 
 
 @torch.no_grad()
-def evaluate(model, batches, normalize, device) -> dict:
-    """Deterministic validation over this rank's shard, summed over ranks."""
+def evaluate(model, batches, normalize, num_classes: int, device) -> dict:
+    """Deterministic validation over this rank's shard; loss, top-1, top-5 and the confusion
+    matrix summed over ranks (every validation image is scored exactly once)."""
     model.eval()
-    loss_sum, correct, count = 0.0, 0, 0
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    top5 = torch.zeros((), device=device, dtype=torch.float64)
+    confusion = torch.zeros(num_classes * num_classes, device=device, dtype=torch.float64)
     for batch in batches:
-        logits = model(normalize(batch["image"]))
+        logits = model(normalize(batch["image"])).float()
         y = batch["label"]
-        loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
-        correct += int((logits.argmax(1) == y).sum())
-        count += y.shape[0]
-    loss_total, correct_total, count_total = _all_reduce([loss_sum, correct, count], device)
-    if count_total == 0:
-        return {"val_loss": float("nan"), "val_acc": float("nan")}
-    return {"val_loss": loss_total / count_total, "val_acc": correct_total / count_total}
+        loss_sum += F.cross_entropy(logits, y, reduction="sum").double()
+        k = min(5, num_classes)
+        top5 += (logits.topk(k, dim=1).indices == y[:, None]).any(1).sum()
+        confusion += torch.bincount(y * num_classes + logits.argmax(1), minlength=num_classes**2).double()
+    packed = _all_reduce(torch.cat([loss_sum[None], top5[None], confusion])).cpu()
+    confusion = packed[2:].view(num_classes, num_classes).long()  # rows: true class, cols: predicted
+    n = int(confusion.sum())
+    out = {
+        "val_loss": float(packed[0]) / n if n else float("nan"),
+        "val_acc": float(confusion.diag().sum()) / n if n else float("nan"),
+        "confusion": confusion.tolist(),
+    }
+    if num_classes >= 5:
+        out["val_top5"] = float(packed[1]) / n if n else float("nan")
+    return out
+
+
+# --------------------------------------------------------------------------- the loop
 
 
 def train_loop(job: dict) -> None:
     cfg = TrainConfig(**job["config"])
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    master = rank == 0  # gates logging and file writes
+    master = rank == 0  # gates console output and file writes
     device = ray.train.torch.get_device()
     if device.type == "cpu":
         torch.set_num_threads(job["threads_per_worker"])
+    if cfg.deterministic:
+        ray.train.torch.enable_reproducibility(cfg.seed)
 
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    model = ray.train.torch.prepare_model(resnet18(len(job["class_names"]), image_size=job["image_size"]))
+    num_classes = len(job["class_names"])
+    model = resnet18(num_classes, small_stem=uses_small_stem(cfg.small_stem, job["image_size"]))
+    if cfg.init_weights:
+        skipped = load_init_weights(model, cfg.init_weights)
+        if master:
+            _say(f"init weights from {cfg.init_weights}; fresh: {', '.join(sorted({k.rsplit('.', 1)[0] for k in skipped}))}")
+    init_digest = params_digest(model)
+    model = ray.train.torch.prepare_model(model)
+    if cfg.compile:
+        model = torch.compile(model)
     bare = model.module if hasattr(model, "module") else model  # eval and saving skip DDP's collectives
+    bare = getattr(bare, "_orig_mod", bare)
+
     per_worker = cfg.batch_size // world
     steps_per_epoch = max(1, math.ceil(job["train_size"] / world / per_worker))
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.peak_lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, nesterov=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, warmup_cosine(cfg.epochs * steps_per_epoch, round(cfg.warmup_epochs * steps_per_epoch))
-    )
+    optimizer = build_optimizer(cfg, model)
+    scheduler = build_scheduler(cfg, optimizer, steps_per_epoch)
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16")
     normalize = Normalize(job["preset"]["mean"], job["preset"]["std"]).to(device)
+    ranks = _all_gather({"rank": rank, "node_id": ray.get_runtime_context().get_node_id(), "init_digest": init_digest})
 
-    start_epoch, history = 0, []
+    start_epoch, history, timings = 0, [], []
     checkpoint = ray.train.get_checkpoint()
     if checkpoint:
         with checkpoint.as_directory() as d:
@@ -127,35 +209,38 @@ def train_loop(job: dict) -> None:
         bare.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        start_epoch, history = state["epoch"] + 1, state["history"]
+        scaler.load_state_dict(state["scaler"])
+        torch.set_rng_state(state["rng"]["cpu"])
+        start_epoch, history, timings = state["epoch"] + 1, state["history"], state["timings"]
+        if master:
+            _say(f"resumed from {checkpoint.path} at epoch {start_epoch + 1}")
 
     train_shard, val_shard = ray.train.get_dataset_shard("train"), ray.train.get_dataset_shard("val")
     run_dir = artifacts.join(cfg.storage_path, cfg.name)
-    for epoch in range(start_epoch, cfg.epochs):
+    last_epoch = cfg.epochs if not cfg.stop_after else min(cfg.epochs, start_epoch + cfg.stop_after)
+    for epoch in range(start_epoch, last_epoch):
         if master:  # before this rank asks for the epoch's data: the split barrier holds the others
             ray.get(job["clock"].set.remote(epoch))
         batches = train_shard.iter_torch_batches(
             batch_size=per_worker,
             device=device,
-            drop_last=False,
             local_shuffle_buffer_size=min(4 * per_worker, 2048),
             local_shuffle_seed=cfg.seed * 1_000_003 + epoch * 1009 + rank,  # fresh every epoch, distinct per rank
             prefetch_batches=2,
         )
-        stats = train_epoch(model, batches, optimizer, scheduler, normalize, device)
-        stats |= evaluate(bare, val_shard.iter_torch_batches(batch_size=per_worker, device=device), normalize, device)
-        row = {
-            "epoch": epoch + 1,
-            **{k: round(v, 6) if isinstance(v, float) else v for k, v in stats.items()},
-            "images_per_s": round(stats["train_images"] / stats["epoch_s"], 1),
-            "lr": round(scheduler.get_last_lr()[0], 6),
-        }
+        stats = train_epoch(model, batches, optimizer, scheduler, scaler, normalize, cfg, device)
+        stats |= evaluate(bare, val_shard.iter_torch_batches(batch_size=per_worker, device=device), normalize, num_classes, device)
+        seen, confusion = stats.pop("seen"), stats.pop("confusion")
+        row = {"epoch": epoch + 1, "lr": round(scheduler.get_last_lr()[0], 8)}
+        row |= {k: round(v, 6) if isinstance(v, float) else v for k, v in stats.items() if k not in TIMING_COLUMNS}
+        timing = {"epoch": epoch + 1, "epoch_s": round(stats["epoch_s"], 3), "images_per_s": round(stats["train_images"] / stats["epoch_s"], 1), "data_wait_frac": round(stats["data_wait_frac"], 4)}
         history.append(row)
+        timings.append(timing)
         if master:
             artifacts.write_csv(artifacts.join(run_dir, "metrics.csv"), history)
-            if not cfg.quiet:  # not print(): Ray Train's print patch would log the line twice
-                sys.stdout.write(format_row(row, cfg.epochs) + "\n")
-                sys.stdout.flush()
+            artifacts.write_csv(artifacts.join(run_dir, "timings.csv"), timings)
+            if not cfg.quiet:
+                _say(format_row(row | timing, cfg.epochs))
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = None
             if master:
@@ -163,18 +248,31 @@ def train_loop(job: dict) -> None:
                     "model": bare.state_dict(),
                     "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict(),
+                    "scaler": scaler.state_dict(),
+                    "rng": {"cpu": torch.get_rng_state()},
                     "epoch": epoch,
                     "history": history,
+                    "timings": timings,
+                    "confusion": confusion,
+                    "seen": seen,
+                    "ranks": ranks,
                 }
                 torch.save(state, os.path.join(tmp, CHECKPOINT_FILE))
                 ckpt = ray.train.Checkpoint.from_directory(tmp)
-            ray.train.report({**row, "node_id": ray.get_runtime_context().get_node_id()}, checkpoint=ckpt, checkpoint_dir_name=f"checkpoint_epoch_{epoch + 1:04d}")
+            ray.train.report(row | timing, checkpoint=ckpt, checkpoint_dir_name=f"checkpoint_epoch_{epoch + 1:04d}")
+
+
+def _say(line: str) -> None:
+    # not print(): Ray Train patches print in workers and the line would appear twice
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def format_row(row: dict, epochs: int) -> str:
-    bottleneck = "  << input-bound" if row["data_wait_frac"] > 0.3 else ""
+    waiting = row["data_wait_frac"]
+    verdict = "  << input-bound: the model waited for data; add augment actors or CPUs" if waiting > 0.3 else ""
     return (
         f"epoch {row['epoch']:>3}/{epochs}  loss {row['train_loss']:.4f}  acc {row['train_acc']:.4f}  "
         f"val_loss {row['val_loss']:.4f}  val_acc {row['val_acc']:.4f}  "
-        f"{row['images_per_s']:.0f} img/s  waiting for data {100 * row['data_wait_frac']:.0f}%{bottleneck}"
+        f"{row['images_per_s']:.0f} img/s  waiting for data {100 * waiting:.0f}%{verdict}"
     )

@@ -1,0 +1,62 @@
+"""PNG plots of a run: learning curves and the confusion matrix (matplotlib, Agg, no display)."""
+
+from __future__ import annotations
+
+import io
+
+
+def _figure_bytes(fig) -> bytes:
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def curves_png(history: list[dict]) -> bytes:
+    """Loss and accuracy per epoch, train beside validation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [r["epoch"] for r in history]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.8))
+    ax_loss.plot(epochs, [r["train_loss"] for r in history], "o-", label="train")
+    ax_loss.plot(epochs, [r["val_loss"] for r in history], "o-", label="validation")
+    ax_loss.set(xlabel="epoch", ylabel="cross-entropy", title="loss")
+    ax_acc.plot(epochs, [r["train_acc"] for r in history], "o-", label="train (augmented)")
+    ax_acc.plot(epochs, [r["val_acc"] for r in history], "o-", label="validation top-1")
+    if "val_top5" in history[0]:
+        ax_acc.plot(epochs, [r["val_top5"] for r in history], "o--", label="validation top-5")
+    ax_acc.set(xlabel="epoch", ylabel="accuracy", title="accuracy", ylim=(0, 1.02))
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    return _figure_bytes(fig)
+
+
+def confusion_png(confusion: list[list[int]], class_names: list[str]) -> bytes:
+    """Rows: true class; columns: predicted; each cell the count, coloured by row share."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    counts = np.asarray(confusion)
+    share = counts / np.maximum(counts.sum(1, keepdims=True), 1)
+    n = len(class_names)
+    side = min(2 + 0.45 * n, 30)
+    fig, ax = plt.subplots(figsize=(side, side))
+    ax.imshow(share, cmap="Blues", vmin=0, vmax=1)
+    if n <= 40:  # beyond that the labels are unreadable; the colours still show the pattern
+        ax.set_xticks(range(n), class_names, rotation=90)
+        ax.set_yticks(range(n), class_names)
+        for i in range(n):
+            for j in range(n):
+                if counts[i, j]:
+                    ax.text(j, i, str(counts[i, j]), ha="center", va="center", fontsize=7, color="white" if share[i, j] > 0.5 else "black")
+    ax.set(xlabel="predicted", ylabel="true", title="validation confusion matrix")
+    return _figure_bytes(fig)
