@@ -39,10 +39,21 @@ class Op(torch.nn.Module):
     name = ""
     geometry = False  # True: canvas + sizes in, uniform float batch out
     scalable: tuple[str, ...] = ()  # parameters that a strength schedule may scale
+    # True: every image's parameters come from its own key (independent of its batch).
+    # False: the op draws from torch's global RNG seeded once per batch (Kornia's ops).
+    keyed = True
 
     def __init__(self):
         super().__init__()
         self.stream = 0  # set by the pipeline: the op's own random stream
+        self._base: dict | None = None  # the preset's magnitudes, before any strength scaling
+
+    def set_strength(self, s: float) -> None:
+        """Scale the magnitudes in `scalable` by s in [0, 1] (1 = as the preset wrote them)."""
+        if self._base is None:
+            self._base = {k: getattr(self, k) for k in self.scalable}
+        for k, v in self._base.items():
+            setattr(self, k, tuple(e * s for e in v) if isinstance(v, tuple) else v * s)
 
     def sample(self, rng: KeyedRng, sizes: torch.Tensor) -> dict[str, torch.Tensor]:
         return {}
@@ -190,16 +201,302 @@ class ColorJitter(Op):
         identity = torch.tensor([1.0, 1.0, 1.0, 0.0], device=x.device)
         factors = torch.where(params["apply"][:, None], params["factors"], identity)
         order = params["order"]
+        weights = _GRAY.to(x.device)
         for step in range(order.shape[1]):
             op = order[:, step].view(-1, 1, 1, 1)  # which adjustment each image makes now
             f = factors.gather(1, order[:, step : step + 1]).view(-1, 1, 1, 1)
             if self.hue > 0:
                 x = torch.where(op == 3, kornia.enhance.adjust_hue(x, f.view(-1) * (2 * math.pi)), x)
-            gray = kornia.color.rgb_to_grayscale(x)  # (B, 1, H, W), the ITU-R 601 weights torchvision uses
-            mean = gray.mean(dim=(2, 3), keepdim=True)
-            m = torch.where(op == 2, gray, torch.where(op == 1, mean, torch.zeros_like(mean)))
-            x = torch.where(op < 3, (f * x + (1.0 - f) * m).clamp_(0.0, 1.0), x)
+                f = torch.where(op == 3, 1.0, f)  # the blend below is then the identity for these
+            # Brightness, contrast and saturation are each a blend f*x + (1-f)*m, with m = 0, the
+            # mean grey level, or the grey image: m for every image at once from 0/1 selectors,
+            # then one fused multiply-add. All on the NHWC view (the memory of a channels_last x):
+            # broadcasting a (B, 1, H, W) term over a channels_last x was ~10x slower on a CPU.
+            xh = x.permute(0, 2, 3, 1)  # (B, H, W, 3), contiguous
+            gray = (xh @ weights)[..., None]  # (B, H, W, 1)
+            is_con, is_sat = (op == 1).to(x.dtype), (op == 2).to(x.dtype)
+            m = gray * ((1.0 - f) * is_sat) + gray.mean(dim=(1, 2), keepdim=True) * ((1.0 - f) * is_con)
+            x = torch.addcmul(m, xh, f).clamp_(0.0, 1.0).permute(0, 3, 1, 2)
         return x
+
+
+_GRAY = torch.tensor([0.2989, 0.587, 0.114])  # torchvision's rgb_to_grayscale weights (ITU-R 601-2)
+
+
+# --------------------------------------------------------------------------- resampling
+#
+# RandomResizedCrop and Resize + CenterCrop both come down to "resample a box of each
+# original image to a fixed grid", with torch's antialiased bilinear filter (what
+# torchvision uses for tensors, antialias=True). Two formulations of the same thing:
+#
+# * CPU: one `F.interpolate(uint8, antialias=True)` per image. Each call is a whole-image
+#   kernel (torch's separable AVX2 uint8 path, ~4k img/s for 300x300 -> 224x224 on one
+#   thread), and it beats the batched matmuls below by ~10x there because it skips the
+#   zero weights; so here a loop over images is the right tool.
+# * CUDA (or any device, method="matmul"): two batched matmuls with per-image weight
+#   matrices that reproduce torch's antialiased bilinear weights, so every box of every
+#   size is resampled in one pass over the whole batch. tests/test_augment.py checks that
+#   the two agree.
+
+
+def aa_weights(start, length, out_len, offset, count: int, canvas_len: int) -> torch.Tensor:
+    """(B, count, canvas_len) weights of torch's antialiased bilinear resampling.
+
+    Image b's box covers canvas positions [start, start + length), resampled to out_len
+    positions of which rows [offset, offset + count) are kept (a crop after the resize).
+    Mirrors aten's `_compute_indices_min_size_weights_aa` (align_corners=False, scale =
+    in / out, triangle filter widened by the scale when shrinking); computed in float64.
+    """
+    dev = start.device
+    scale = length.double() / out_len.double()  # (B,)
+    support = scale.clamp(min=1.0)  # interp_size / 2 * max(scale, 1); 1/support is invscale
+    i = offset[:, None].double() + torch.arange(count, device=dev, dtype=torch.float64)  # (B, count)
+    center = scale[:, None] * (i + 0.5)
+    xmin = (center - support[:, None] + 0.5).trunc().clamp(min=0)  # C++ int64 cast truncates
+    xmax = torch.minimum((center + support[:, None] + 0.5).trunc(), length[:, None].double())
+    j = torch.arange(canvas_len, device=dev, dtype=torch.float64)[None, None, :] - start[:, None, None].double()
+    w = (1.0 - ((j - center[..., None] + 0.5) / support[:, None, None]).abs()).clamp(min=0.0)
+    w = w * ((j >= xmin[..., None]) & (j < xmax[..., None]))
+    return (w / w.sum(-1, keepdim=True).clamp(min=1e-12)).float()
+
+
+def resample_boxes(canvas, box, resized, offset, out_hw, method: str = "auto") -> torch.Tensor:
+    """Resample box (top, left, h, w) of every image to resized (rh, rw), keep the out_hw
+    window at offset (oy, ox). canvas: uint8 (B, Hmax, Wmax, 3); box, resized, offset: int64.
+    Returns float (B, 3, oh, ow) in [0, 1], channels_last."""
+    if method == "auto":
+        method = "loop" if canvas.device.type == "cpu" else "matmul"
+    oh, ow = out_hw
+    if method == "loop":
+        out = torch.empty((canvas.shape[0], oh, ow, 3), dtype=torch.uint8)
+        for b, ((t, l, h, w), (rh, rw), (oy, ox)) in enumerate(zip(box.tolist(), resized.tolist(), offset.tolist())):
+            crop = canvas[b, t : t + h, l : l + w].permute(2, 0, 1)[None]  # a channels_last view, no copy
+            if (h, w) != (rh, rw):
+                crop = F.interpolate(crop, size=(rh, rw), mode="bilinear", antialias=True, align_corners=False)
+            out[b] = crop[0, :, oy : oy + oh, ox : ox + ow].permute(1, 2, 0)
+        return _to_float_nchw(out)
+    wy = aa_weights(box[:, 0], box[:, 2], resized[:, 0], offset[:, 0], oh, canvas.shape[1])  # (B, oh, Hmax)
+    wx = aa_weights(box[:, 1], box[:, 3], resized[:, 1], offset[:, 1], ow, canvas.shape[2])  # (B, ow, Wmax)
+    x = canvas.float()  # (B, Hmax, Wmax, 3)
+    x = torch.einsum("byh,bhwc->bywc", wy, x)  # rows first: (B, oh, Wmax, 3)
+    x = torch.einsum("bxw,bywc->byxc", wx, x)  # (B, oh, ow, 3)
+    return x.div_(255.0).clamp_(0.0, 1.0).permute(0, 3, 1, 2)
+
+
+def _first_valid(ok: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """values[b, first index where ok[b]] (any index if none is ok): torchvision's
+    'try 10 times, keep the first that fits', for the whole batch at once."""
+    first = ok.to(torch.uint8).argmax(1, keepdim=True)
+    return values.gather(1, first)[:, 0]
+
+
+@register
+class RandomResizedCrop(Op):
+    """torchvision.transforms.RandomResizedCrop(size, scale, ratio), antialiased bilinear.
+
+    The crop box is drawn on each original image (not on a copy resized to one size first)
+    with torchvision's get_params: up to 10 tries of (area, log-uniform aspect ratio), the
+    first that fits wins, else a central crop clamped to the ratio range.
+    """
+
+    name = "random_resized_crop"
+    geometry = True
+    scalable = ("scale", "ratio")
+
+    def __init__(self, *, size, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), method: str = "auto"):
+        super().__init__()
+        self.size = _as_pair(size)
+        self.scale, self.ratio = (float(scale[0]), float(scale[1])), (float(ratio[0]), float(ratio[1]))
+        if not (0 < self.scale[0] <= self.scale[1] <= 1 and 0 < self.ratio[0] <= self.ratio[1]):
+            raise ValueError(f"random_resized_crop: need 0 < scale[0] <= scale[1] <= 1 and 0 < ratio[0] <= ratio[1], got scale={scale} ratio={ratio}")
+        if method not in ("auto", "loop", "matmul"):
+            raise ValueError(f"random_resized_crop: method must be auto, loop or matmul, got {method!r}")
+        self.method = method
+
+    def set_strength(self, s):
+        # strength s shrinks the area range towards its top and the aspect-ratio range towards 1
+        # (log scale); s = 0 leaves (almost) the whole image, squared off as in the fallback.
+        if self._base is None:
+            self._base = {"scale": self.scale, "ratio": self.ratio}
+        lo, hi = self._base["scale"]
+        self.scale = (hi - s * (hi - lo), hi)
+        self.ratio = tuple(math.exp(s * math.log(r)) for r in self._base["ratio"])
+
+    def sample(self, rng, sizes):
+        h, w = sizes[:, 0].double(), sizes[:, 1].double()
+        u = rng.uniform(self.stream, 22).double()  # 10 tries x (area, ratio), then (top, left)
+        area = (h * w)[:, None] * (self.scale[0] + u[:, :10] * (self.scale[1] - self.scale[0]))
+        lr = (math.log(self.ratio[0]), math.log(self.ratio[1]))
+        ar = torch.exp(lr[0] + u[:, 10:20] * (lr[1] - lr[0]))
+        cw, ch = torch.round(torch.sqrt(area * ar)), torch.round(torch.sqrt(area / ar))
+        ok = (cw > 0) & (cw <= w[:, None]) & (ch > 0) & (ch <= h[:, None])
+        cw, ch, found = _first_valid(ok, cw), _first_valid(ok, ch), ok.any(1)
+        # fallback: the whole image, clamped to the ratio range, centred
+        in_ratio = w / h
+        fw = torch.where(in_ratio > self.ratio[1], torch.round(h * self.ratio[1]), w)
+        fh = torch.where(in_ratio < self.ratio[0], torch.round(w / self.ratio[0]), h)
+        cw, ch = torch.where(found, cw, fw), torch.where(found, ch, fh)
+        top = torch.where(found, torch.floor(u[:, 20] * (h - ch + 1)), torch.div(h - ch, 2, rounding_mode="floor"))
+        left = torch.where(found, torch.floor(u[:, 21] * (w - cw + 1)), torch.div(w - cw, 2, rounding_mode="floor"))
+        box = torch.stack([top, left, ch, cw], 1).long()
+        out = torch.tensor(self.size, device=sizes.device).expand(len(sizes), 2)
+        return {"box": box, "resized": out, "offset": torch.zeros_like(out)}
+
+    def apply(self, canvas, params, sizes=None):
+        return resample_boxes(canvas, params["box"], params["resized"], params["offset"], self.size, self.method)
+
+
+@register
+class ResizeCenterCrop(Op):
+    """torchvision's eval transform: Resize(resize) (shorter side, antialiased bilinear) then
+    CenterCrop(size), on each original image. Only the kept window is computed."""
+
+    name = "resize_center_crop"
+    geometry = True
+
+    def __init__(self, *, resize: int, size, method: str = "auto"):
+        super().__init__()
+        self.resize, self.size, self.method = int(resize), _as_pair(size), method
+        if min(self.size) > self.resize:
+            raise ValueError(f"resize_center_crop: size {size} is larger than resize {resize}; the crop would need padding")
+        if method not in ("auto", "loop", "matmul"):
+            raise ValueError(f"resize_center_crop: method must be auto, loop or matmul, got {method!r}")
+
+    def sample(self, rng, sizes):
+        h, w = sizes[:, 0], sizes[:, 1]
+        short, long = torch.minimum(h, w), torch.maximum(h, w)
+        # torchvision: new_long = int(size * long / short), computed in Python floats
+        new_long = torch.floor(self.resize * long.double() / short.double()).long()
+        rh = torch.where(h <= w, torch.full_like(h, self.resize), new_long)
+        rw = torch.where(h <= w, new_long, torch.full_like(w, self.resize))
+        th, tw = self.size
+        oy = torch.round((rh - th).double() / 2.0).long()  # CenterCrop's int(round(...))
+        ox = torch.round((rw - tw).double() / 2.0).long()
+        box = torch.stack([torch.zeros_like(h), torch.zeros_like(w), h, w], 1)
+        return {"box": box, "resized": torch.stack([rh, rw], 1), "offset": torch.stack([oy, ox], 1)}
+
+    def apply(self, canvas, params, sizes=None):
+        return resample_boxes(canvas, params["box"], params["resized"], params["offset"], self.size, self.method)
+
+
+@register
+class RandomErasing(Op):
+    """torchvision.transforms.RandomErasing(p, scale, ratio, value) on the [0, 1] batch.
+
+    Runs before normalisation, so `value` is a colour in [0, 1]: 0 is black; the dataset mean
+    (e.g. [0.485, 0.456, 0.406]) gives torchvision's value=0 after its Normalize.
+    """
+
+    name = "random_erasing"
+    scalable = ("scale",)
+
+    def __init__(self, *, p: float = 0.5, scale=(0.02, 0.33), ratio=(0.3, 3.3), value=0.0):
+        super().__init__()
+        self.p = float(p)
+        self.scale, self.ratio = (float(scale[0]), float(scale[1])), (float(ratio[0]), float(ratio[1]))
+        value = [float(value)] * 3 if isinstance(value, (int, float)) else [float(v) for v in value]
+        if len(value) != 3 or not all(0 <= v <= 1 for v in value):
+            raise ValueError(f"random_erasing: value must be a number or 3 numbers in [0, 1], got {value}")
+        self.register_buffer("value", torch.tensor(value).view(1, 3, 1, 1), persistent=False)
+
+    def sample(self, rng, sizes):
+        u = rng.uniform(self.stream, 23)  # apply, 10 tries x (area, ratio), (top, left)
+        x = u.double()
+        img_h, img_w = sizes[:, 0].double(), sizes[:, 1].double()
+        img_h, img_w = img_h[:, None], img_w[:, None]
+        area = img_h * img_w * (self.scale[0] + x[:, 1:11] * (self.scale[1] - self.scale[0]))
+        lr = (math.log(self.ratio[0]), math.log(self.ratio[1]))
+        ar = torch.exp(lr[0] + x[:, 11:21] * (lr[1] - lr[0]))
+        eh, ew = torch.round(torch.sqrt(area * ar)), torch.round(torch.sqrt(area / ar))
+        ok = (eh < img_h) & (ew < img_w)
+        eh, ew = _first_valid(ok, eh), _first_valid(ok, ew)
+        apply = (u[:, 0] < self.p) & ok.any(1)  # no fit in 10 tries: torchvision leaves the image alone
+        top = torch.floor(x[:, 21] * (img_h[:, 0] - eh + 1))
+        left = torch.floor(x[:, 22] * (img_w[:, 0] - ew + 1))
+        return {"box": torch.stack([top, left, eh, ew], 1).long(), "apply": apply}
+
+    def forward(self, x, rng, sizes=None):
+        sizes = torch.tensor(x.shape[-2:], device=x.device).expand(x.shape[0], 2)  # pixel ops see one size
+        return self.apply(x, self.sample(rng, sizes))
+
+    def apply(self, x, params, sizes=None):
+        top, left, eh, ew = params["box"].unbind(1)
+        rows = torch.arange(x.shape[-2], device=x.device)[None, :]
+        cols = torch.arange(x.shape[-1], device=x.device)[None, :]
+        in_rows = (rows >= top[:, None]) & (rows < (top + eh)[:, None]) & params["apply"][:, None]  # (B, H)
+        in_cols = (cols >= left[:, None]) & (cols < (left + ew)[:, None])  # (B, W)
+        mask = (in_rows[:, :, None] & in_cols[:, None, :])[:, None]  # (B, 1, H, W)
+        return torch.where(mask, self.value.to(x.dtype), x)
+
+
+class _KorniaPolicy(Op):
+    """Kornia's augmentation.auto policies with torchvision's per-image choice of operation.
+
+    Kornia picks one candidate operation per call for the whole batch; torchvision's
+    TrivialAugmentWide / RandAugment pick per image. So each image draws its operation(s)
+    from its own key, the images are grouped by operation, and each group goes through a
+    Kornia policy holding that single candidate (magnitudes are Kornia's, drawn per image
+    from torch's global RNG seeded with KeyedRng.batch_seed). The loop is over the ~12-15
+    candidates, not over images; on a GPU each group costs a host sync (`nonzero`).
+    """
+
+    keyed = False
+    rounds = 1
+
+    def _candidates(self, policies, make):
+        self.candidates = torch.nn.ModuleList(make([policy]) for policy in policies)
+
+    def sample(self, rng, sizes):
+        u = rng.uniform(self.stream, 1 + self.rounds)
+        choice = (u[:, 1:] * len(self.candidates)).long().clamp_(max=len(self.candidates) - 1)  # (B, rounds)
+        return {"choice": torch.where((u[:, :1] < self.p), choice, -1), "seed": rng.batch_seed(self.stream)}
+
+    def apply(self, x, params, sizes=None):
+        devices = [x.device] if x.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):  # leave the caller's global RNG as it was
+            torch.manual_seed(params["seed"])
+            for r in range(self.rounds):
+                choice = params["choice"][:, r]
+                for k, policy in enumerate(self.candidates):
+                    idx = (choice == k).nonzero()[:, 0]  # host sync on a GPU, one per candidate
+                    if idx.numel():
+                        x = x.index_copy(0, idx, policy(x.index_select(0, idx)).clamp(0.0, 1.0).to(x.dtype))
+        return x
+
+
+@register
+class TrivialAugment(_KorniaPolicy):
+    """TrivialAugment (Müller & Hutter 2021) with Kornia's default candidates: each image, with
+    probability p, gets one operation chosen uniformly at a uniformly random magnitude."""
+
+    name = "trivial_augment"
+
+    def __init__(self, *, p: float = 1.0):
+        super().__init__()
+        from kornia.augmentation.auto import TrivialAugment as KTA
+        from kornia.augmentation.auto.trivial_augment.trivial_augment import default_policy
+
+        self.p = float(p)
+        self._candidates(default_policy, lambda policy: KTA(policy=policy))
+
+
+@register
+class RandAugment(_KorniaPolicy):
+    """RandAugment (Cubuk et al. 2020): each image, with probability p, gets n operations
+    chosen uniformly from Kornia's default candidates, each at magnitude m (of 30)."""
+
+    name = "rand_augment"
+
+    def __init__(self, *, n: int = 2, m: int = 9, p: float = 1.0):
+        super().__init__()
+        from kornia.augmentation.auto import RandAugment as KRA
+        from kornia.augmentation.auto.rand_augment.rand_augment import default_policy
+
+        if not (int(n) >= 1 and 0 <= int(m) <= 30):
+            raise ValueError(f"rand_augment: need n >= 1 and 0 <= m <= 30, got n={n} m={m}")
+        self.p, self.rounds, self.m = float(p), int(n), int(m)
+        self._candidates(default_policy, lambda policy: KRA(n=1, m=self.m, policy=policy))
+
 
 
 def check_params(op_cls: type[Op], params: dict) -> None:

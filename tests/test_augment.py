@@ -37,7 +37,13 @@ OP_CASES = {
     "center_crop": ({"size": 24}, None),
     "horizontal_flip": ({"p": 1.0}, {"p": 0.0}),
     "color_jitter": ({"brightness": 0.4, "contrast": 0.4, "saturation": 0.4, "hue": 0.1, "p": 1.0}, {"brightness": 0.4, "contrast": 0.4, "saturation": 0.4, "p": 0.0}),
+    "random_resized_crop": ({"size": 24}, None),
+    "resize_center_crop": ({"resize": 28, "size": 24}, None),
+    "random_erasing": ({"p": 1.0, "value": [0.5, 0.5, 0.5]}, {"p": 0.0}),
+    "trivial_augment": ({"p": 1.0}, {"p": 0.0}),
+    "rand_augment": ({"n": 1, "m": 9, "p": 1.0}, {"p": 0.0}),  # n=2 may draw invert twice: the identity
 }
+RANDOM_FREE = {"center_crop", "resize_center_crop"}  # deterministic ops: nothing to reseed
 
 
 def test_every_registered_op_has_a_case():
@@ -73,7 +79,7 @@ def test_p0_is_identity(name):
 
 @pytest.mark.parametrize("name", sorted(n for n in OP_CASES if not OPS[n].geometry))
 def test_p1_changes_every_image(name):
-    x = _float_batch()
+    x = _float_batch() * 0.6 + 0.2  # not full range, or auto_contrast would be the identity
     out = _run(name, OP_CASES[name][0], x=x)
     changed = (out - x).abs().flatten(1).amax(1) > 1e-4
     assert changed.all()
@@ -84,11 +90,11 @@ def test_same_seed_epoch_key_gives_same_output_other_epoch_differs(name):
     params = {"p": 0.5} if name == "horizontal_flip" else OP_CASES[name][0]  # p=1 flips are not random
     a, b = _run(name, params, epoch=1), _run(name, params, epoch=1)
     assert torch.equal(a, b)
-    if name != "center_crop":  # the only op without randomness
+    if name not in RANDOM_FREE:
         assert not torch.equal(a, _run(name, params, epoch=2))
 
 
-@pytest.mark.parametrize("name", sorted(n for n in OP_CASES if n != "center_crop"))
+@pytest.mark.parametrize("name", sorted(n for n in OP_CASES if n not in RANDOM_FREE and OPS[n].keyed))
 def test_an_images_augmentation_does_not_depend_on_its_batch(name):
     """Image i gets the same result alone, in a batch, or in another order."""
     params = {"p": 0.5} if name == "horizontal_flip" else OP_CASES[name][0]
@@ -195,3 +201,181 @@ def test_preset_files_and_their_errors(tmp_path):
 def test_preset_round_trips_through_dict():
     p = PRESETS["cifar"]
     assert preset_from_dict(p.to_dict()) == p
+
+
+# --------------------------------------------------------------------------- variable-size photos
+
+
+def _photos(sizes=((30, 40), (37, 50), (50, 33), (41, 41)), seed=0):
+    rng = np.random.default_rng(seed)
+    images = []
+    for h, w in sizes:  # smooth: a gradient plus a little noise
+        yy, xx = np.meshgrid(np.linspace(0, 255, h), np.linspace(0, 255, w), indexing="ij")
+        img = np.stack([yy, xx, (yy + xx) / 2], -1) + rng.normal(0, 8, (h, w, 3))
+        images.append(np.clip(img, 0, 255).astype(np.uint8))
+    ragged = np.empty(len(images), dtype=object)
+    ragged[:] = images
+    return ragged
+
+
+@pytest.mark.parametrize("name,params", [("random_resized_crop", {"size": 24}), ("resize_center_crop", {"resize": 28, "size": 24})])
+def test_cpu_loop_and_batched_matmul_resampling_agree(name, params):
+    """The CPU formulation (per-image antialiased interpolate, uint8) and the GPU one (two
+    batched matmuls, float) of the same op on a ragged batch: within one uint8 level (torch's
+    uint8 kernel rounds its weights to 16-bit fixed point), and well under it on average."""
+    canvas, sizes = to_canvas(_photos())
+    rng = KeyedRng(_keys(4), seed=1, epoch=0)
+    loop, matmul = OPS[name](**params, method="loop"), OPS[name](**params, method="matmul")
+    p = loop.sample(rng, sizes)
+    a, b = loop.apply(canvas, p, sizes), matmul.apply(canvas, p, sizes)
+    assert a.shape == b.shape == (4, 3, 24, 24)
+    assert (a - b).abs().max() <= 1 / 255 + 1e-5 and (a - b).abs().mean() < 0.35 / 255
+
+
+def test_uninitialised_canvas_memory_never_reaches_the_output():
+    """to_canvas leaves the canvas outside each image uninitialised: fill it with 255 and
+    with 0 and check every geometry op gives the same result."""
+    canvas, sizes = to_canvas(_photos())
+    outs = []
+    for fill in (0, 255):
+        c = torch.full_like(canvas, fill)
+        for i, (h, w) in enumerate(sizes.tolist()):
+            c[i, :h, :w] = canvas[i, :h, :w]
+        rng = KeyedRng(_keys(4), seed=0, epoch=0)
+        outs.append([OPS[n](**OP_CASES[n][0], **m)(c, rng, sizes) for n in sorted(OPS) if OPS[n].geometry
+                     for m in ([{}] if n in ("random_crop", "center_crop") else [{"method": "loop"}, {"method": "matmul"}])])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("preset", ["cifar", "imagenet"])
+def test_ragged_photos_batched_equal_each_photo_alone_and_chunking_changes_nothing(preset, monkeypatch):
+    import augment.presets
+
+    images = _photos(((300, 400), (375, 500), (500, 333))) if preset == "imagenet" else _photos()
+    pipe = Pipeline(PRESETS[preset].train, seed=5)
+    keys = _keys(len(images))
+    together = pipe(*to_canvas(images), keys, epoch=2)
+    size = PRESETS[preset].image_size
+    assert together.shape == (len(images), size, size, 3) and together.dtype == torch.uint8
+    for i in range(len(images)):
+        alone = pipe(*to_canvas(images[i : i + 1]), keys[i : i + 1], epoch=2)
+        assert torch.equal(alone[0], together[i])
+    monkeypatch.setattr(augment.presets, "CPU_CHUNK_PIXELS", 1)  # one image per chunk
+    assert torch.equal(pipe(*to_canvas(images), keys, epoch=2), together)
+
+
+def test_imagenet_preset_is_the_seeds():
+    p = PRESETS["imagenet"]
+    assert p.image_size == 224 and p.mean == (0.485, 0.456, 0.406)
+    assert [next(iter(s)) for s in p.train] == ["random_resized_crop", "horizontal_flip", "color_jitter"]
+    assert p.train[0]["random_resized_crop"] == {"size": 224, "scale": [0.08, 1.0], "ratio": [0.75, 4 / 3]}
+    assert p.eval == ({"resize_center_crop": {"resize": 256, "size": 224}},)
+    assert preset_from_dict(p.to_dict()) == p and p.mix is None
+
+
+# --------------------------------------------------------------------------- strength schedule
+
+
+def test_schedule_strengths():
+    from augment.schedule import strength
+
+    assert [strength("none", e, 5) for e in range(5)] == [1.0] * 5
+    assert [strength("linear-decay", e, 5) for e in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
+    assert [strength("linear-ramp:0.5", e, 3) for e in range(3)] == [0.5, 0.75, 1.0]
+    cos = [strength("cosine-decay:0.2", e, 5) for e in range(5)]
+    assert cos[0] == 1.0 and cos[-1] == pytest.approx(0.2) and cos[1] > 0.75 * 1.0 + 0.25 * 0.2  # slower start than linear
+    assert strength("cosine-ramp", 0, 1) == 0.0  # one epoch: the first is the start
+
+
+@pytest.mark.parametrize("bad", ["linear", "cosine-decay:2", "none:0.5", "linear-ramp:x"])
+def test_bad_schedule_is_a_preset_error_listing_the_valid_ones(bad):
+    with pytest.raises(PresetError, match="valid: none, linear-decay|must be a number in"):
+        Pipeline(PRESETS["cifar"].train, seed=0, schedule=bad, epochs=3)
+
+
+def test_schedule_scales_jitter_erasing_and_crop_range():
+    x = _batch()
+    canvas, sizes = to_canvas(x.numpy())
+    specs = (
+        {"random_resized_crop": {"size": 32}},
+        {"color_jitter": {"brightness": 0.4, "contrast": 0.4, "saturation": 0.4}},
+        {"random_erasing": {"p": 1.0}},
+    )
+    pipe = Pipeline(specs, seed=0, schedule="linear-decay", epochs=3)
+    first = pipe(canvas, sizes, _keys(), epoch=0)
+    assert not torch.equal(first, x)
+    assert torch.equal(pipe(canvas, sizes, _keys(), epoch=2), x)  # strength 0: whole image, no jitter, nothing erased
+    mid = pipe(canvas, sizes, _keys(), epoch=1)  # strength 0.5: crop area >= 54 %, factors within 0.8..1.2
+    assert pipe.ops[0].scale == pytest.approx((0.54, 1.0)) and pipe.ops[1].brightness == pytest.approx(0.2)
+    assert pipe.ops[2].scale == pytest.approx((0.01, 0.165))
+    assert (mid.float() - x.float()).abs().mean() < (first.float() - x.float()).abs().mean()
+    assert torch.equal(pipe(canvas, sizes, _keys(), epoch=0), first)  # back to epoch 0: same as before
+
+
+def test_stage_schedules_train_only():
+    stage = AugmentStage(PRESETS["cifar"].to_dict(), train=False, seed=0, device="cpu", schedule="linear-decay", epochs=4)
+    assert stage.pipeline.schedule == "none"
+    stage = AugmentStage(PRESETS["cifar"].to_dict(), train=True, seed=0, device="cpu", schedule="linear-decay", epochs=4)
+    assert stage.pipeline.schedule == "linear-decay" and stage.pipeline.epochs == 4
+
+
+# --------------------------------------------------------------------------- MixUp / CutMix
+
+
+def _mix_batch(b=16):
+    x = torch.randn(b, 3, 8, 8).contiguous(memory_format=torch.channels_last)
+    return x, torch.arange(b)  # distinct labels: each pair mixes two classes
+
+
+def test_mixup_mixes_images_and_labels_with_one_weight():
+    from augment.mix import MixUpCutMix, mix_generator
+
+    mix = MixUpCutMix(num_classes=16, mixup_alpha=0.4)
+    x, y = _mix_batch()
+    out, target = mix(x, y, mix_generator(0, 1, 2, 0))
+    lam = float(target[0, y[0]])  # image 0 keeps lam of its own class
+    assert 0 < lam < 1
+    torch.testing.assert_close(out, lam * x + (1 - lam) * x.roll(1, 0))
+    torch.testing.assert_close(target.sum(1), torch.ones(16))
+    assert torch.equal(target.argmax(1), y if lam >= 0.5 else y.roll(1))
+
+
+def test_cutmix_label_weight_is_the_share_of_pixels_kept():
+    from augment.mix import MixUpCutMix, mix_generator
+
+    mix = MixUpCutMix(num_classes=16, cutmix_alpha=1.0)
+    x, y = _mix_batch()
+    seen = 0
+    for step in range(20):
+        out, target = mix(x, y, mix_generator(0, 0, step, 0))
+        kept = (out == x).all(1).float().mean((1, 2))  # share of each image's pixels left alone
+        torch.testing.assert_close(target[torch.arange(16), y], kept)
+        assert ((out == x) | (out == x.roll(1, 0))).all()
+        seen += bool((kept < 1).any())
+    assert seen >= 15  # a box was pasted in most steps
+
+
+def test_mix_is_replayable_and_prob_zero_only_one_hots():
+    from augment.mix import MixUpCutMix, mix_generator
+
+    mix = MixUpCutMix(num_classes=16, mixup_alpha=0.2, cutmix_alpha=1.0, label_smoothing=0.1)
+    x, y = _mix_batch()
+    a, b = mix(x, y, mix_generator(3, 1, 7, 1)), mix(x, y, mix_generator(3, 1, 7, 1))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    c = mix(x, y, mix_generator(3, 1, 7, 0))  # another rank: other parameters
+    assert not torch.equal(a[1], c[1])
+    off = MixUpCutMix(num_classes=16, mixup_alpha=0.2, prob=0.0)
+    out, target = off(x, y, mix_generator(0, 0, 0, 0))
+    assert torch.equal(out, x) and torch.equal(target, torch.nn.functional.one_hot(y, 16).float())
+    assert target.dtype == torch.float32
+
+
+def test_preset_mix_key_round_trips_and_rejects_unknown_settings(tmp_path):
+    f = tmp_path / "mix.yaml"
+    f.write_text("train: [{random_resized_crop: {size: 16}}]\neval: [{resize_center_crop: {resize: 18, size: 16}}]\nmix: {mixup_alpha: 0.2, cutmix_alpha: 1.0}\n")
+    p = load_preset(str(f))
+    assert p.mix == {"mixup_alpha": 0.2, "cutmix_alpha": 1.0} and preset_from_dict(p.to_dict()) == p
+    f.write_text("train: [{random_crop: {size: 8}}]\neval: [{center_crop: {size: 8}}]\nmix: {mixup: 0.2}\n")
+    with pytest.raises(PresetError, match=r"mix: unknown key\(s\) \['mixup'\]; valid: \['mixup_alpha', 'cutmix_alpha'"):
+        load_preset(str(f))

@@ -1,0 +1,156 @@
+"""Augment-stage throughput against the seed's torchvision per-image PIL pipeline.
+
+    python -m bench.augment                         # CPU, 1 thread, both presets, ~1 minute
+    python -m bench.augment --threads 2 --json out.json
+    make bench ARGS="--images 2048 --batch-sizes 256 1024"
+
+Both sides get the same decoded photos (smooth synthetic photos of mixed sizes, 300x400,
+375x500, 500x333, ... for `imagenet`; 32x32 for `cifar`) and produce the same thing: a
+normalised float batch for the model.
+
+* this stage: ragged uint8 arrays -> `to_canvas` -> Pipeline -> Normalize, whole batches;
+* torchvision: per image, PIL transforms.Compose([...ToTensor(), Normalize()]) in the
+  same process, then torch.stack: the seed's DataLoader work without the worker processes.
+
+One thread by default: an augment actor gets one CPU (`--threads` to change). On a
+machine with CUDA the stage is also timed on the GPU (uint8 canvas copied in, float out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import numpy as np
+import torch
+
+PHOTO_SIZES = [(300, 400), (375, 500), (500, 333), (333, 500), (400, 300), (427, 640)]
+
+
+def synthetic_photo(h: int, w: int, seed: int) -> np.ndarray:
+    """A smooth, photo-like uint8 RGB image: low-frequency colour waves, a gradient, an
+    ellipse and mild noise. Smooth matters: resampling errors hide in pure noise."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.meshgrid(np.linspace(0, 1, h), np.linspace(0, 1, w), indexing="ij")
+    img = np.zeros((h, w, 3))
+    for c in range(3):
+        for _ in range(3):
+            fy, fx, ph = rng.uniform(0.5, 4), rng.uniform(0.5, 4), rng.uniform(0, 2 * np.pi)
+            img[..., c] += rng.uniform(0.1, 0.3) * np.sin(2 * np.pi * (fy * yy + fx * xx) + ph)
+        img[..., c] += rng.uniform(-0.3, 0.3) * (yy - 0.5) + 0.5
+    cy, cx, ry, rx = rng.uniform(0.3, 0.7), rng.uniform(0.3, 0.7), rng.uniform(0.1, 0.3), rng.uniform(0.1, 0.3)
+    inside = ((yy - cy) / ry) ** 2 + ((xx - cx) / rx) ** 2 < 1
+    img[inside] = img[inside] * 0.5 + rng.uniform(0, 1, 3) * 0.5
+    img += rng.normal(0, 0.01, img.shape)
+    return (np.clip(img, 0, 1) * 255 + 0.5).astype(np.uint8)
+
+
+def torchvision_pipeline(preset: str, train: bool):
+    """The seed's per-image pipelines (torchvision's CIFAR recipe and classification reference)."""
+    import torchvision.transforms as T
+
+    from augment.presets import PRESETS
+
+    p = PRESETS[preset]
+    tail = [T.ToTensor(), T.Normalize(p.mean, p.std)]
+    if preset == "cifar":
+        head = [T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ColorJitter(0.2, 0.2, 0.2)] if train else []
+    else:
+        head = [T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ColorJitter(0.2, 0.2, 0.2)] if train else [T.Resize(256), T.CenterCrop(224)]
+    return T.Compose(head + tail)
+
+
+def photos(preset: str, n: int) -> list[np.ndarray]:
+    if preset == "cifar":
+        return [synthetic_photo(32, 32, i) for i in range(n)]
+    return [synthetic_photo(*PHOTO_SIZES[i % len(PHOTO_SIZES)], i) for i in range(n)]
+
+
+def _ragged(arrays: list[np.ndarray]) -> np.ndarray:
+    out = np.empty(len(arrays), dtype=object)
+    out[:] = arrays
+    return out
+
+
+def time_stage(preset: str, train: bool, images: list[np.ndarray], batch: int, total: int, device: str) -> float:
+    """img/s of to_canvas -> Pipeline -> Normalize over `total` images in batches of `batch`."""
+    from augment.ops import Normalize
+    from augment.presets import PRESETS, Pipeline
+    from augment.stage import to_canvas
+
+    p = PRESETS[preset]
+    pipe = Pipeline(p.train if train else p.eval, seed=0).to(device)
+    norm = Normalize(p.mean, p.std).to(device)
+    batches = [_ragged([images[(s + i) % len(images)] for i in range(batch)]) for s in range(0, total, batch)]
+    keys = torch.arange(batch, dtype=torch.int64)
+
+    def one(b, step):
+        canvas, sizes = to_canvas(b)
+        if device == "cuda":
+            canvas = canvas.pin_memory().to(device, non_blocking=True)
+        return norm(pipe(canvas, sizes.to(device), (keys + step * batch).to(device), epoch=0))
+
+    one(batches[0], 0)  # warm-up: first-call allocations, Kornia's lazy imports, CUDA context
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for step, b in enumerate(batches):
+        out = one(b, step)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert out.shape[0] == batch
+    return len(batches) * batch / (time.perf_counter() - start)
+
+
+def time_torchvision(preset: str, train: bool, images: list[np.ndarray], total: int) -> float:
+    from PIL import Image
+
+    tf = torchvision_pipeline(preset, train)
+    pil = [Image.fromarray(a) for a in images]
+    torch.manual_seed(0)
+    torch.stack([tf(pil[i % len(pil)]) for i in range(8)])  # warm-up
+    start = time.perf_counter()
+    out = torch.stack([tf(pil[i % len(pil)]) for i in range(total)])
+    assert out.shape[0] == total
+    return total / (time.perf_counter() - start)
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(prog="python -m bench.augment", description=__doc__.split("\n")[0])
+    ap.add_argument("--presets", nargs="+", default=["imagenet", "cifar"], help="built-in presets to time")
+    ap.add_argument("--batch-sizes", nargs="+", type=int, default=[64, 256, 1024], help="augment batch sizes (images per call)")
+    ap.add_argument("--images", type=int, default=1024, help="images timed per measurement (at least one batch); more = steadier, slower")
+    ap.add_argument("--photos", type=int, default=96, help="distinct photos generated and cycled through")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on the CPU (an augment actor has 1 CPU)")
+    ap.add_argument("--no-gpu", action="store_true", help="skip the CUDA rows even when a GPU is present")
+    ap.add_argument("--json", help="also write the rows as JSON to this path")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and not args.no_gpu else [])
+
+    rows = []
+    print(f"torch {torch.__version__}, {args.threads} CPU thread(s), {platform.processor() or platform.machine()}; img/s, higher is better")
+    print(f"{'preset':<9} {'split':<5} {'batch':>5} {'device':<6} {'this stage':>11} {'torchvision PIL':>16} {'ratio':>6}")
+    for preset in args.presets:
+        images = photos(preset, args.photos)
+        for train in (True, False):
+            tv = time_torchvision(preset, train, images, args.images)
+            for device in devices:
+                for batch in args.batch_sizes:
+                    total = max(batch, args.images // batch * batch)
+                    ours = time_stage(preset, train, images, batch, total, device)
+                    row = {"preset": preset, "split": "train" if train else "eval", "batch": batch, "device": device,
+                           "stage_img_s": round(ours, 1), "torchvision_pil_img_s": round(tv, 1), "ratio": round(ours / tv, 2),
+                           "threads": args.threads, "images": total}
+                    rows.append(row)
+                    print(f"{preset:<9} {row['split']:<5} {batch:>5} {device:<6} {ours:>11.0f} {tv:>16.0f} {ours / tv:>5.1f}x", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch": torch.__version__, "threads": args.threads, "rows": rows}, f, indent=2)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""The seeds' pipelines, ours against torchvision's.
+
+* Deterministic transforms (eval: Resize(256) + CenterCrop(224), and RandomResizedCrop for
+  a given box) match torchvision.transforms.v2.functional on real-size photos of mixed
+  sizes, written to disk and decoded like training data, within 1/255.
+* Random transforms draw their parameters from the same distributions as torchvision's:
+  two-sample Kolmogorov-Smirnov tests over thousands of draws (both sides seeded, so the
+  test is deterministic; p > 0.01 for every statistic).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from scipy.stats import ks_2samp
+
+from augment.ops import OPS
+from augment.presets import PRESETS, Pipeline
+from augment.rng import KeyedRng
+from augment.stage import to_canvas
+from bench.augment import synthetic_photo
+from training.data import decode_image
+
+N = 4000  # draws per distribution test
+SIZES = [(300, 400), (375, 500), (500, 333), (333, 500), (480, 640)]
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory) -> list[np.ndarray]:
+    """Smooth synthetic photos as JPEGs on disk, decoded the way training data is."""
+    root = tmp_path_factory.mktemp("photos")
+    out = []
+    for i, (h, w) in enumerate(SIZES * 2):
+        path = root / f"{i}.jpg"
+        Image.fromarray(synthetic_photo(h, w, seed=i)).save(path, quality=92)
+        out.append(decode_image(path.read_bytes()))
+    return out
+
+
+def _ragged(arrays):
+    out = np.empty(len(arrays), dtype=object)
+    out[:] = arrays
+    return out
+
+
+def _tv_eval(img: np.ndarray) -> torch.Tensor:
+    import torchvision.transforms.v2.functional as TF
+
+    t = torch.from_numpy(img).permute(2, 0, 1)
+    return TF.center_crop(TF.resize(t, [256], antialias=True), [224, 224]).float() / 255
+
+
+@pytest.mark.parametrize("method", ["loop", "matmul"])
+def test_eval_matches_torchvision_resize_then_center_crop(photos, method):
+    op = OPS["resize_center_crop"](resize=256, size=224, method=method)
+    canvas, sizes = to_canvas(_ragged(photos))
+    out = op(canvas, KeyedRng(torch.arange(len(photos)), 0, 0), sizes)
+    ref = torch.stack([_tv_eval(p) for p in photos])
+    assert out.shape == ref.shape == (len(photos), 3, 224, 224)
+    assert (out - ref).abs().max() <= 1 / 255 + 1e-6
+
+
+def test_imagenet_eval_pipeline_is_torchvisions_eval_in_uint8(photos):
+    canvas, sizes = to_canvas(_ragged(photos))
+    out = Pipeline(PRESETS["imagenet"].eval, seed=0)(canvas, sizes, torch.arange(len(photos)), epoch=3)
+    ref = torch.stack([_tv_eval(p) for p in photos]).mul(255).round().permute(0, 2, 3, 1)
+    assert out.dtype == torch.uint8 and (out.float() - ref).abs().max() <= 1
+
+
+@pytest.mark.parametrize("method", ["loop", "matmul"])
+def test_random_resized_crop_is_torchvisions_resized_crop_of_its_box(photos, method):
+    import torchvision.transforms.v2.functional as TF
+
+    op = OPS["random_resized_crop"](size=224, method=method)
+    op.stream = 5
+    canvas, sizes = to_canvas(_ragged(photos))
+    params = op.sample(KeyedRng(torch.arange(len(photos)), 1, 2), sizes)
+    out = op.apply(canvas, params, sizes)
+    for img, (top, left, h, w), got in zip(photos, params["box"].tolist(), out):
+        t = torch.from_numpy(img).permute(2, 0, 1)
+        ref = TF.resized_crop(t, top, left, h, w, [224, 224], antialias=True).float() / 255
+        assert (got - ref).abs().max() <= 1 / 255 + 1e-6
+
+
+def _keys(n=N):
+    return torch.arange(n, dtype=torch.int64) * 7919 + 12345
+
+
+@pytest.mark.parametrize("hw", [(375, 500), (500, 333), (32, 32)])
+def test_random_resized_crop_boxes_have_torchvisions_distribution(hw):
+    from torchvision.transforms import RandomResizedCrop
+
+    op = OPS["random_resized_crop"](size=224)
+    sizes = torch.tensor(hw).expand(N, 2)
+    box = op.sample(KeyedRng(_keys(), 0, 0), sizes)["box"].double()
+    torch.manual_seed(0)
+    img = torch.empty(3, *hw)
+    ref = torch.tensor([RandomResizedCrop.get_params(img, [0.08, 1.0], [3 / 4, 4 / 3]) for _ in range(N)]).double()
+    H, W = hw
+    for name, f in {
+        "area": lambda b: b[:, 2] * b[:, 3] / (H * W),
+        "aspect": lambda b: b[:, 3] / b[:, 2],
+        "top": lambda b: b[:, 0] / H,
+        "left": lambda b: b[:, 1] / W,
+    }.items():
+        assert ks_2samp(f(box).numpy(), f(ref).numpy()).pvalue > 0.01, name
+    assert (box[:, 0] + box[:, 2] <= H).all() and (box[:, 1] + box[:, 3] <= W).all() and (box[:, :2] >= 0).all()
+
+
+def test_random_resized_crop_falls_back_like_torchvision_on_extreme_shapes():
+    """A 20x400 strip never fits a 3/4..4/3 crop of >= 8 % area in 10 tries: the central
+    crop clamped to ratio 4/3, as torchvision's fallback."""
+    from torchvision.transforms import RandomResizedCrop
+
+    op = OPS["random_resized_crop"](size=224)
+    box = op.sample(KeyedRng(_keys(50), 0, 0), torch.tensor([20, 400]).expand(50, 2))["box"]
+    ref = RandomResizedCrop.get_params(torch.empty(3, 20, 400), [0.08, 1.0], [3 / 4, 4 / 3])
+    assert tuple(box[0].tolist()) == tuple(ref) and (box == box[0]).all()
+
+
+def test_flip_rate_matches_torchvision():
+    op = OPS["horizontal_flip"](p=0.5)
+    ours = op.sample(KeyedRng(_keys(), 0, 0), None)["flip"].double().numpy()
+    g = torch.Generator().manual_seed(0)
+    ref = (torch.rand(N, generator=g) < 0.5).double().numpy()  # RandomHorizontalFlip: torch.rand(1) < p
+    assert ks_2samp(ours, ref).pvalue > 0.01
+    assert abs(ours.mean() - 0.5) < 3 * math.sqrt(0.25 / N)
+
+
+def test_color_jitter_factors_and_order_match_torchvision():
+    from torchvision.transforms import ColorJitter
+
+    op = OPS["color_jitter"](brightness=0.2, contrast=0.3, saturation=0.4, hue=0.1)
+    p = op.sample(KeyedRng(_keys(), 0, 0), None)
+    torch.manual_seed(0)
+    ref = [ColorJitter.get_params([0.8, 1.2], [0.7, 1.3], [0.6, 1.4], [-0.1, 0.1]) for _ in range(N)]
+    for i, name in enumerate(["brightness", "contrast", "saturation", "hue"]):
+        theirs = np.array([r[1 + i] for r in ref])
+        assert ks_2samp(p["factors"][:, i].numpy(), theirs).pvalue > 0.01, name
+    for step in range(4):  # which adjustment comes at each position of the random order
+        theirs = np.array([int(r[0][step]) for r in ref])
+        assert ks_2samp(p["order"][:, step].numpy(), theirs).pvalue > 0.01, step
+
+
+def test_color_jitter_pixels_match_torchvision_for_given_factors(photos):
+    """Same factors, same order -> same image as torchvision's tensor functionals."""
+    import torchvision.transforms.v2.functional as TF
+
+    x = torch.stack([torch.from_numpy(p[:64, :64]).permute(2, 0, 1) for p in photos]).float() / 255
+    op = OPS["color_jitter"](brightness=0.4, contrast=0.4, saturation=0.4)
+    p = op.sample(KeyedRng(_keys(len(x)), 0, 0), None)
+    out = op.apply(x.contiguous(memory_format=torch.channels_last), p)
+    fns = [TF.adjust_brightness, TF.adjust_contrast, TF.adjust_saturation]
+    for img, f, order, got in zip(x, p["factors"], p["order"], out):
+        ref = img
+        for k in order.tolist():
+            ref = fns[k](ref, float(f[k]))
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+def test_random_erasing_boxes_have_torchvisions_distribution():
+    from torchvision.transforms import RandomErasing
+
+    op = OPS["random_erasing"](p=1.0)
+    p = op.sample(KeyedRng(_keys(), 0, 0), torch.tensor([224, 224]).expand(N, 2))
+    box = p["box"][p["apply"]].double()
+    torch.manual_seed(0)
+    img = torch.empty(3, 224, 224)
+    ref = torch.tensor([RandomErasing.get_params(img, (0.02, 0.33), (0.3, 3.3), value=[0.0])[:4] for _ in range(N)]).double()
+    ref = ref[ref[:, 2] < 224]  # torchvision returns the whole image when nothing fits: not erased
+    for name, f in {"area": lambda b: b[:, 2] * b[:, 3], "aspect": lambda b: b[:, 2] / b[:, 3], "top": lambda b: b[:, 0]}.items():
+        assert ks_2samp(f(box).numpy(), f(ref).numpy()).pvalue > 0.01, name
