@@ -1,13 +1,14 @@
 # Two commands do all the set-up on a fresh machine:
 #   make run    create .venv if needed, then train on the bundled default data
 #   make test   create .venv if needed, then run the test suite
+#   make bench  augment-stage img/s against the seed's torchvision pipeline (not a test)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: run test clean venv
+.PHONY: run test bench clean venv
 
 venv: $(STAMP)
 
@@ -25,6 +26,9 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests $(ARGS)
+
+bench: $(STAMP)
+	$(PY) -m bench.augment $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs

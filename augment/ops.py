@@ -201,7 +201,7 @@ class ColorJitter(Op):
         identity = torch.tensor([1.0, 1.0, 1.0, 0.0], device=x.device)
         factors = torch.where(params["apply"][:, None], params["factors"], identity)
         order = params["order"]
-        weights = _GRAY.to(x.device)
+        w = _GRAY.tolist()
         for step in range(order.shape[1]):
             op = order[:, step].view(-1, 1, 1, 1)  # which adjustment each image makes now
             f = factors.gather(1, order[:, step : step + 1]).view(-1, 1, 1, 1)
@@ -210,13 +210,12 @@ class ColorJitter(Op):
                 f = torch.where(op == 3, 1.0, f)  # the blend below is then the identity for these
             # Brightness, contrast and saturation are each a blend f*x + (1-f)*m, with m = 0, the
             # mean grey level, or the grey image: m for every image at once from 0/1 selectors,
-            # then one fused multiply-add. All on the NHWC view (the memory of a channels_last x):
-            # broadcasting a (B, 1, H, W) term over a channels_last x was ~10x slower on a CPU.
-            xh = x.permute(0, 2, 3, 1)  # (B, H, W, 3), contiguous
-            gray = (xh @ weights)[..., None]  # (B, H, W, 1)
+            # then one fused multiply-add. On a CPU the batch is planar (Pipeline makes it so):
+            # broadcasting the (B, 1, H, W) grey image over channels_last memory was ~2.5x slower.
+            gray = (x[:, 0:1] * w[0]).add_(x[:, 1:2], alpha=w[1]).add_(x[:, 2:3], alpha=w[2])  # (B, 1, H, W)
             is_con, is_sat = (op == 1).to(x.dtype), (op == 2).to(x.dtype)
-            m = gray * ((1.0 - f) * is_sat) + gray.mean(dim=(1, 2), keepdim=True) * ((1.0 - f) * is_con)
-            x = torch.addcmul(m, xh, f).clamp_(0.0, 1.0).permute(0, 3, 1, 2)
+            m = gray * ((1.0 - f) * is_sat) + gray.mean(dim=(2, 3), keepdim=True) * ((1.0 - f) * is_con)
+            x = torch.addcmul(m, x, f).clamp_(0.0, 1.0)
         return x
 
 
@@ -263,18 +262,19 @@ def aa_weights(start, length, out_len, offset, count: int, canvas_len: int) -> t
 def resample_boxes(canvas, box, resized, offset, out_hw, method: str = "auto") -> torch.Tensor:
     """Resample box (top, left, h, w) of every image to resized (rh, rw), keep the out_hw
     window at offset (oy, ox). canvas: uint8 (B, Hmax, Wmax, 3); box, resized, offset: int64.
-    Returns float (B, 3, oh, ow) in [0, 1], channels_last."""
+    Returns float (B, 3, oh, ow) in [0, 1]: planar from the CPU loop, channels_last otherwise."""
     if method == "auto":
         method = "loop" if canvas.device.type == "cpu" else "matmul"
     oh, ow = out_hw
     if method == "loop":
-        out = torch.empty((canvas.shape[0], oh, ow, 3), dtype=torch.uint8)
+        # planar output: the CPU's pixel ops are fastest on it (see ColorJitter.apply)
+        out = torch.empty((canvas.shape[0], 3, oh, ow), dtype=torch.uint8)
         for b, ((t, l, h, w), (rh, rw), (oy, ox)) in enumerate(zip(box.tolist(), resized.tolist(), offset.tolist())):
             crop = canvas[b, t : t + h, l : l + w].permute(2, 0, 1)[None]  # a channels_last view, no copy
             if (h, w) != (rh, rw):
                 crop = F.interpolate(crop, size=(rh, rw), mode="bilinear", antialias=True, align_corners=False)
-            out[b] = crop[0, :, oy : oy + oh, ox : ox + ow].permute(1, 2, 0)
-        return _to_float_nchw(out)
+            out[b] = crop[0, :, oy : oy + oh, ox : ox + ow]
+        return out.float().div_(255.0)
     wy = aa_weights(box[:, 0], box[:, 2], resized[:, 0], offset[:, 0], oh, canvas.shape[1])  # (B, oh, Hmax)
     wx = aa_weights(box[:, 1], box[:, 3], resized[:, 1], offset[:, 1], ow, canvas.shape[2])  # (B, ow, Wmax)
     x = canvas.float()  # (B, Hmax, Wmax, 3)
@@ -452,7 +452,7 @@ class _KorniaPolicy(Op):
         return {"choice": torch.where((u[:, :1] < self.p), choice, -1), "seed": rng.batch_seed(self.stream)}
 
     def apply(self, x, params, sizes=None):
-        devices = [x.device] if x.device.type == "cuda" else []
+        devices = [x.device.index if x.device.index is not None else torch.cuda.current_device()] if x.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):  # leave the caller's global RNG as it was
             torch.manual_seed(params["seed"])
             for r in range(self.rounds):

@@ -197,6 +197,11 @@ class Pipeline(torch.nn.Module):
         # change their draws; pipelines with one run unchunked.
         self.chunkable = all(op.keyed for op in ops)
 
+    @property
+    def cpu_chunk(self) -> int:
+        """Images per chunk on the CPU (see CPU_CHUNK_PIXELS)."""
+        return max(1, CPU_CHUNK_PIXELS // (self.out_hw[0] * self.out_hw[1]))
+
     def _set_strength(self, epoch: int) -> None:
         s = strength(self.schedule, epoch, self.epochs)
         if s != self._strength:
@@ -206,10 +211,12 @@ class Pipeline(torch.nn.Module):
 
     def _run(self, canvas, sizes, keys, epoch) -> torch.Tensor:
         rng = KeyedRng(keys, self.seed, epoch)
-        x = self.ops[0](canvas, rng, sizes)  # (B, 3, S, S) float in [0, 1], channels_last
+        x = self.ops[0](canvas, rng, sizes)  # (B, 3, S, S) float in [0, 1]
+        if x.device.type == "cpu":  # planar: the pixel ops' broadcasts run ~2.5x faster on it there
+            x = x.contiguous()
         for op in self.ops[1:]:
             x = op(x, rng)
-        # back to uint8 NHWC; for a channels_last x this permute is already contiguous
+        # back to uint8 NHWC (for a channels_last x, on a GPU, this permute is already contiguous)
         return x.mul(255.0).round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
 
     @torch.no_grad()
@@ -218,8 +225,7 @@ class Pipeline(torch.nn.Module):
         self._set_strength(epoch)
         if canvas.device.type != "cpu" or not self.chunkable:
             return self._run(canvas, sizes, keys, epoch).contiguous()
-        b, (oh, ow) = canvas.shape[0], self.out_hw
-        chunk = max(1, CPU_CHUNK_PIXELS // (oh * ow))
+        b, (oh, ow), chunk = canvas.shape[0], self.out_hw, self.cpu_chunk
         out = torch.empty((b, oh, ow, 3), dtype=torch.uint8)
         for i in range(0, b, chunk):
             out[i : i + chunk] = self._run(canvas[i : i + chunk], sizes[i : i + chunk], keys[i : i + chunk], epoch)

@@ -64,6 +64,24 @@ def to_canvas(images) -> tuple[torch.Tensor, torch.Tensor]:
     return canvas, sizes
 
 
+def augment_batch(pipeline: Pipeline, images, keys: torch.Tensor, epoch: int, device: torch.device) -> torch.Tensor:
+    """Decoded images (a uint8 (B, H, W, 3) array or a ragged object array) -> uint8 (B, S, S, 3).
+
+    On the CPU a ragged batch goes to canvases a chunk at a time: one canvas for a whole
+    batch of photos is Hmax x Wmax per image (~1 GB for 1,024 mixed-size photos), and
+    touching that much fresh memory cost more than augmenting it. Each image's result is
+    the same either way. A GPU gets the whole batch in one copy.
+    """
+    fixed = isinstance(images, np.ndarray) and images.dtype == np.uint8 and images.ndim == 4
+    if device.type == "cpu" and pipeline.chunkable and not fixed:
+        step = pipeline.cpu_chunk
+        return torch.cat([pipeline(*to_canvas(images[i : i + step]), keys[i : i + step], epoch) for i in range(0, len(images), step)])
+    canvas, sizes = to_canvas(images)
+    if device.type == "cuda":  # uint8 over PCIe: a quarter of the bytes of float32
+        canvas = canvas.pin_memory().to(device, non_blocking=True)
+    return pipeline(canvas, sizes.to(device), keys.to(device), epoch)
+
+
 class AugmentStage:
     """map_batches callable. `preset` is Preset.to_dict(); `train` picks its train or eval ops."""
 
@@ -83,9 +101,6 @@ class AugmentStage:
         import ray
 
         epoch = ray.get(self.clock.get.remote()) if self.clock is not None else 0
-        canvas, sizes = to_canvas(batch["image"])
-        if self.device.type == "cuda":  # uint8 over PCIe: a quarter of the bytes of float32
-            canvas = canvas.pin_memory().to(self.device, non_blocking=True)
-        out = self.pipeline(canvas, sizes.to(self.device), torch.as_tensor(np.array(batch["key"])).to(self.device), epoch)
+        out = augment_batch(self.pipeline, batch["image"], torch.as_tensor(np.array(batch["key"])), epoch, self.device)
         # key travels on so the trainer can count which images each rank saw
         return {"image": out.cpu().numpy(), "label": batch["label"], "key": batch["key"]}  # .cpu() is a sync point on GPU

@@ -8,12 +8,15 @@ Both sides get the same decoded photos (smooth synthetic photos of mixed sizes, 
 375x500, 500x333, ... for `imagenet`; 32x32 for `cifar`) and produce the same thing: a
 normalised float batch for the model.
 
-* this stage: ragged uint8 arrays -> `to_canvas` -> Pipeline -> Normalize, whole batches;
+* this stage: ragged uint8 arrays -> `augment_batch` (the actor's work) -> Normalize (the
+  trainer's), whole batches;
 * torchvision: per image, PIL transforms.Compose([...ToTensor(), Normalize()]) in the
   same process, then torch.stack: the seed's DataLoader work without the worker processes.
 
-One thread by default: an augment actor gets one CPU (`--threads` to change). On a
-machine with CUDA the stage is also timed on the GPU (uint8 canvas copied in, float out).
+`stage` is the augment actor's work (uint8 out); `stage+norm` adds the trainer's Normalize,
+so that it and torchvision's column both end in the float batch the model takes; `ratio` is
+stage+norm over torchvision. One thread by default: an augment actor gets one CPU
+(`--threads` to change). On a machine with CUDA the stage is also timed on the GPU.
 """
 
 from __future__ import annotations
@@ -74,34 +77,35 @@ def _ragged(arrays: list[np.ndarray]) -> np.ndarray:
     return out
 
 
-def time_stage(preset: str, train: bool, images: list[np.ndarray], batch: int, total: int, device: str) -> float:
-    """img/s of to_canvas -> Pipeline -> Normalize over `total` images in batches of `batch`."""
+def time_stage(preset: str, train: bool, images: list[np.ndarray], batch: int, total: int, device: str) -> tuple[float, float]:
+    """img/s over `total` images in batches of `batch`: (augment_batch alone, the actor's work
+    with uint8 out; augment_batch + Normalize, the float batch the model gets)."""
     from augment.ops import Normalize
     from augment.presets import PRESETS, Pipeline
-    from augment.stage import to_canvas
+    from augment.stage import augment_batch
 
     p = PRESETS[preset]
     pipe = Pipeline(p.train if train else p.eval, seed=0).to(device)
     norm = Normalize(p.mean, p.std).to(device)
     batches = [_ragged([images[(s + i) % len(images)] for i in range(batch)]) for s in range(0, total, batch)]
     keys = torch.arange(batch, dtype=torch.int64)
+    rates = []
+    for normalize in (False, True):
+        def one(b, step):
+            out = augment_batch(pipe, b, keys + step * batch, 0, torch.device(device))
+            return norm(out) if normalize else out
 
-    def one(b, step):
-        canvas, sizes = to_canvas(b)
+        one(batches[0], 0)  # warm-up: first-call allocations, Kornia's lazy imports, CUDA context
         if device == "cuda":
-            canvas = canvas.pin_memory().to(device, non_blocking=True)
-        return norm(pipe(canvas, sizes.to(device), (keys + step * batch).to(device), epoch=0))
-
-    one(batches[0], 0)  # warm-up: first-call allocations, Kornia's lazy imports, CUDA context
-    if device == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for step, b in enumerate(batches):
-        out = one(b, step)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    assert out.shape[0] == batch
-    return len(batches) * batch / (time.perf_counter() - start)
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for step, b in enumerate(batches):
+            out = one(b, step)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert out.shape[0] == batch
+        rates.append(len(batches) * batch / (time.perf_counter() - start))
+    return rates[0], rates[1]
 
 
 def time_torchvision(preset: str, train: bool, images: list[np.ndarray], total: int) -> float:
@@ -132,7 +136,7 @@ def main(argv=None) -> list[dict]:
 
     rows = []
     print(f"torch {torch.__version__}, {args.threads} CPU thread(s), {platform.processor() or platform.machine()}; img/s, higher is better")
-    print(f"{'preset':<9} {'split':<5} {'batch':>5} {'device':<6} {'this stage':>11} {'torchvision PIL':>16} {'ratio':>6}")
+    print(f"{'preset':<9} {'split':<5} {'batch':>5} {'device':<6} {'stage':>8} {'stage+norm':>11} {'torchvision PIL':>16} {'ratio':>6}")
     for preset in args.presets:
         images = photos(preset, args.photos)
         for train in (True, False):
@@ -140,12 +144,12 @@ def main(argv=None) -> list[dict]:
             for device in devices:
                 for batch in args.batch_sizes:
                     total = max(batch, args.images // batch * batch)
-                    ours = time_stage(preset, train, images, batch, total, device)
+                    stage, ours = time_stage(preset, train, images, batch, total, device)
                     row = {"preset": preset, "split": "train" if train else "eval", "batch": batch, "device": device,
-                           "stage_img_s": round(ours, 1), "torchvision_pil_img_s": round(tv, 1), "ratio": round(ours / tv, 2),
-                           "threads": args.threads, "images": total}
+                           "stage_img_s": round(stage, 1), "stage_normalize_img_s": round(ours, 1), "torchvision_pil_img_s": round(tv, 1),
+                           "ratio": round(ours / tv, 2), "threads": args.threads, "images": total}
                     rows.append(row)
-                    print(f"{preset:<9} {row['split']:<5} {batch:>5} {device:<6} {ours:>11.0f} {tv:>16.0f} {ours / tv:>5.1f}x", flush=True)
+                    print(f"{preset:<9} {row['split']:<5} {batch:>5} {device:<6} {stage:>8.0f} {ours:>11.0f} {tv:>16.0f} {ours / tv:>5.1f}x", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "threads": args.threads, "rows": rows}, f, indent=2)

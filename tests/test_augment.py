@@ -379,3 +379,29 @@ def test_preset_mix_key_round_trips_and_rejects_unknown_settings(tmp_path):
     f.write_text("train: [{random_crop: {size: 8}}]\neval: [{center_crop: {size: 8}}]\nmix: {mixup: 0.2}\n")
     with pytest.raises(PresetError, match=r"mix: unknown key\(s\) \['mixup'\]; valid: \['mixup_alpha', 'cutmix_alpha'"):
         load_preset(str(f))
+
+
+# --------------------------------------------------------------------------- preview
+
+
+def test_preview_writes_a_grid_and_rejects_a_bad_preset(tree, tmp_path, capsys):
+    from PIL import Image
+
+    from jobs.preview import main
+
+    out = tmp_path / "grid.png"
+    assert main(["--data", str(tree), "--preset", "cifar", "--out", str(out), "--classes", "2", "--augmentations", "2"]) == 0
+    with Image.open(out) as img:
+        assert img.size[0] > img.size[1] > 100  # 2 rows, 4 columns
+    assert main(["--data", str(tree), "--preset", "imagenett", "--out", str(out)]) == 2
+    assert "built-in presets" in capsys.readouterr().err
+
+
+def test_read_examples_takes_the_first_of_each_class(tree):
+    from augment.preview import read_examples
+    from training.data import scan_tree
+
+    t = scan_tree(str(tree), 0.2)
+    images, labels, keys = read_examples(t.train, classes=2, per_class=2)
+    assert labels == [0, 0, 1, 1] and all(im.shape == (32, 32, 3) and im.dtype == np.uint8 for im in images)
+    assert len(set(keys)) == 4
