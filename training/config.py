@@ -58,6 +58,8 @@ class TrainConfig:
     fresh: bool = _f(False, "start NAME over instead of resuming from its last checkpoint")
     stop_after: int = _f(0, "stop after this many epochs in this invocation (0 = run to --epochs); rerun to resume")
     quiet: bool = _f(False, "print only errors and the final summary")
+    # augmentation (issue 3)
+    augment_schedule: str = _f("none", "strength of the train augmentation over epochs: none, linear-decay, cosine-decay, linear-ramp or cosine-ramp, optionally :LEVEL (the far end, 0..1, default 0), e.g. cosine-decay:0.3")
 
     def __post_init__(self):
         positive = ["epochs", "batch_size", "augment_actors", "augment_batch_size"]

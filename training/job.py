@@ -102,6 +102,12 @@ def plan_resources(cfg: TrainConfig, cluster: dict) -> ResourcePlan:
 
 def build_datasets(cfg: TrainConfig, tree: ImageTree, preset: Preset, plan: ResourcePlan, clock) -> dict:
     """train/val Ray Datasets: read -> decode -> (cache) -> augment actors."""
+    from augment.schedule import parse_schedule
+
+    try:  # fail before any actor starts; the CLI turns this into exit 2
+        parse_schedule(cfg.augment_schedule)
+    except ValueError as e:
+        raise ConfigError(f"--augment-schedule: {e}") from None
     out = {}
     for split_name, split in (("train", tree.train), ("val", tree.val)):
         train = split_name == "train"
@@ -116,6 +122,8 @@ def build_datasets(cfg: TrainConfig, tree: ImageTree, preset: Preset, plan: Reso
                 "train": train,
                 "seed": cfg.seed,
                 "clock": clock if train else None,
+                "schedule": cfg.augment_schedule,  # the stage applies it to train only
+                "epochs": cfg.epochs,
             },
             batch_format="numpy",
             batch_size=cfg.augment_batch_size,
