@@ -405,3 +405,11 @@ def test_read_examples_takes_the_first_of_each_class(tree):
     images, labels, keys = read_examples(t.train, classes=2, per_class=2)
     assert labels == [0, 0, 1, 1] and all(im.shape == (32, 32, 3) and im.dtype == np.uint8 for im in images)
     assert len(set(keys)) == 4
+
+
+def test_a_bad_augment_schedule_is_a_config_error_before_any_actor_starts():
+    from training.config import ConfigError, TrainConfig
+    from training.job import build_datasets
+
+    with pytest.raises(ConfigError, match="--augment-schedule: unknown augmentation schedule 'fast'; valid: none, linear-decay"):
+        build_datasets(TrainConfig(augment_schedule="fast"), tree=None, preset=None, plan=None, clock=None)
