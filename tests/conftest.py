@@ -27,18 +27,50 @@ def write_tree(root: Path, classes: dict[str, int], *, size=(32, 32), seed: int 
     return root
 
 
+_shared: dict = {}  # the session's cluster, so that `own_cluster` tests can stop it first
+
+
+def _stop_shared_cluster():
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = _shared.pop("cluster", None)
+    if cluster is not None:
+        cluster.shutdown()
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One local Ray cluster shared by every test that needs one."""
+    """One Ray cluster for the whole test session: two nodes (ray.cluster_utils.Cluster), so
+    the same runs that test training also test placement across nodes."""
     import ray
+    from ray.cluster_utils import Cluster
 
     from jobs.train import quiet_ray
 
     kwargs = quiet_ray()
-    # 4 logical CPUs on a 2-core machine: 2 train workers plus Ray Data's actors fit at once
-    ray.init(num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1", **kwargs)
+    # 2 logical CPUs per node on a 2-core machine: a train worker per node plus Ray Data's actors
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": True, "dashboard_host": "127.0.0.1"})
+    cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    _shared["cluster"] = cluster
+    ray.init(address=cluster.address, **kwargs)
     yield ray
-    ray.shutdown()
+    _stop_shared_cluster()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `own_cluster` start and stop whole Ray clusters (`ray start`, `ray stop`),
+    which would take the shared cluster down with them: they run last, after it is stopped."""
+    items.sort(key=lambda item: item.get_closest_marker("own_cluster") is not None)
+
+
+@pytest.fixture()
+def own_cluster():
+    """No other Ray cluster may run while an `own_cluster` test starts its own."""
+    _stop_shared_cluster()
+    yield
 
 
 @pytest.fixture()

@@ -68,6 +68,7 @@ def test_ranks_start_from_identical_weights_and_see_different_images(two_worker_
     ranks = summary["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1]
     assert ranks[0]["init_digest"] == ranks[1]["init_digest"]
+    assert ranks[0]["node_id"] != ranks[1]["node_id"], "CPU workers should spread over the 2 nodes"
     cov = summary["last_epoch_coverage"]
     # streaming_split(equal=True) may drop up to world_size-1 rows so both ranks take the same steps
     assert len(tree.train) - 1 <= cov["seen_images"] <= len(tree.train)
@@ -119,18 +120,19 @@ def test_missing_init_weights_is_a_config_error(data, tmp_path):
         job.prepare(TrainConfig(data=str(data), init_weights=str(tmp_path / "nope.pt"), storage_path=str(tmp_path)))
 
 
-def test_more_gpus_than_the_cluster_has_is_a_config_error(ray_cluster):
+def test_asking_for_gpus_on_a_cpu_cluster_is_a_config_error(ray_cluster):
+    capacity = job.cluster_capacity()
+    assert (capacity.cpus, capacity.gpus, capacity.hosts) == (4, 0, 1)  # 2 nodes, one machine
     with pytest.raises(ConfigError, match="no GPUs"):
-        job.plan_resources(TrainConfig(device="cuda"), ray_cluster.cluster_resources())
+        job.plan_resources(TrainConfig(device="cuda"), capacity)
 
 
 def test_cpu_plan_leaves_cpus_for_ray_data():
-    plan = job.plan_resources(TrainConfig(), {"CPU": 2})
+    one_host = job.Capacity(cpus=2, gpus=0, hosts=1, autoscaling=False)
+    plan = job.plan_resources(TrainConfig(), one_host)
     assert (plan.num_workers, plan.cpus_per_worker, plan.threads_per_worker) == (1, 1, 2)
-    with pytest.raises(ConfigError, match="needs 8 CPUs but the cluster has 4"):
-        job.plan_resources(TrainConfig(num_workers=4, cpus_per_worker=2), {"CPU": 4})
-    gpu = job.plan_resources(TrainConfig(), {"CPU": 16, "GPU": 2})
-    assert gpu.use_gpu and gpu.num_workers == 2 and 0 < gpu.augment_gpus < 1
+    with pytest.raises(ConfigError, match="needs 8 CPUs but the cluster has at most 4"):
+        job.plan_resources(TrainConfig(num_workers=4, cpus_per_worker=2), job.Capacity(cpus=4, gpus=0, hosts=1, autoscaling=False))
 
 
 def test_weight_decay_skips_batchnorm_and_biases():

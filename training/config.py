@@ -50,7 +50,8 @@ class TrainConfig:
     device: str = _f("auto", "where training runs: auto (cuda if the cluster has GPUs), cpu or cuda", choices=("auto", "cpu", "cuda"))
     threads_per_worker: int = _f(0, "torch intra-op threads per CPU worker; 0 = the CPUs Ray gives it")
     cpus_per_worker: int = _f(0, "CPUs reserved per train worker; 0 = half the cluster's CPUs / workers (the rest feeds Ray Data)")
-    augment_actors: int = _f(1, "augment actors per split (train, val)")
+    augment_actors: int = _f(0, "augment actors per split (train, val); 0 = one per GPU train worker, or 1 on CPU")
+    augment_gpus: float = _f(0.0, "GPU per augment actor; 0 = a 0.25 share of a trainer's GPU; 1 = a dedicated GPU each")
     augment_batch_size: int = _f(256, "images per augment call (larger is faster on a GPU)")
     # output
     storage_path: str = _f("runs", "where run directories go (local path, or s3://, gs:// for multi-node)")
@@ -62,11 +63,11 @@ class TrainConfig:
     augment_schedule: str = _f("none", "strength of the train augmentation over epochs: none, linear-decay, cosine-decay, linear-ramp or cosine-ramp, optionally :LEVEL (the far end, 0..1, default 0), e.g. cosine-decay:0.3")
 
     def __post_init__(self):
-        positive = ["epochs", "batch_size", "augment_actors", "augment_batch_size"]
+        positive = ["epochs", "batch_size", "augment_batch_size"]
         for field in positive:
             if getattr(self, field) <= 0:
                 raise ConfigError(f"--{field.replace('_', '-')} must be positive, got {getattr(self, field)}")
-        for field in ("num_workers", "threads_per_worker", "cpus_per_worker"):
+        for field in ("num_workers", "threads_per_worker", "cpus_per_worker", "augment_actors", "augment_gpus"):
             if getattr(self, field) < 0:
                 raise ConfigError(f"--{field.replace('_', '-')} must be 0 (automatic) or positive, got {getattr(self, field)}")
         if self.lr <= 0:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import time
@@ -56,47 +57,125 @@ def prepare(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree, Preset]:
 
 
 @dataclasses.dataclass(frozen=True)
+class Capacity:
+    """What the cluster has now, or can grow to when it autoscales."""
+
+    cpus: int
+    gpus: int
+    hosts: int  # distinct machines among the alive nodes (nodes on one host share its disk)
+    autoscaling: bool = False
+    bounded: bool = True  # False: an autoscaler runs whose limits Ray does not publish
+
+    def note(self) -> str:
+        if not self.bounded:
+            return ("an autoscaler runs but does not publish its limits: requests beyond the current "
+                    f"{self.cpus} CPU / {self.gpus} GPU wait for new nodes (pass --device cuda --num-workers N "
+                    "when the cluster starts without GPU nodes)")
+        return ""
+
+
+def cluster_capacity() -> Capacity:
+    """Current resources, raised to the autoscaler's ceiling where Ray publishes one (autoscaler
+    v2, KubeRay); Ray Train checks its workers against the same ceiling."""
+    from ray._private import ray_constants
+    from ray._private.state import state
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    now = ray.cluster_resources()
+    ceiling = state.get_max_resources_from_cluster_config() or {}
+    autoscaler_v1 = bool(_internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS))  # written by every v1 update
+    return Capacity(
+        cpus=max(int(now.get("CPU", 0)), int(ceiling.get("CPU", 0))),
+        gpus=max(int(now.get("GPU", 0)), int(ceiling.get("GPU", 0))),
+        hosts=len({n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}),
+        autoscaling=bool(ceiling) or autoscaler_v1,
+        bounded=bool(ceiling) or not autoscaler_v1,
+    )
+
+
+def check_storage(storage_path: str, capacity: Capacity, log=print) -> None:
+    """Checkpoints from every node must land in one place (Ray Train persists them there)."""
+    if "://" in storage_path:
+        return
+    if capacity.hosts > 1:
+        raise ConfigError(
+            f"--storage-path {storage_path} is a local path but the cluster spans {capacity.hosts} machines; "
+            "use storage every node sees: s3://bucket/runs, gs://bucket/runs or a shared mount such as NFS"
+        )
+    if capacity.autoscaling:
+        log(f"warning: --storage-path {storage_path} is local; if the autoscaler adds machines, use s3://, gs:// or a shared mount")
+
+
+@dataclasses.dataclass(frozen=True)
 class ResourcePlan:
     use_gpu: bool
     num_workers: int
     cpus_per_worker: int
+    gpus_per_worker: float  # < 1 when augment actors share the trainers' GPUs
     threads_per_worker: int
+    augment_actors: int
     augment_gpus: float  # per augment actor; 0 on a CPU-only plan
     augment_cpus: float
+    placement: str  # PACK keeps GPU ranks together (NVLink); SPREAD gives CPU ranks their own cores
 
     def describe(self) -> str:
-        where = "GPU" if self.use_gpu else "CPU"
+        where = f"{self.gpus_per_worker:g} GPU + " if self.use_gpu else ""
         aug = f"{self.augment_gpus:g} GPU" if self.augment_gpus else f"{self.augment_cpus:g} CPU"
         return (
-            f"{self.num_workers} {where} train worker(s) x {self.cpus_per_worker} CPU "
-            f"({self.threads_per_worker} torch threads each); augment actors on {aug} each"
+            f"{self.num_workers} train worker(s) x ({where}{self.cpus_per_worker} CPU, "
+            f"{self.threads_per_worker} torch threads), {self.placement}; "
+            f"{self.augment_actors} augment actor(s) x {aug} per split"
         )
 
 
-def plan_resources(cfg: TrainConfig, cluster: dict) -> ResourcePlan:
-    """Split the cluster between train workers and Ray Data (DESIGN.md: leave CPUs for ingest)."""
-    cpus, gpus = int(cluster.get("CPU", 0)), int(cluster.get("GPU", 0))
+def plan_resources(cfg: TrainConfig, capacity: Capacity) -> ResourcePlan:
+    """Split the cluster between train workers and Ray Data (DESIGN.md: leave CPUs for ingest).
+
+    On GPUs the augment actors share the trainers' GPUs (each takes a quarter of one, the
+    trainer the rest) unless --augment-gpus says otherwise; a whole GPU per actor only pays
+    when augmentation is heavy next to the model. On CPUs one worker uses all cores by
+    default: two workers on two cores fight over them.
+    """
+    cpus, gpus = capacity.cpus, capacity.gpus
     use_gpu = cfg.device == "cuda" or (cfg.device == "auto" and gpus > 0)
-    if use_gpu and gpus == 0:
-        raise ConfigError("--device cuda: the Ray cluster has no GPUs; use --device cpu or auto")
-    workers = cfg.num_workers or (gpus if use_gpu else 1)
-    if use_gpu and workers > gpus:
-        raise ConfigError(f"--num-workers {workers} needs {workers} GPUs but the cluster has {gpus}")
+    if use_gpu and gpus == 0 and capacity.bounded:
+        raise ConfigError("--device cuda: the Ray cluster has no GPUs and cannot get any; use --device cpu or auto")
+    workers = cfg.num_workers or (max(gpus, 1) if use_gpu else 1)
+    actors = cfg.augment_actors or (workers if use_gpu else 1)
+    augment_gpus = (cfg.augment_gpus or 0.25) if use_gpu else 0.0
+    gpus_per_worker = 1.0
+    if use_gpu:
+        dedicated = augment_gpus >= 1
+        needed = workers + (actors * augment_gpus if dedicated else 0)
+        if needed > gpus and capacity.bounded:
+            raise ConfigError(
+                f"--num-workers {workers}" + (f" + {actors} dedicated augment GPUs" if dedicated else "")
+                + f" need {needed:g} GPUs but the cluster has at most {gpus}; lower --num-workers"
+            )
+        if not dedicated:  # each GPU keeps room for the augment actors placed on it
+            gpus_per_worker = 1.0 - augment_gpus * math.ceil(actors / max(workers, 1))
+            if gpus_per_worker <= 0:
+                raise ConfigError(f"--augment-actors {actors} x {augment_gpus:g} GPU leave no GPU for {workers} train worker(s)")
     cpus_per_worker = cfg.cpus_per_worker or max(1, cpus // 2 // workers)
-    if workers * cpus_per_worker > cpus:
+    if workers * cpus_per_worker > cpus and capacity.bounded:
         raise ConfigError(
             f"--num-workers {workers} x {cpus_per_worker} CPU each needs {workers * cpus_per_worker} CPUs "
-            f"but the cluster has {cpus}; lower --num-workers or --cpus-per-worker"
+            f"but the cluster has at most {cpus}; lower --num-workers or --cpus-per-worker"
         )
-    # CPU training: torch threads may use the cores Ray Data leaves idle between batches.
-    threads = cfg.threads_per_worker or (cpus_per_worker if use_gpu else max(1, cpus // workers))
+    # CPU training: a worker's torch threads may use its host's cores that Ray Data leaves idle
+    # between batches (SPREAD puts ceil(workers / hosts) workers on each host).
+    cores_per_worker = cpus // capacity.hosts // math.ceil(workers / capacity.hosts) if cpus else cpus_per_worker
+    threads = cfg.threads_per_worker or (cpus_per_worker if use_gpu else max(1, cores_per_worker))
     return ResourcePlan(
         use_gpu=use_gpu,
         num_workers=workers,
         cpus_per_worker=cpus_per_worker,
+        gpus_per_worker=gpus_per_worker,
         threads_per_worker=threads,
-        augment_gpus=0.25 if use_gpu else 0.0,  # a share of a GPU each; the op is light next to ResNet18
+        augment_actors=actors,
+        augment_gpus=augment_gpus,
         augment_cpus=1.0 if use_gpu or cpus > 2 else 0.5,
+        placement="PACK" if use_gpu else "SPREAD",
     )
 
 
@@ -127,7 +206,7 @@ def build_datasets(cfg: TrainConfig, tree: ImageTree, preset: Preset, plan: Reso
             },
             batch_format="numpy",
             batch_size=cfg.augment_batch_size,
-            compute=ray.data.ActorPoolStrategy(size=cfg.augment_actors),
+            compute=ray.data.ActorPoolStrategy(size=plan.augment_actors),
             num_gpus=plan.augment_gpus,
             num_cpus=plan.augment_cpus,
         )
@@ -163,7 +242,11 @@ def run(cfg: TrainConfig, tree: ImageTree, preset: Preset, *, log=print) -> dict
     run_dir = artifacts.join(cfg.storage_path, cfg.name)
     if cfg.deterministic:  # rows reach the trainer in file order, so batches are the same every run
         ray.data.DataContext.get_current().execution_options.preserve_order = True
-    plan = plan_resources(cfg, ray.cluster_resources())
+    capacity = cluster_capacity()
+    check_storage(cfg.storage_path, capacity, log)
+    plan = plan_resources(cfg, capacity)
+    if capacity.note():
+        log(f"note: {capacity.note()}")
     if cfg.batch_size < plan.num_workers:
         raise ConfigError(f"--batch-size {cfg.batch_size} is smaller than the {plan.num_workers} workers; raise it")
     log(f"data: {tree.describe()}")
@@ -188,7 +271,10 @@ def run(cfg: TrainConfig, tree: ImageTree, preset: Preset, *, log=print) -> dict
         train_loop,
         train_loop_config=job,
         scaling_config=ray.train.ScalingConfig(
-            num_workers=plan.num_workers, use_gpu=plan.use_gpu, resources_per_worker={"CPU": plan.cpus_per_worker}
+            num_workers=plan.num_workers,
+            use_gpu=plan.use_gpu,
+            resources_per_worker={"CPU": plan.cpus_per_worker, **({"GPU": plan.gpus_per_worker} if plan.use_gpu else {})},
+            placement_strategy=plan.placement,
         ),
         run_config=ray.train.RunConfig(
             name=cfg.name,

@@ -1,0 +1,208 @@
+"""Running where users run: `ray job submit` to a real head node, an autoscaling cluster,
+`cluster.yaml` against Ray's own schema, and the storage rule for multi-machine clusters.
+
+The `own_cluster` tests start whole clusters with `ray start` and stop them with `ray stop`;
+conftest runs them last, after the shared session cluster is stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import write_tree
+from training.config import ConfigError, TrainConfig
+from training.job import Capacity, check_storage, plan_resources
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = str(Path(sys.executable).parent)  # `ray` and the `python` of job entrypoints
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra) -> dict:
+    env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}", "RAY_DATA_LOG_LEVEL": "WARNING"}
+    env.update(extra)
+    return env
+
+
+def _ray(*args, env, timeout=180, check=True):
+    out = subprocess.run([f"{VENV_BIN}/ray", *args], env=env, capture_output=True, text=True, timeout=timeout)
+    if check and out.returncode != 0:
+        raise AssertionError(f"ray {' '.join(args)} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return out
+
+
+# --------------------------------------------------------------------------- no cluster needed
+
+
+def test_cluster_yaml_passes_rays_autoscaler_schema():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    raw = yaml.safe_load((REPO / "cluster.yaml").read_text())
+    config = prepare_config(raw)  # fills Ray's defaults; no cloud call
+    validate_config(config)  # Ray's JSON schema; raises on any unknown or mistyped field
+
+    assert config["provider"]["type"] == "aws"
+    assert config["available_node_types"][config["head_node_type"]]["resources"].get("GPU", 0) == 0
+    gpu_types = {k: v for k, v in config["available_node_types"].items() if v["resources"].get("GPU")}
+    assert len(gpu_types) >= 2
+    assert all(t["min_workers"] == 0 and t["max_workers"] > 0 for t in gpu_types.values())
+    assert config["idle_timeout_minutes"] > 0
+    head_start = " ".join(config["head_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in head_start and "RAY_AUTH_MODE=token" in head_start
+    assert all("RAY_AUTH_MODE=token" in " ".join(config[k]) for k in ("head_start_ray_commands", "worker_start_ray_commands"))
+    assert "~/.ray/auth_token" in config["file_mounts"]  # the token travels as a file
+    assert "RAY_AUTH_TOKEN=" not in (REPO / "cluster.yaml").read_text()  # never on a command line
+
+
+def test_cluster_yaml_schema_check_can_fail():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    raw = yaml.safe_load((REPO / "cluster.yaml").read_text())
+    raw["available_node_types"]["gpu_a10g_1x"]["min_workerz"] = 0
+    with pytest.raises(Exception, match="min_workerz"):
+        validate_config(prepare_config(raw))
+
+
+def test_local_storage_on_a_multi_machine_cluster_is_refused():
+    with pytest.raises(ConfigError, match="local path but the cluster spans 2 machines; use storage every node sees"):
+        check_storage("/home/me/runs", Capacity(cpus=16, gpus=2, hosts=2, autoscaling=False))
+    check_storage("s3://bucket/runs", Capacity(cpus=16, gpus=2, hosts=2, autoscaling=False))
+    check_storage("/home/me/runs", Capacity(cpus=16, gpus=2, hosts=1, autoscaling=False))  # one machine: fine
+
+
+def test_an_autoscaler_without_published_limits_is_not_refused():
+    cap = Capacity(cpus=1, gpus=0, hosts=1, autoscaling=True, bounded=False)
+    plan = plan_resources(TrainConfig(device="cuda", num_workers=4), cap)
+    assert plan.use_gpu and plan.num_workers == 4 and "wait for new nodes" in cap.note()
+    with pytest.raises(ConfigError):  # a static cluster of the same size is refused
+        plan_resources(TrainConfig(device="cuda", num_workers=4), Capacity(cpus=1, gpus=0, hosts=1))
+
+
+def test_gpu_plans_share_or_dedicate_gpus_and_refuse_the_impossible():
+    shared = plan_resources(TrainConfig(), Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False))
+    assert (shared.num_workers, shared.gpus_per_worker, shared.augment_actors, shared.augment_gpus) == (4, 0.75, 4, 0.25)
+    assert shared.placement == "PACK"
+    dedicated = plan_resources(TrainConfig(num_workers=2, augment_actors=2, augment_gpus=1), Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False))
+    assert (dedicated.gpus_per_worker, dedicated.augment_gpus) == (1.0, 1.0)
+    with pytest.raises(ConfigError, match="need 6 GPUs but the cluster has at most 4"):
+        plan_resources(TrainConfig(num_workers=4, augment_actors=2, augment_gpus=1), Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False))
+    with pytest.raises(ConfigError, match="need 8 GPUs but the cluster has at most 4"):
+        plan_resources(TrainConfig(num_workers=8), Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False))
+    cpu = plan_resources(TrainConfig(num_workers=2), Capacity(cpus=4, gpus=0, hosts=2, autoscaling=False))
+    assert cpu.placement == "SPREAD" and cpu.threads_per_worker == 2
+
+
+# --------------------------------------------------------------------------- real clusters
+
+
+@pytest.mark.own_cluster
+def test_ray_job_submit_to_a_token_protected_head(own_cluster, tmp_path):
+    data = write_tree(tmp_path / "data", {"a": 12, "b": 12})
+    token = tmp_path / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    env = _env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
+    port, dash = _free_port(), _free_port()
+    _ray("start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
+         f"--dashboard-port={dash}", "--num-cpus=3", "--disable-usage-stats", env=env)
+    try:
+        address = f"http://127.0.0.1:{dash}"
+        unauthenticated = _ray("job", "list", "--address", address, env=_env(RAY_AUTH_MODE="disabled"), check=False)
+        assert unauthenticated.returncode != 0  # the head refuses a client without the token
+        submit = _ray(
+            "job", "submit", "--address", address, "--working-dir", str(REPO), "--entrypoint-num-cpus", "0",
+            "--submission-id", "rga-test", "--no-wait", "--",
+            "python", "-m", "jobs.train", "--data", str(data), "--epochs", "1", "--batch-size", "8",
+            "--storage-path", str(tmp_path / "runs"), "--name", "submitted", "--val-fraction", "0.25",
+            env=env,
+        )
+        assert "rga-test" in submit.stdout + submit.stderr
+        status = ""
+        deadline = time.time() + 420
+        while time.time() < deadline:
+            status = _ray("job", "status", "--address", address, "rga-test", env=env).stdout.lower()
+            if any(f"job 'rga-test' {s}" in status for s in ("succeeded", "failed", "stopped")):
+                break
+            time.sleep(3)
+        logs = _ray("job", "logs", "--address", address, "rga-test", env=env).stdout
+        assert "job 'rga-test' succeeded" in status, f"{status}\n{logs[-4000:]}"
+        assert "epoch   1/1" in logs and "done:" in logs
+        summary = json.loads((tmp_path / "runs" / "submitted" / "summary.json").read_text())
+        assert summary["epochs"] == 1 and summary["num_classes"] == 2
+    finally:
+        _ray("stop", "--force", env=env, check=False)
+
+
+def _fake_autoscaling_config(head_cpus: int, worker_cpus: int, max_workers: int) -> dict:
+    """A cluster for Ray's fake multi-node provider: worker nodes are `ray start` processes
+    on this machine, launched and removed by the real autoscaler. (The example file that
+    ray.cluster_utils.AutoscalingCluster reads is not shipped in Ray 2.60's wheel.)"""
+    return {
+        "cluster_name": "rga-autoscaling-test",
+        "max_workers": max_workers,
+        "provider": {
+            # the fake provider through "external": its default-config file is missing from the wheel
+            "type": "external", "module": "ray.autoscaler._private.fake_multi_node.node_provider.FakeMultiNodeProvider",
+            "use_node_id_as_ip": True, "disable_node_updaters": True, "disable_launch_config_check": True,
+        },
+        "available_node_types": {
+            "ray.head.default": {"resources": {"CPU": head_cpus}, "node_config": {}, "max_workers": 0},
+            "cpu_node": {"resources": {"CPU": worker_cpus}, "node_config": {}, "min_workers": 0, "max_workers": max_workers},
+        },
+        "head_node_type": "ray.head.default",
+        "auth": {},
+        "upscaling_speed": 1.0,
+        "idle_timeout_minutes": 1,
+        "docker": {},
+        **{k: [] for k in ("initialization_commands", "setup_commands", "head_setup_commands", "worker_setup_commands",
+                           "head_start_ray_commands", "worker_start_ray_commands", "cluster_synced_files", "rsync_exclude", "rsync_filter")},
+        "file_mounts": {},
+        "file_mounts_sync_continuously": False,
+    }
+
+
+@pytest.mark.own_cluster
+def test_autoscaling_cluster_adds_a_node_for_the_job(own_cluster, tmp_path):
+    import ray
+
+    data = write_tree(tmp_path / "data", {"a": 12, "b": 12})
+    config = tmp_path / "autoscaling.json"
+    # the 1-CPU head alone cannot hold a 2-CPU train worker: the autoscaler must add a node
+    config.write_text(json.dumps(_fake_autoscaling_config(head_cpus=1, worker_cpus=2, max_workers=2)))
+    env = _env(AUTOSCALER_UPDATE_INTERVAL_S="1", RAY_FAKE_CLUSTER="1", RAY_AUTH_MODE="disabled")
+    _ray("start", "--head", f"--autoscaling-config={config}", "--num-cpus=1", "--node-ip-address=127.0.0.1",
+         "--dashboard-host=127.0.0.1", "--disable-usage-stats", env=env)
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "jobs.train", "--data", str(data), "--epochs", "1", "--batch-size", "8",
+             "--cpus-per-worker", "2", "--storage-path", str(tmp_path / "runs"), "--name", "scaled", "--val-fraction", "0.25"],
+            cwd=REPO, env=_env(RAY_ADDRESS="auto", RAY_AUTH_MODE="disabled"), capture_output=True, text=True, timeout=600,
+        )
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        # the 1-CPU head cannot hold the plan, but an autoscaler runs: the plan waits for it instead of refusing
+        assert "plan: 1 train worker(s) x (2 CPU" in out.stdout and "note: an autoscaler runs" in out.stdout
+        summary = json.loads((tmp_path / "runs" / "scaled" / "summary.json").read_text())
+        ray.init(address="auto", logging_level="ERROR")
+        nodes = [n for n in ray.nodes() if n["Alive"]]
+        head = next(n["NodeID"] for n in nodes if n["Resources"].get("CPU") == 1)
+        ray.shutdown()
+        assert len(nodes) >= 2, "no worker node was added"
+        assert summary["ranks"][0]["node_id"] != head, "the train worker ran on the head"
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        _ray("stop", "--force", env=env, check=False)
