@@ -2,6 +2,7 @@
 
     python -m jobs.train                                  # bundled digits data, local Ray
     python -m jobs.train --data ~/photos --epochs 30      # your folder: <class>/<image>
+    python -m jobs.train --config configs/cifar-local.yaml --epochs 2   # a file; flags win
     ray job submit --working-dir . -- python -m jobs.train --data s3://bucket/photos \\
         --storage-path s3://bucket/runs --name photos-r18
 
@@ -11,40 +12,49 @@ Exit codes: 0 done; 2 bad input (found before training starts); 1 training faile
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 
 from augment.presets import PresetError
-from training.config import ConfigError, add_arguments, from_args
+from training import console
+from training.config import ConfigError, add_arguments, parse_config
 from training.data import DataError
 
 
-def parse(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m jobs.train", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    return parser.parse_args(argv)
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m jobs.train", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", metavar="FILE", help="YAML file of settings (keys: the flags below, e.g. batch_size: 256); flags given here override it. Examples in configs/")
+    add_arguments(ap)
+    return ap
 
 
-def quiet_ray() -> dict:
-    """Keep the console readable: Ray Data logs only warnings (its progress then shows as
-    tqdm bars on a terminal and not at all in a log file), no deprecation noise from Ray's
-    own internals. Environment variables reach the processes of a cluster started here."""
-    os.environ.setdefault("RAY_DATA_LOG_LEVEL", "WARNING")
-    os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
+def quiet_ray(verbose: bool = False) -> dict:
+    """Keep the console readable: Ray Data logs only warnings and draws no progress bars of
+    its own (the trainer's per-epoch bar shows the progress that matters), no deprecation
+    noise from Ray's own internals. Environment variables reach the processes of a cluster
+    started here. `verbose` keeps Ray's INFO logs and Ray Data's bars."""
     import ray.data
 
-    ray.data.DataContext.get_current().print_on_execution_start = False
+    if verbose:
+        return {"logging_level": logging.INFO}
+    os.environ.setdefault("RAY_DATA_LOG_LEVEL", "WARNING")
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
+    ctx = ray.data.DataContext.get_current()  # datasets copy it when built: their actors see it
+    ctx.print_on_execution_start = False
+    ctx.enable_progress_bars = False
     logging.getLogger("ray.data").setLevel(logging.WARNING)
     return {"logging_level": logging.WARNING}
 
 
-def connect() -> None:
-    """Join the cluster of `ray job submit` / RAY_ADDRESS, or start a local one."""
+def connect(verbose: bool = False) -> None:
+    """Join the cluster of `ray job submit` / RAY_ADDRESS, or start a local one (or keep the
+    one this process is already connected to)."""
     import ray
 
-    kwargs = quiet_ray()
+    kwargs = quiet_ray(verbose)
+    if ray.is_initialized():
+        return
     if os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"):
         ray.init(**kwargs)
     else:
@@ -53,17 +63,17 @@ def connect() -> None:
 
 
 def main(argv=None) -> int:
-    args = parse(argv)
     try:
         from training import job
 
-        cfg, tree, preset = job.prepare(from_args(args))
+        cfg, sources = parse_config(parser(), argv)
+        cfg, tree, preset = job.prepare(cfg)
     except (DataError, ConfigError, PresetError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     log = (lambda *a: None) if cfg.quiet else (lambda *a: print(*a, flush=True))
-    log(f"config: {json.dumps(cfg.to_dict())}")
-    connect()
+    log(console.format_config(cfg.to_dict(), sources))
+    connect(cfg.verbose)
     try:
         summary = job.run(cfg, tree, preset, log=log)
     except ConfigError as e:
@@ -72,8 +82,8 @@ def main(argv=None) -> int:
     except job.TrainingFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"done: {artifacts_dir(cfg)}")
-    print(json.dumps(summary, indent=2))
+    print(console.summary_table(summary))
+    print(f"done: {artifacts_dir(cfg)} (summary.json has every figure)")
     return 0
 
 

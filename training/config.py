@@ -59,6 +59,7 @@ class TrainConfig:
     fresh: bool = _f(False, "start NAME over instead of resuming from its last checkpoint")
     stop_after: int = _f(0, "stop after this many epochs in this invocation (0 = run to --epochs); rerun to resume")
     quiet: bool = _f(False, "print only errors and the final summary")
+    verbose: bool = _f(False, "also print Ray's own INFO logs and Ray Data's progress bars")
     # augmentation (issue 3)
     augment_schedule: str = _f("none", "strength of the train augmentation over epochs: none, linear-decay, cosine-decay, linear-ramp or cosine-ramp, optionally :LEVEL (the far end, 0..1, default 0), e.g. cosine-decay:0.3")
 
@@ -80,6 +81,8 @@ class TrainConfig:
             raise ConfigError(f"--warmup-epochs must be 0 or more, got {self.warmup_epochs}")
         if not 0 <= self.val_fraction < 1:
             raise ConfigError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if self.quiet and self.verbose:
+            raise ConfigError("--quiet and --verbose contradict each other; give one")
         if self.num_workers and self.batch_size < self.num_workers:
             raise ConfigError(f"--batch-size {self.batch_size} is smaller than --num-workers {self.num_workers}; each worker needs at least one image per step")
 
@@ -103,8 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
         help_text = f"{field.metadata['help']} (default: {field.default})"
-        if field.type in ("bool", bool):
-            parser.add_argument(flag, action="store_true", help=field.metadata["help"])
+        if field.type in ("bool", bool):  # --no-X turns off what a --config file turned on
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=field.metadata["help"])
             continue
         kind = {"int": int, "float": float}.get(field.type if isinstance(field.type, str) else field.type.__name__, str)
         parser.add_argument(flag, type=kind, default=field.default, choices=field.metadata.get("choices"), help=help_text)
@@ -112,3 +115,76 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+
+
+def _field_kind(field) -> type:
+    name = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "str")
+    return {"int": int, "float": float, "bool": bool}.get(name, str)
+
+
+def load_config_file(path: str) -> dict:
+    """A YAML (or JSON) file of TrainConfig fields -> {field: value}, checked like the flags.
+
+    Keys are field names, with `_` or `-` (`batch_size` or `batch-size`). An unknown key, a
+    value of the wrong type or outside a field's choices is a ConfigError naming the file.
+    """
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config {path}: no such file; give a YAML file of settings such as configs/cifar-local.yaml")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)  # JSON is YAML too
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of setting: value, got a {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    out = {}
+    for raw_key, value in data.items():
+        key = str(raw_key).replace("-", "_")
+        if key not in fields:
+            raise ConfigError(f"--config {path}: unknown key {raw_key!r}; valid keys: {', '.join(sorted(fields))}")
+        field, kind = fields[key], _field_kind(fields[key])
+        if value is None and field.default is None:
+            out[key] = None
+            continue
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise ConfigError(f"--config {path}: {raw_key} must be true or false, got {value!r}")
+        elif kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = float(value)
+        elif kind is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = str(value)  # e.g. `name: 2024` or a numeric path
+        elif not isinstance(value, kind) or isinstance(value, bool):
+            raise ConfigError(f"--config {path}: {raw_key} must be {kind.__name__}, got {value!r}")
+        choices = field.metadata.get("choices")
+        if choices and value not in choices:
+            raise ConfigError(f"--config {path}: {raw_key} must be one of {', '.join(choices)}; got {value!r}")
+        out[key] = value
+    return out
+
+
+def parse_config(parser: argparse.ArgumentParser, argv=None) -> tuple[TrainConfig, dict]:
+    """Flags on top of an optional --config file on top of the defaults.
+
+    The file's values become the parser's defaults, so any flag given on the command line
+    wins over the file. Returns the config and where each non-default setting came from
+    ({field: "file" | "flag"}), for printing. `parser` must have --config (a path or None).
+    """
+    first, _ = parser.parse_known_args(argv)
+    from_file = load_config_file(first.config) if first.config else {}
+    parser.set_defaults(**from_file)
+    args = parser.parse_args(argv)
+    cfg = from_args(args)
+    defaults = TrainConfig.__dataclass_fields__
+    sources = {}
+    for name, field in defaults.items():
+        value = getattr(cfg, name)
+        if name in from_file and value == from_file[name]:
+            sources[name] = "file"
+        elif value != field.default:
+            sources[name] = "flag"
+    return cfg, sources
