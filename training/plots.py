@@ -60,3 +60,44 @@ def confusion_png(confusion: list[list[int]], class_names: list[str]) -> bytes:
                     ax.text(j, i, str(counts[i, j]), ha="center", va="center", fontsize=7, color="white" if share[i, j] > 0.5 else "black")
     ax.set(xlabel="predicted", ylabel="true", title="validation confusion matrix")
     return _figure_bytes(fig)
+
+
+def write_tensorboard(run_dir: str, history: list[dict], timings: list[dict] | None = None) -> str | None:
+    """TensorBoard event files under RUN_DIR/tensorboard, one scalar per metrics.csv column
+    per epoch, when torch's SummaryWriter (needs `tensorboard`) or `tensorboardX` imports.
+
+    Written once, by the driver, after training: the workers' hot loop stays free of it.
+    The events go to a local temporary directory first and are then copied, so RUN_DIR may
+    be s3:// or gs://. Returns the directory written, or None when neither library is there.
+    """
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            return None
+    import os
+    import tempfile
+
+    from training import artifacts
+
+    by_epoch = {r["epoch"]: dict(r) for r in history}
+    for t in timings or []:
+        by_epoch.setdefault(t["epoch"], {}).update(t)
+    groups = {"train_": "train/", "val_": "val/"}
+    with tempfile.TemporaryDirectory() as tmp:
+        writer = SummaryWriter(log_dir=tmp)
+        for epoch, row in sorted(by_epoch.items()):
+            for key, value in row.items():
+                if key == "epoch" or not isinstance(value, (int, float)):
+                    continue
+                prefix = next((p for p in groups if key.startswith(p)), None)
+                tag = groups[prefix] + key[len(prefix):] if prefix else f"run/{key}"
+                writer.add_scalar(tag, value, global_step=epoch)
+        writer.close()
+        out = artifacts.join(run_dir, "tensorboard")
+        for name in sorted(os.listdir(tmp)):
+            with open(os.path.join(tmp, name), "rb") as f:
+                artifacts.write_bytes(artifacts.join(out, name), f.read())
+    return out
