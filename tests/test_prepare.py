@@ -1,0 +1,69 @@
+"""jobs.prepare: Parquet shards hold the same split, labels, keys and pixels as the tree."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from jobs.prepare import main
+from tests.conftest import write_tree
+from training.data import read_split, scan_tree
+from training.parquet import MANIFEST, is_prepared, read_prepared_split, scan_prepared
+
+
+def _rows(ds) -> dict:
+    """key -> (label, image) of every row of a dataset of {image, label, key}."""
+    out = {}
+    for batch in ds.iter_batches(batch_format="numpy", batch_size=None):
+        for image, label, key in zip(batch["image"], batch["label"], batch["key"]):
+            out[int(key)] = (int(label), np.asarray(image))
+    return out
+
+
+def test_prepared_shards_read_back_as_the_tree(ray_cluster, tmp_path, capsys):
+    # mixed sizes: ragged batches come out of both readers alike
+    tree_dir = write_tree(tmp_path / "data", {"cat": 9, "dog": 8, "eel": 7}, sizes=[(32, 32), (24, 40)])
+    (tree_dir / "dog" / "broken.png").write_bytes(b"not a png")  # kept as bytes; dropped when decoded
+    out = tmp_path / "prepared"
+    assert main([str(tree_dir), str(out), "--val-fraction", "0.25", "--shard-mb", "0.004"]) == 0
+    assert "train with: python -m jobs.train --data" in capsys.readouterr().out
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert is_prepared(str(out)) and not is_prepared(str(tree_dir))
+    assert len(manifest["splits"]["train"]["shards"]) > 1  # several shards at this tiny size
+
+    tree, prepared = scan_tree(str(tree_dir), 0.25), scan_prepared(str(out))
+    assert prepared.class_names == tree.class_names
+    for a, b in ((tree.train, prepared.train), (tree.val, prepared.val)):
+        assert sorted(zip(a.paths, a.labels, a.keys)) == sorted(zip(b.paths, b.labels, b.keys))
+        assert a.total_bytes == b.total_bytes
+
+    # a shard row: the file's bytes unchanged, its size and its relative path
+    table = pq.read_table(out / manifest["splits"]["val"]["shards"][0])
+    row = table.slice(0, 1).to_pylist()[0]
+    assert (tree_dir / row["path"]).read_bytes() == row["bytes"]
+    assert (row["height"], row["width"]) in ((32, 32), (24, 40))
+
+    # the train split (the val split goes through the same reader): same rows, same pixels;
+    # the broken file, wherever it landed, is dropped by both readers
+    from_tree = _rows(read_split(tree.train, seed=0, shuffle=True))
+    from_parquet = _rows(read_prepared_split(prepared.train, seed=0, shuffle=True))
+    assert from_tree.keys() == from_parquet.keys() and len(from_tree) >= len(tree.train) - 1
+    for key, (label, image) in from_tree.items():
+        assert from_parquet[key][0] == label
+        np.testing.assert_array_equal(from_parquet[key][1], image)
+    assert len(tree.train) + len(tree.val) == 25
+
+
+def test_prepare_refuses_a_non_empty_out_and_a_bad_tree(tmp_path, capsys):
+    tree_dir = write_tree(tmp_path / "data", {"a": 2, "b": 2})
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("someone's file")
+    assert main([str(tree_dir), str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "already exists and is not empty" in err
+    assert main([str(tmp_path / "nowhere"), str(tmp_path / "out2")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+    assert not (tmp_path / "out2" / MANIFEST).exists()
