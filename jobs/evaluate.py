@@ -1,0 +1,63 @@
+"""Evaluate a trained model on labelled images: confusion matrix and per-class precision/recall.
+
+    python -m jobs.evaluate --model runs/photos/model.pt --data ~/photos-test
+    python -m jobs.evaluate --model runs/photos/model.pt --data ~/photos --split val   # the run's own validation split
+
+Labels come from the directory names (DIR/<class>/<img>, DIR/val/<class>/<img>) matched to
+the model's classes. Writes OUT/confusion.png, OUT/per_class.csv and OUT/predictions.csv
+and prints the accuracy and the per-class table. Exit codes: 0 done; 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from jobs.predict import add_inference_arguments
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m jobs.evaluate", description=__doc__.split("\n")[0])
+    add_inference_arguments(ap)
+    ap.add_argument("--split", default="all", choices=("all", "val"), help="all: every image below --data (a held-out test folder); val: the validation split training used, DIR/val or the hash split by the run's --val-fraction (default: all)")
+    ap.add_argument("--out", default=None, help="directory for confusion.png, per_class.csv, predictions.csv (default: eval/ beside the model file)")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    from jobs.train import connect
+    from training import artifacts, inference, plots
+    from training.data import DataError
+    from training.parquet import is_prepared
+
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.model)), "eval")
+    try:
+        info = inference.load_model_file(args.model)
+        val_fraction = float(info.get("config", {}).get("val_fraction", 0.2))
+        if not is_prepared(args.data):
+            _, labels, _ = inference.list_inputs(args.data, info["class_names"], args.split, val_fraction)
+            if all(lab < 0 for lab in labels):
+                raise DataError(f"{args.data}: no image sits in a directory named after one of the model's classes {list(info['class_names'])[:10]}; evaluation needs labels (use jobs.predict for unlabelled images)")
+    except (inference.ModelFileError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    connect()
+    rows, unread = inference.predict(info, args.data, split=args.split, val_fraction=val_fraction, batch_size=args.batch_size, actors=args.actors, device=args.device)
+    names = list(info["class_names"])
+    confusion = inference.confusion_matrix(rows, len(names))
+    stats = inference.per_class(confusion, names)
+    artifacts.write_bytes(artifacts.join(out, "confusion.png"), plots.confusion_png(confusion, names))
+    artifacts.write_csv(artifacts.join(out, "per_class.csv"), stats)
+    inference.write_predictions_csv(rows, artifacts.join(out, "predictions.csv"), names)
+    correct, labelled = inference.accuracy(rows)
+    print(inference.per_class_table(stats))
+    if unread:
+        print(f"skipped {len(unread)} unreadable file(s), e.g. {unread[0]}")
+    print(f"accuracy {correct / max(labelled, 1):.4f} ({correct}/{labelled} labelled images); wrote {out}/confusion.png, per_class.csv, predictions.csv")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""jobs.predict and jobs.evaluate on a model.pt in the trainer's format (freshly initialised,
+not trained: the tests check the plumbing, the CSV and the arithmetic, not the accuracy)."""
+
+from __future__ import annotations
+
+import csv
+import re
+
+import pytest
+import torch
+
+from augment.presets import PRESETS
+from tests.conftest import write_tree
+from training.config import TrainConfig
+from training.data import scan_tree
+from training.model import resnet18
+
+
+@pytest.fixture(scope="module")
+def model_and_tree(tmp_path_factory):
+    from training.job import _model_bytes
+
+    root = tmp_path_factory.mktemp("predict")
+    data = write_tree(root / "data", {"cat": 6, "dog": 6, "eel": 6}, sizes=[(32, 32), (36, 30)])
+    tree = scan_tree(str(data), 0.2)  # the model's classes: cat, dog, eel
+    (data / "unsorted").mkdir()
+    write_tree(root / "tmp", {"x": 2})
+    for p in (root / "tmp" / "x").iterdir():  # images in a directory that is not a class
+        p.rename(data / "unsorted" / p.name)
+    torch.manual_seed(0)
+    model = resnet18(tree.num_classes, small_stem=True)
+    path = root / "model.pt"
+    path.write_bytes(_model_bytes(model.state_dict(), tree, PRESETS["cifar"], TrainConfig()))
+    return path, data
+
+
+def _csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_predict_writes_one_row_per_image_and_the_accuracy_of_the_csv(ray_cluster, model_and_tree, tmp_path, capsys):
+    from jobs.predict import main
+
+    model, data = model_and_tree
+    out = tmp_path / "predictions.csv"
+    assert main(["--model", str(model), "--data", str(data), "--out", str(out), "--batch-size", "8"]) == 0
+    printed = capsys.readouterr().out
+    rows = _csv(out)
+    files = sorted(str(p.relative_to(data)) for p in data.rglob("*.png"))
+    assert sorted(r["path"] for r in rows) == files  # 18 labelled + 2 unlabelled
+    assert {r["predicted"] for r in rows} <= {"cat", "dog", "eel"}
+    assert all(0 < float(r["confidence"]) <= 1 for r in rows)
+    assert {r["label"] for r in rows if r["path"].startswith("unsorted/")} == {""}
+    labelled = [r for r in rows if r["label"]]
+    assert len(labelled) == 18
+    correct = sum(r["label"] == r["predicted"] for r in labelled)
+    m = re.search(r"accuracy (\d\.\d{4}) \((\d+)/(\d+) labelled images\)", printed)
+    assert m, printed
+    assert (int(m.group(2)), int(m.group(3))) == (correct, 18)
+    assert float(m.group(1)) == round(correct / 18, 4)
+
+
+def test_predict_matches_the_model_applied_by_hand(model_and_tree):
+    """The saved eval transform and weights, applied without Ray, give the CSV's classes."""
+    from augment.ops import Normalize
+    from augment.presets import Pipeline
+    from augment.stage import augment_batch
+    from training import inference
+    from training.data import decode_image
+
+    model_path, data = model_and_tree
+    info = inference.load_model_file(str(model_path))
+    model = resnet18(3, small_stem=True)
+    model.load_state_dict(info["state_dict"])
+    model.eval()
+    t = info["eval_transform"]
+    pipeline, normalize = Pipeline(t["ops"], seed=0), Normalize(t["mean"], t["std"])
+    files = sorted((data / "cat").glob("*.png"))[:3] + sorted((data / "dog").glob("*.png"))[:3]
+    import numpy as np
+
+    images = np.empty(len(files), dtype=object)
+    images[:] = [decode_image(f.read_bytes()) for f in files]
+    predictor = inference.Predictor(info)
+    got = predictor({"image": images, "label": np.zeros(len(files), np.int64), "path": np.array([str(f) for f in files], dtype=object)})
+    for i, f in enumerate(files):
+        crop = augment_batch(pipeline, images[i : i + 1], torch.zeros(1, dtype=torch.int64), 0, torch.device("cpu"))
+        with torch.no_grad():
+            probs = model(normalize(crop)).softmax(1)[0]
+        assert int(probs.argmax()) == got["pred"][i]
+        assert abs(float(probs.max()) - got["prob"][i]) < 1e-5
+
+
+def test_evaluate_on_a_prepared_directory(ray_cluster, model_and_tree, tmp_path, capsys):
+    """jobs.evaluate reads a jobs.prepare directory: confusion.png, a per-class table that
+    agrees with its predictions.csv, and the same predictions as from the image tree."""
+    import shutil
+
+    from jobs.evaluate import main
+    from jobs.predict import main as predict
+    from jobs.prepare import main as prepare
+
+    model, data = model_and_tree
+    labelled_only = shutil.copytree(data, tmp_path / "labelled", ignore=shutil.ignore_patterns("unsorted"))
+    assert prepare([str(labelled_only), str(tmp_path / "prep")]) == 0
+    out = tmp_path / "eval"
+    assert main(["--model", str(model), "--data", str(tmp_path / "prep"), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert (out / "confusion.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = _csv(out / "predictions.csv")
+    assert len(rows) == 18 and all(r["label"] for r in rows)
+    per_class = {r["class"]: r for r in _csv(out / "per_class.csv")}
+    assert set(per_class) == {"cat", "dog", "eel"}
+    for name, stats in per_class.items():
+        present = [r for r in rows if r["label"] == name]
+        predicted = [r for r in rows if r["predicted"] == name]
+        hits = sum(r["predicted"] == name for r in present)
+        assert int(stats["images"]) == len(present) == 6
+        assert float(stats["recall"]) == pytest.approx(hits / 6)
+        if predicted:
+            assert float(stats["precision"]) == pytest.approx(hits / len(predicted))
+        assert re.search(rf"^{name}\s+6\s", printed, re.M)
+    # the same images as files give the same predictions
+    assert predict(["--model", str(model), "--data", str(labelled_only), "--out", str(tmp_path / "p.csv")]) == 0
+    assert [(r["path"], r["predicted"], r["label"]) for r in _csv(tmp_path / "p.csv")] == [(r["path"], r["predicted"], r["label"]) for r in rows]
+
+
+@pytest.mark.parametrize("module", ["jobs.predict", "jobs.evaluate"])
+def test_bad_input_is_one_line_and_exit_2(module, model_and_tree, tmp_path, capsys):
+    import importlib
+
+    main = importlib.import_module(module).main
+    model, data = model_and_tree
+    assert main(["--model", str(tmp_path / "missing.pt"), "--data", str(data)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("error: --model") and "no such file" in err
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    assert main(["--model", str(tmp_path / "junk.pt"), "--data", str(data)]) == 2
+    assert "not a model.pt" in capsys.readouterr().err
+    assert main(["--model", str(model), "--data", str(tmp_path / "nowhere")]) == 2
+    assert "no such directory" in capsys.readouterr().err
