@@ -58,8 +58,9 @@ def connect(verbose: bool = False) -> None:
     if os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"):
         ray.init(**kwargs)
     else:
-        # a local run: the dashboard (needed by Ray Train's state API) listens on loopback only
-        ray.init(include_dashboard=True, dashboard_host="127.0.0.1", **kwargs)
+        # a plain local run starts its own embedded cluster (never joins one found on the
+        # machine); the dashboard, which Ray Train's state API needs, listens on loopback only
+        ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", **kwargs)
 
 
 def main(argv=None) -> int:
@@ -76,9 +77,12 @@ def main(argv=None) -> int:
     connect(cfg.verbose)
     try:
         summary = job.run(cfg, tree, preset, log=log)
-    except ConfigError as e:
+    except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except job.Interrupted as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        return 130
     except job.TrainingFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

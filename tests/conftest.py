@@ -51,7 +51,15 @@ def ray_cluster():
 
     kwargs = quiet_ray()
     # 2 logical CPUs per node on a 2-core machine: a train worker per node plus Ray Data's actors
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": True, "dashboard_host": "127.0.0.1"})
+    import socket
+
+    with socket.socket() as sock:  # a free dashboard port: another Ray on this machine may hold 8265
+        sock.bind(("127.0.0.1", 0))
+        dashboard_port = sock.getsockname()[1]
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": dashboard_port},
+    )
     cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
     _shared["cluster"] = cluster

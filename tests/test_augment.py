@@ -407,9 +407,9 @@ def test_read_examples_takes_the_first_of_each_class(tree):
     assert len(set(keys)) == 4
 
 
-def test_a_bad_augment_schedule_is_a_config_error_before_any_actor_starts():
+def test_a_bad_augment_schedule_is_a_config_error_before_ray_starts(tree, tmp_path):
     from training.config import ConfigError, TrainConfig
-    from training.job import build_datasets
+    from training.job import prepare
 
     with pytest.raises(ConfigError, match="--augment-schedule: unknown augmentation schedule 'fast'; valid: none, linear-decay"):
-        build_datasets(TrainConfig(augment_schedule="fast"), tree=None, preset=None, plan=None, clock=None)
+        prepare(TrainConfig(data=str(tree), augment_schedule="fast", storage_path=str(tmp_path)))

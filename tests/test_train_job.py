@@ -69,11 +69,11 @@ def test_ranks_start_from_identical_weights_and_see_different_images(two_worker_
     assert [r["rank"] for r in ranks] == [0, 1]
     assert ranks[0]["init_digest"] == ranks[1]["init_digest"]
     assert ranks[0]["node_id"] != ranks[1]["node_id"], "CPU workers should spread over the 2 nodes"
-    cov = summary["last_epoch_coverage"]
+    (cov,) = summary["coverage"]
     # streaming_split(equal=True) may drop up to world_size-1 rows so both ranks take the same steps
-    assert len(tree.train) - 1 <= cov["seen_images"] <= len(tree.train)
+    assert cov["expected"] == len(tree.train) and cov["duplicated"] == 0 and cov["missing"] <= 1
     assert cov["per_rank"][0] == cov["per_rank"][1] > 0
-    if cov["seen_images"] == len(tree.train):
+    if cov["seen"] == len(tree.train):
         assert cov["exactly_once"], "the ranks' images overlap or miss some"
 
 
@@ -94,6 +94,7 @@ def test_deterministic_runs_repeat_and_resume_continues(ray_cluster, data, tmp_p
     first, _ = _run(name="c", stop_after=1, **common)
     assert first["epochs"] == 1
     second, _ = _run(name="c", **common)  # same name: resumes at epoch 2, not from scratch
+    assert second["resumed_at_epochs"] == [2]
     rows = _rows(tmp_path / "c" / "metrics.csv")
     assert [r["epoch"] for r in rows] == ["1", "2"]
     assert (tmp_path / "c" / "metrics.csv").read_text() == a

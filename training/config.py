@@ -56,6 +56,8 @@ class TrainConfig:
     # output
     storage_path: str = _f("runs", "where run directories go (local path, or s3://, gs:// for multi-node)")
     name: str = _f("", "run name; the run directory is STORAGE_PATH/NAME. Default: run-<timestamp>. Rerunning a name resumes it")
+    max_failures: int = _f(2, "times Ray Train restarts the workers from the last checkpoint after a worker dies; -1 = always")
+    strict: bool = _f(False, "stop with exit 2 if any image in the tree cannot be decoded (default: skip it and list it in bad_files.csv)")
     fresh: bool = _f(False, "start NAME over instead of resuming from its last checkpoint")
     stop_after: int = _f(0, "stop after this many epochs in this invocation (0 = run to --epochs); rerun to resume")
     quiet: bool = _f(False, "print only errors and the final summary")
@@ -75,6 +77,8 @@ class TrainConfig:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
         if not 0 <= self.label_smoothing < 1:
             raise ConfigError(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
+        if self.max_failures < -1:
+            raise ConfigError(f"--max-failures must be -1 (unlimited) or more, got {self.max_failures}")
         if self.stop_after < 0:
             raise ConfigError(f"--stop-after must be 0 or positive, got {self.stop_after}")
         if self.warmup_epochs < 0:

@@ -124,6 +124,10 @@ def scan_tree(root: str, val_fraction: float = 0.2) -> ImageTree:
     """Find classes and files and split them. Raises DataError for anything unusable."""
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+    from training import parquet  # local import: parquet imports this module
+
+    if parquet.is_prepared(root):  # the Parquet form written by `python -m jobs.prepare`
+        return parquet.scan_prepared(root)
     fs, base, uri_prefix = _filesystem(root)
     if not _is_dir(fs, base):
         raise DataError(f"{root}: no such directory; pass --data with a folder laid out as <class>/<image>")
@@ -182,25 +186,66 @@ def scan_tree(root: str, val_fraction: float = 0.2) -> ImageTree:
 
 
 def decode_image(data: bytes) -> np.ndarray:
-    """Encoded bytes -> uint8 HWC RGB. Grayscale, RGBA, palette, CMYK and 16-bit become RGB."""
+    """Encoded bytes -> uint8 HWC RGB. Grayscale, RGBA, palette, CMYK and 16-bit become RGB;
+    an animated image gives its first frame. Raises BadImage, with the reason, for anything
+    that is not a whole, sane image."""
+    import warnings
+
     from PIL import Image
 
-    with Image.open(io.BytesIO(data)) as img:
-        if img.mode in ("I;16", "I;16B", "I;16L", "I"):
-            arr = np.asarray(img, dtype=np.float32)
-            scale = 255.0 / 65535.0 if arr.max() > 255 else 1.0
-            gray = np.clip(arr * scale + 0.5, 0, 255).astype(np.uint8)
-            return np.repeat(gray[:, :, None], 3, axis=2)
-        if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
-            img = img.convert("RGBA")
-            background = Image.new("RGBA", img.size, (255, 255, 255, 255))
-            img = Image.alpha_composite(background, img)
-        return np.asarray(img.convert("RGB"))
+    if not data:
+        raise BadImage("empty file (0 bytes)")
+    try:
+        with warnings.catch_warnings():
+            # Pillow only warns between MAX_IMAGE_PIXELS and twice that; either way we refuse
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as img:
+                return _to_rgb(img)
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as e:
+        raise BadImage(f"decompression bomb: {e}") from None
+    except Image.UnidentifiedImageError:
+        raise BadImage("not an image Pillow can read (wrong extension or corrupt header)") from None
+    except (OSError, SyntaxError, ValueError) as e:  # truncated data, broken chunks, bad palettes
+        raise BadImage(f"corrupt image: {e}") from None
+
+
+def _to_rgb(img) -> np.ndarray:
+    from PIL import Image
+
+    if img.mode in ("I;16", "I;16B", "I;16L", "I"):
+        arr = np.asarray(img, dtype=np.float32)
+        scale = 255.0 / 65535.0 if arr.max() > 255 else 1.0
+        gray = np.clip(arr * scale + 0.5, 0, 255).astype(np.uint8)
+        return np.repeat(gray[:, :, None], 3, axis=2)
+    if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
+        img = Image.alpha_composite(Image.new("RGBA", img.size, (255, 255, 255, 255)), img.convert("RGBA"))
+    return np.asarray(img.convert("RGB"))
+
+
+class BadImage(ValueError):
+    """A file in the tree that cannot be used as an image; the message is the reason."""
+
+
+class BadFileLog:
+    """Collects (path, reason) of files that failed to decode, from every decoder; run as an
+    actor with num_cpus=0. Decoders call it only when a batch has a bad file."""
+
+    def __init__(self):
+        self.bad: dict[str, str] = {}
+
+    def add(self, rows: list[tuple[str, str]]) -> None:
+        for path, reason in rows:
+            self.bad.setdefault(path, reason)  # a file fails every epoch; keep it once
+
+    def get(self) -> dict[str, str]:
+        return dict(self.bad)
 
 
 def stack_images(images: list[np.ndarray]) -> np.ndarray:
     """One (N, H, W, 3) array when the sizes agree, else an object array of HWC arrays."""
-    if images and all(im.shape == images[0].shape for im in images):
+    if not images:
+        return np.zeros((0, 1, 1, 3), dtype=np.uint8)
+    if all(im.shape == images[0].shape for im in images):
         return np.stack(images)
     out = np.empty(len(images), dtype=object)
     out[:] = images
@@ -208,21 +253,34 @@ def stack_images(images: list[np.ndarray]) -> np.ndarray:
 
 
 class Decoder:
-    """map_batches function: {bytes, path} -> {image, label, key}."""
+    """map_batches function: {bytes, path} -> {image, label, key}.
 
-    def __init__(self, split: Split):
-        self._meta = {p.split("://", 1)[-1]: (lab, key) for p, lab, key in zip(split.paths, split.labels, split.keys)}
+    A file that fails to decode is dropped on its own (its good neighbours in the block
+    stay) and reported to `bad_log`: Ray Data's max_errored_blocks would drop whole blocks.
+    """
+
+    def __init__(self, split: Split, bad_log=None):
+        # read_binary_files gives paths without the URI scheme
+        self._meta = {p.split("://", 1)[-1]: (p, lab, key) for p, lab, key in zip(split.paths, split.labels, split.keys)}
+        self._bad_log = bad_log
 
     def __call__(self, batch: dict) -> dict:
-        meta = [self._meta[p] for p in batch["path"]]
-        return {
-            "image": stack_images([decode_image(b) for b in batch["bytes"]]),
-            "label": np.array([m[0] for m in meta], dtype=np.int64),
-            "key": np.array([m[1] for m in meta], dtype=np.int64),
-        }
+        images, labels, keys, bad = [], [], [], []
+        for path, data in zip(batch["path"], batch["bytes"]):
+            full, label, key = self._meta[path]
+            try:
+                images.append(decode_image(data))
+            except BadImage as e:
+                bad.append((full, str(e)))
+                continue
+            labels.append(label)
+            keys.append(key)
+        if bad and self._bad_log is not None:
+            self._bad_log.add.remote(bad)  # fire and forget: the driver reads the log later
+        return {"image": stack_images(images), "label": np.array(labels, dtype=np.int64), "key": np.array(keys, dtype=np.int64)}
 
 
-def read_split(split: Split, *, seed: int, shuffle: bool):
+def read_split(split: Split, *, seed: int, shuffle: bool, bad_log=None):
     """Ray Dataset of decoded images for one split.
 
     Files are read in an order shuffled once by `seed` so that blocks mix classes; the
@@ -230,11 +288,15 @@ def read_split(split: Split, *, seed: int, shuffle: bool):
     """
     import ray.data
 
+    from training.parquet import PreparedSplit, read_prepared_split
+
+    if isinstance(split, PreparedSplit):
+        return read_prepared_split(split, seed=seed, shuffle=shuffle, bad_log=bad_log)
     paths = list(split.paths)
     if shuffle:
         paths = [paths[i] for i in np.random.default_rng(seed).permutation(len(paths))]
     ds = ray.data.read_binary_files(paths, include_paths=True)
-    return ds.map_batches(Decoder(split), batch_format="numpy", batch_size=64)
+    return ds.map_batches(Decoder(split, bad_log), batch_format="numpy", batch_size=64)
 
 
 # --------------------------------------------------------------------------- default data

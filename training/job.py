@@ -15,6 +15,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 import time
 
 import ray
@@ -23,10 +24,11 @@ import torch
 from ray.train.torch import TorchTrainer
 
 from augment.presets import Preset, load_preset
+from augment.schedule import parse_schedule
 from augment.stage import AugmentStage, EpochClock
 from training import artifacts, plots
 from training.config import ConfigError, TrainConfig
-from training.data import ImageTree, default_dataset_dir, read_split, scan_tree
+from training.data import BadFileLog, DataError, ImageTree, default_dataset_dir, read_split, scan_tree
 from training.loop import CHECKPOINT_FILE, KEY_MOD, train_loop
 from training.model import uses_small_stem
 
@@ -37,12 +39,20 @@ class TrainingFailed(RuntimeError):
     """Training started but did not finish."""
 
 
+class Interrupted(RuntimeError):
+    """The user stopped the run (Ctrl-C); its last checkpoint stays usable."""
+
+
 def prepare(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree, Preset]:
     """Everything that needs no cluster: resolve defaults, scan the tree, load the preset."""
     cfg = cfg.with_defaults_resolved()
     root = cfg.data or str(default_dataset_dir())
     tree = scan_tree(root, cfg.val_fraction)
     preset = load_preset(cfg.preset)
+    try:  # a bad schedule name is found before Ray starts
+        parse_schedule(cfg.augment_schedule)
+    except ValueError as e:
+        raise ConfigError(f"--augment-schedule: {e}") from None
     if cfg.init_weights and not os.path.isfile(cfg.init_weights):
         raise ConfigError(f"--init-weights {cfg.init_weights}: no such file; give a torchvision ResNet18 state_dict saved with torch.save")
     run_dir = artifacts.join(cfg.storage_path, cfg.name)
@@ -74,22 +84,36 @@ class Capacity:
         return ""
 
 
+def _v1_autoscaler_runs() -> bool:
+    """True when `ray up`'s (v1) autoscaler manages this cluster. Every cluster's monitor
+    writes a status; without an autoscaling config its read-only provider names each node's
+    type "node_<node id>", while a real autoscaler uses the config's node types."""
+    import json
+
+    from ray._private import ray_constants
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    raw = _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS)
+    if not raw:
+        return False
+    mapping = json.loads(raw).get("autoscaler_report", {}).get("node_type_mapping") or {}
+    return any(node_type != f"node_{node_id}" for node_id, node_type in mapping.items())
+
+
 def cluster_capacity() -> Capacity:
     """Current resources, raised to the autoscaler's ceiling where Ray publishes one (autoscaler
     v2, KubeRay); Ray Train checks its workers against the same ceiling."""
-    from ray._private import ray_constants
     from ray._private.state import state
-    from ray.experimental.internal_kv import _internal_kv_get
 
     now = ray.cluster_resources()
     ceiling = state.get_max_resources_from_cluster_config() or {}
-    autoscaler_v1 = bool(_internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS))  # written by every v1 update
+    autoscaler_v1 = not ceiling and _v1_autoscaler_runs()
     return Capacity(
         cpus=max(int(now.get("CPU", 0)), int(ceiling.get("CPU", 0))),
         gpus=max(int(now.get("GPU", 0)), int(ceiling.get("GPU", 0))),
         hosts=len({n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}),
         autoscaling=bool(ceiling) or autoscaler_v1,
-        bounded=bool(ceiling) or not autoscaler_v1,
+        bounded=not autoscaler_v1,
     )
 
 
@@ -179,21 +203,17 @@ def plan_resources(cfg: TrainConfig, capacity: Capacity) -> ResourcePlan:
     )
 
 
-def build_datasets(cfg: TrainConfig, tree: ImageTree, preset: Preset, plan: ResourcePlan, clock) -> dict:
+def build_datasets(cfg: TrainConfig, tree: ImageTree, preset: Preset, plan: ResourcePlan, clock, bad_log=None) -> dict:
     """train/val Ray Datasets: read -> decode -> (cache) -> augment actors."""
-    from augment.schedule import parse_schedule
-
-    try:  # fail before any actor starts; the CLI turns this into exit 2
-        parse_schedule(cfg.augment_schedule)
-    except ValueError as e:
-        raise ConfigError(f"--augment-schedule: {e}") from None
     out = {}
     for split_name, split in (("train", tree.train), ("val", tree.val)):
         train = split_name == "train"
         small = split.total_bytes <= CACHE_DECODED_MAX_BYTES
-        ds = read_split(split, seed=cfg.seed, shuffle=train)
+        ds = read_split(split, seed=cfg.seed, shuffle=train, bad_log=bad_log)
         if small and train:
             ds = ds.materialize()  # small data: decode once, not every epoch
+        elif cfg.strict:
+            ds.count()  # --strict: decode every file once now, so a bad one stops the run before training
         ds = ds.map_batches(
             AugmentStage,
             fn_constructor_kwargs={
@@ -257,7 +277,21 @@ def run(cfg: TrainConfig, tree: ImageTree, preset: Preset, *, log=print) -> dict
          "class_names": list(tree.class_names), "git_commit": git_commit(), "data_root": tree.root},
     )
 
-    clock = ray.remote(num_cpus=0)(EpochClock).remote()
+    helpers = [ray.remote(num_cpus=0)(EpochClock).remote(), ray.remote(num_cpus=0)(BadFileLog).remote()]
+    try:
+        return _fit(cfg, tree, preset, plan, *helpers, run_dir=run_dir, start=start, log=log)
+    finally:
+        for actor in helpers:  # nothing of this run may hold cluster resources afterwards
+            ray.kill(actor)
+
+
+def _fit(cfg, tree, preset, plan, clock, bad_log, *, run_dir, start, log) -> dict:
+    datasets = build_datasets(cfg, tree, preset, plan, clock, bad_log)
+    bad = ray.get(bad_log.get.remote())  # all of it when the data was decoded up front, else a start
+    if bad and cfg.strict:
+        _write_bad_files(run_dir, bad)
+        first = next(iter(sorted(bad.items())))
+        raise DataError(f"{len(bad)} unreadable image(s), e.g. {first[0]}: {first[1]}; see {artifacts.join(run_dir, 'bad_files.csv')}; drop --strict to skip them")
     job = {
         "config": cfg.to_dict(),
         "class_names": list(tree.class_names),
@@ -266,6 +300,7 @@ def run(cfg: TrainConfig, tree: ImageTree, preset: Preset, *, log=print) -> dict
         "train_size": len(tree.train),
         "threads_per_worker": plan.threads_per_worker,
         "clock": clock,
+        "progress": not cfg.quiet and sys.stderr.isatty(),  # no bar in log files or `ray job logs`
     }
     trainer = TorchTrainer(
         train_loop,
@@ -280,25 +315,38 @@ def run(cfg: TrainConfig, tree: ImageTree, preset: Preset, *, log=print) -> dict
             name=cfg.name,
             storage_path=cfg.storage_path,
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
+            failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1, checkpoint_score_attribute="val_acc", checkpoint_score_order="max"),
         ),
-        datasets=build_datasets(cfg, tree, preset, plan, clock),
+        datasets=datasets,
         dataset_config=_SplitValUnequally(),
     )
     try:
         result = trainer.fit()
+    except (KeyboardInterrupt, SystemExit):  # Ray Train's SIGINT handler aborts the run, then sys.exit(0)
+        raise Interrupted(f"interrupted; the last checkpoint is in {run_dir}: rerun with the same --name to resume") from None
     except Exception as e:  # Ray wraps worker errors; keep the cause, drop the stack
         raise TrainingFailed(f"training failed: {type(e).__name__}: {e}") from e
     finally:
-        ray.kill(clock)
+        bad = ray.get(bad_log.get.remote())
+        if bad:
+            _write_bad_files(run_dir, bad)
+            log(f"skipped {len(bad)} unreadable image(s), listed with reasons in {artifacts.join(run_dir, 'bad_files.csv')}")
     if result.error:
         raise TrainingFailed(f"training failed: {result.error}")
+    if result.checkpoint is None:
+        raise TrainingFailed("training ended without a checkpoint")
     with result.checkpoint.as_directory() as d:
         state = torch.load(os.path.join(d, CHECKPOINT_FILE), map_location="cpu", weights_only=True)
     artifacts.write_bytes(artifacts.join(run_dir, "model.pt"), _model_bytes(state["model"], tree, preset, cfg))
     artifacts.write_bytes(artifacts.join(run_dir, "curves.png"), plots.curves_png(state["history"]))
     artifacts.write_bytes(artifacts.join(run_dir, "confusion.png"), plots.confusion_png(state["confusion"], list(tree.class_names)))
-    summary = summarize(state, time.time() - start, plan, tree)
+    if plots.write_tensorboard(run_dir, state["history"], state["timings"]):
+        log(f"tensorboard: tensorboard --logdir {artifacts.join(run_dir, 'tensorboard')}")
+    summary = summarize(state, time.time() - start, plan, tree, bad)
+    for problem in (c for c in summary["coverage"] if c["duplicated"] or c["missing"] > c["dropped_for_equal_split"]):
+        log(f"warning: epoch {problem['epoch']} trained on {problem['seen']} images, expected {problem['expected']} "
+            f"({problem['duplicated']} duplicated, {problem['missing']} missing)")
     artifacts.write_json(artifacts.join(run_dir, "summary.json"), summary)
     return summary
 
@@ -323,15 +371,36 @@ def _model_bytes(state_dict, tree: ImageTree, preset: Preset, cfg: TrainConfig) 
     return buf.getvalue()
 
 
-def coverage(seen: list[dict], keys) -> dict:
-    """Did the ranks together train on every image of the epoch exactly once?"""
-    expected_sum = sum(k % KEY_MOD for k in keys) % KEY_MOD
-    seen_count = sum(r["count"] for r in seen)
-    exact = seen_count == len(keys) and sum(r["key_sum"] for r in seen) % KEY_MOD == expected_sum
-    return {"expected_images": len(keys), "seen_images": seen_count, "exactly_once": exact, "per_rank": [r["count"] for r in seen]}
+def _write_bad_files(run_dir: str, bad: dict[str, str]) -> None:
+    artifacts.write_csv(artifacts.join(run_dir, "bad_files.csv"), [{"path": p, "reason": r} for p, r in sorted(bad.items())])
 
 
-def summarize(state: dict, wall_s: float, plan: ResourcePlan, tree: ImageTree) -> dict:
+def coverage(seen_per_epoch: list[list[dict]], tree: ImageTree, bad: dict[str, str]) -> list[dict]:
+    """Per epoch: did the ranks together train on every good image exactly once?
+
+    Each rank reports how many images it trained on and the sum of their keys (mod KEY_MOD).
+    Equal splits may drop up to world_size - 1 rows; more missing, or any surplus, is
+    reported (a restarted augment actor can redeliver a batch).
+    """
+    good = [k for p, k in zip(tree.train.paths, tree.train.keys) if p not in bad]
+    expected_sum = sum(k % KEY_MOD for k in good) % KEY_MOD
+    out = []
+    for epoch, ranks in enumerate(seen_per_epoch, start=1):
+        count = sum(r["count"] for r in ranks)
+        out.append({
+            "epoch": epoch,
+            "expected": len(good),
+            "seen": count,
+            "exactly_once": count == len(good) and sum(r["key_sum"] for r in ranks) % KEY_MOD == expected_sum,
+            "duplicated": max(0, count - len(good)),
+            "missing": max(0, len(good) - count),
+            "dropped_for_equal_split": len(ranks) - 1,
+            "per_rank": [r["count"] for r in ranks],
+        })
+    return out
+
+
+def summarize(state: dict, wall_s: float, plan: ResourcePlan, tree: ImageTree, bad: dict[str, str]) -> dict:
     history, timings = state["history"], state["timings"]
     last = history[-1]
     steady = timings[1:] or timings  # skip the first epoch (actor start-up) when there is more than one
@@ -354,7 +423,9 @@ def summarize(state: dict, wall_s: float, plan: ResourcePlan, tree: ImageTree) -
         "per_class_val_acc": {
             name: round(row[i] / sum(row), 6) if sum(row) else None for i, (name, row) in enumerate(zip(tree.class_names, confusion))
         },
-        "last_epoch_coverage": coverage(state["seen"], tree.train.keys),
+        "coverage": coverage(state["seen"], tree, bad),
+        "bad_files": len(bad),
+        "resumed_at_epochs": state["resumed_at_epochs"],
         "ranks": state["ranks"],
     }
     if "val_top5" in last:

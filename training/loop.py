@@ -21,9 +21,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from augment.mix import MixUpCutMix, mix_generator
 from augment.ops import Normalize
 from training import artifacts
 from training.config import TrainConfig
+from training.console import EpochProgress
 from training.model import load_init_weights, resnet18, uses_small_stem
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -96,13 +98,13 @@ def _all_gather(obj) -> list:
 # --------------------------------------------------------------------------- epochs
 
 
-def train_epoch(model, batches, optimizer, scheduler, scaler, normalize, cfg: TrainConfig, device) -> dict:
+def train_epoch(model, batches, optimizer, scheduler, scaler, normalize, cfg: TrainConfig, device, *, epoch: int, rank: int, mix=None, bar=None) -> dict:
     """One pass over this rank's shard; loss and accuracy summed over ranks."""
     model.train()
     amp = torch.autocast(device.type, dtype=torch.bfloat16 if cfg.amp == "bf16" else torch.float16) if cfg.amp != "off" else contextlib.nullcontext()
     sums = torch.zeros(3, device=device, dtype=torch.float64)  # loss*n, correct, n: stays on device, no per-step sync
     digest = torch.zeros(2, device=device, dtype=torch.int64)  # sum of keys, order hash (mod KEY_MOD)
-    wait_s, start = 0.0, time.perf_counter()
+    wait_s, start, step = 0.0, time.perf_counter(), 0
     it = iter(batches)
     while True:
         t0 = time.perf_counter()
@@ -111,15 +113,22 @@ def train_epoch(model, batches, optimizer, scheduler, scaler, normalize, cfg: Tr
         if batch is None:
             break
         x, y = normalize(batch["image"]), batch["label"]  # uint8 (B,H,W,3) -> float (B,3,H,W) channels_last
+        target, smoothing = y, cfg.label_smoothing
+        if mix is not None:  # MixUp/CutMix where the labels are: soft targets, replayable from (seed, epoch, step, rank)
+            x, target = mix(x, y, mix_generator(cfg.seed, epoch, step, rank))
+            smoothing = 0.0  # already folded into the soft targets
+        step += 1
         with amp:
             logits = model(x)
-            loss = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
+            loss = F.cross_entropy(logits, target, label_smoothing=smoothing)
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
         scheduler.step()
         sums += torch.stack([loss.detach().double() * y.shape[0], (logits.argmax(1) == y).sum().double(), torch.tensor(y.shape[0], device=device, dtype=torch.float64)])
+        if bar is not None:
+            bar.update(y.shape[0], loss.detach())  # reads the loss (a host sync) at most once a second
         keys = batch["key"] % KEY_MOD
         digest = torch.stack([(digest[0] + keys.sum()) % KEY_MOD, (digest[1] * 1_000_003 + keys[0]) % KEY_MOD])
     elapsed = time.perf_counter() - start
@@ -199,9 +208,11 @@ def train_loop(job: dict) -> None:
     scheduler = build_scheduler(cfg, optimizer, steps_per_epoch)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16")
     normalize = Normalize(job["preset"]["mean"], job["preset"]["std"]).to(device)
+    mix_cfg = job["preset"].get("mix")
+    mix = MixUpCutMix(num_classes=num_classes, **({"label_smoothing": cfg.label_smoothing} | mix_cfg)) if mix_cfg else None
     ranks = _all_gather({"rank": rank, "node_id": ray.get_runtime_context().get_node_id(), "init_digest": init_digest})
 
-    start_epoch, history, timings = 0, [], []
+    start_epoch, history, timings, seen_per_epoch, resumed_at = 0, [], [], [], []
     checkpoint = ray.train.get_checkpoint()
     if checkpoint:
         with checkpoint.as_directory() as d:
@@ -212,6 +223,7 @@ def train_loop(job: dict) -> None:
         scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng"]["cpu"])
         start_epoch, history, timings = state["epoch"] + 1, state["history"], state["timings"]
+        seen_per_epoch, resumed_at = state["seen"], state["resumed_at_epochs"] + [start_epoch + 1]
         if master:
             _say(f"resumed from {checkpoint.path} at epoch {start_epoch + 1}")
 
@@ -228,9 +240,12 @@ def train_loop(job: dict) -> None:
             local_shuffle_seed=cfg.seed * 1_000_003 + epoch * 1009 + rank,  # fresh every epoch, distinct per rank
             prefetch_batches=2,
         )
-        stats = train_epoch(model, batches, optimizer, scheduler, scaler, normalize, cfg, device)
+        bar = EpochProgress(job["train_size"], epoch, cfg.epochs, world_size=world, enabled=master and job["progress"])
+        stats = train_epoch(model, batches, optimizer, scheduler, scaler, normalize, cfg, device, epoch=epoch, rank=rank, mix=mix, bar=bar)
+        bar.close(stats)
         stats |= evaluate(bare, val_shard.iter_torch_batches(batch_size=per_worker, device=device), normalize, num_classes, device)
-        seen, confusion = stats.pop("seen"), stats.pop("confusion")
+        seen_per_epoch.append(stats.pop("seen"))
+        confusion = stats.pop("confusion")
         row = {"epoch": epoch + 1, "lr": round(scheduler.get_last_lr()[0], 8)}
         row |= {k: round(v, 6) if isinstance(v, float) else v for k, v in stats.items() if k not in TIMING_COLUMNS}
         timing = {"epoch": epoch + 1, "epoch_s": round(stats["epoch_s"], 3), "images_per_s": round(stats["train_images"] / stats["epoch_s"], 1), "data_wait_frac": round(stats["data_wait_frac"], 4)}
@@ -254,7 +269,8 @@ def train_loop(job: dict) -> None:
                     "history": history,
                     "timings": timings,
                     "confusion": confusion,
-                    "seen": seen,
+                    "seen": seen_per_epoch,  # per epoch, per rank: images trained on and their key sum
+                    "resumed_at_epochs": resumed_at,  # epochs a restart or a rerun continued from
                     "ranks": ranks,
                 }
                 torch.save(state, os.path.join(tmp, CHECKPOINT_FILE))

@@ -1,0 +1,218 @@
+"""Faults and bad data: every test first makes sure the fault really happened, then that
+the run recovered, lost nothing, and said what happened."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.conftest import write_tree
+from training import job
+from training.config import TrainConfig
+from training.data import DataError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(**overrides):
+    lines = []
+    cfg, tree, preset = job.prepare(TrainConfig(**overrides))
+    return job.run(cfg, tree, preset, log=lines.append), tree, lines
+
+
+def _png_claiming(width: int, height: int) -> bytes:
+    """A PNG whose header claims width x height pixels (its data is a 1x1 image's)."""
+    buf = io.BytesIO()
+    Image.new("L", (1, 1)).save(buf, format="PNG")
+    data = bytearray(buf.getvalue())
+    ihdr = 8 + 8  # signature, then length + b"IHDR"
+    data[ihdr : ihdr + 8] = struct.pack(">II", width, height)
+    crc = zlib.crc32(bytes(data[ihdr - 4 : ihdr + 13]))
+    data[ihdr + 13 : ihdr + 17] = struct.pack(">I", crc)
+    return bytes(data)
+
+
+def _no_leaks(ray_cluster, timeout=30.0):
+    """Every logical resource is free again: no actor or placement group left behind.
+    (object_store_memory counts bytes of live objects, not reservations, so it is not compared.)"""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        total, free = ray_cluster.cluster_resources(), ray_cluster.available_resources()
+        if all(abs(free.get(k, 0) - v) < 1e-6 for k, v in total.items() if k != "object_store_memory"):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"resources still held after the run: total {total}, available {free}")
+
+
+@pytest.fixture(scope="module")
+def messy_tree(tmp_path_factory):
+    """train/ with good images of every awkward kind and four bad files; val/ all good."""
+    root = tmp_path_factory.mktemp("messy")
+    write_tree(root / "train", {"a": 6, "b": 6})
+    write_tree(root / "val", {"a": 2, "b": 2}, seed=1)
+    rng = np.random.default_rng(0)
+    good = root / "train" / "b"
+    Image.fromarray((rng.random((30, 28)) * 65535).astype(np.uint16)).save(good / "sixteen_bit.png")
+    Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).convert("CMYK").save(good / "cmyk.jpg")
+    frames = [Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)) for _ in range(2)]
+    frames[0].save(good / "animated.gif", save_all=True, append_images=frames[1:])
+    Image.fromarray(rng.integers(0, 255, (32, 32), dtype=np.uint8), mode="L").save(good / "gray.png")
+    Image.fromarray(rng.integers(0, 255, (32, 32, 4), dtype=np.uint8), mode="RGBA").save(good / "rgba.png")
+    bad = root / "train" / "a"
+    jpeg = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(jpeg, format="JPEG")
+    (bad / "truncated.jpg").write_bytes(jpeg.getvalue()[: len(jpeg.getvalue()) // 2])
+    (bad / "not_an_image.jpg").write_bytes(b"this is a text file with a .jpg name\n" * 10)
+    (bad / "empty.jpg").write_bytes(b"")
+    (bad / "bomb.png").write_bytes(_png_claiming(20_000, 20_000))  # 400 Mpx claimed: over MAX_IMAGE_PIXELS
+    return root
+
+
+EXPECTED_BAD = {"truncated.jpg": "corrupt image", "not_an_image.jpg": "not an image", "empty.jpg": "empty file", "bomb.png": "decompression bomb"}
+
+
+def test_bad_files_are_listed_and_every_good_file_is_trained_on(ray_cluster, messy_tree, tmp_path):
+    summary, tree, lines = _run(data=str(messy_tree), epochs=1, batch_size=8, num_workers=1, storage_path=str(tmp_path), name="messy")
+    rows = list(csv.DictReader((tmp_path / "messy" / "bad_files.csv").open()))
+    reasons = {Path(r["path"]).name: r["reason"] for r in rows}
+    assert set(reasons) == set(EXPECTED_BAD)
+    for name, reason in EXPECTED_BAD.items():
+        assert reasons[name].startswith(reason), (name, reasons[name])
+    assert summary["bad_files"] == 4
+    assert any("skipped 4 unreadable image(s)" in line for line in lines)
+    (cov,) = summary["coverage"]
+    assert cov["expected"] == len(tree.train) - 4 == 12 + 5
+    assert cov["exactly_once"], cov  # the good neighbours of bad files, and every odd mode, were trained on
+    _no_leaks(ray_cluster)
+
+
+def test_strict_makes_a_bad_file_fatal_before_training(ray_cluster, messy_tree, tmp_path):
+    with pytest.raises(DataError, match=r"4 unreadable image\(s\).*drop --strict"):
+        _run(data=str(messy_tree), epochs=1, batch_size=8, num_workers=1, storage_path=str(tmp_path), name="strict", strict=True)
+    assert not (tmp_path / "strict" / "metrics.csv").exists()
+    assert len(list(csv.DictReader((tmp_path / "strict" / "bad_files.csv").open()))) == 4
+    _no_leaks(ray_cluster)
+
+
+def _start_in_thread(**overrides):
+    box = {}
+
+    def target():
+        try:
+            box["result"] = _run(**overrides)
+        except BaseException as e:  # the test thread re-raises it
+            box["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def _wait_for_checkpoint(run_dir: Path, epoch: int, thread, timeout=300):
+    """Until epoch `epoch`'s checkpoint is persisted (and, a moment later, registered)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and thread.is_alive():
+        if (run_dir / f"checkpoint_epoch_{epoch:04d}" / "checkpoint.pt").exists():
+            time.sleep(2.0)  # the controller registers it right after the upload
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"epoch {epoch} was never checkpointed")
+
+
+def _alive_actor_pids(class_name: str) -> list[int]:
+    from ray.util.state import list_actors
+
+    return [a.pid for a in list_actors(filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")], detail=True)]
+
+
+@pytest.fixture(scope="module")
+def fault_data(tmp_path_factory):
+    return write_tree(tmp_path_factory.mktemp("fault-data"), {"a": 48, "b": 48})
+
+
+def test_a_killed_train_worker_resumes_from_the_last_checkpoint(ray_cluster, fault_data, tmp_path):
+    common = dict(data=str(fault_data), epochs=3, batch_size=16, num_workers=1, deterministic=True, val_fraction=0.25, storage_path=str(tmp_path))
+    baseline, _, _ = _run(name="clean", **common)
+
+    thread, box = _start_in_thread(name="killed", max_failures=2, **common)
+    _wait_for_checkpoint(tmp_path / "killed", 1, thread)
+    pids = _alive_actor_pids("RayTrainWorker")
+    assert len(pids) == 1
+    os.kill(pids[0], signal.SIGKILL)  # the fault
+    thread.join(timeout=600)
+    assert "error" not in box, box.get("error")
+    summary = box["result"][0]
+
+    (resumed,) = summary["resumed_at_epochs"]  # one restart, which continued after a checkpoint
+    assert resumed >= 2, "training restarted from epoch 1 instead of the checkpoint"
+    rows = list(csv.DictReader((tmp_path / "killed" / "metrics.csv").open()))
+    assert [int(r["epoch"]) for r in rows] == [1, 2, 3]
+    # tolerance: deterministic mode and a full state restore make the resumed run equal the clean one
+    assert abs(summary["val_acc"] - baseline["val_acc"]) <= 0.05
+    assert abs(summary["train_loss"] - baseline["train_loss"]) <= 0.05 * max(baseline["train_loss"], 1e-3)
+    _no_leaks(ray_cluster)
+
+
+def test_a_killed_augment_actor_is_restarted_and_the_epoch_completes(ray_cluster, fault_data, tmp_path):
+    thread, box = _start_in_thread(data=str(fault_data), epochs=3, batch_size=16, num_workers=1, val_fraction=0.25,
+                                   augment_batch_size=8, storage_path=str(tmp_path), name="actor")
+    _wait_for_checkpoint(tmp_path / "actor", 1, thread)
+    deadline = time.time() + 60
+    pids = []
+    while not pids and time.time() < deadline:  # epoch 2's actor, as soon as it is up
+        pids = _alive_actor_pids("MapWorker(MapBatches(AugmentStage))")
+        time.sleep(0.05)
+    assert pids, "no augment actor alive during epoch 2"
+    os.kill(pids[0], signal.SIGKILL)  # the fault
+    thread.join(timeout=600)
+    assert "error" not in box, box.get("error")
+    summary = box["result"][0]
+    assert summary["epochs"] == 3 and summary["resumed_at_epochs"] == []  # Ray Data recovered; no train restart
+    for cov in summary["coverage"]:  # each epoch delivered every image, or said how many came twice
+        assert cov["exactly_once"] or cov["duplicated"] > 0, cov
+    _no_leaks(ray_cluster)
+
+
+def _raylets() -> int:
+    out = subprocess.run(["pgrep", "-c", "-f", "raylet"], capture_output=True, text=True)
+    return int(out.stdout.strip() or 0)
+
+
+def test_ctrl_c_stops_cleanly_and_the_next_run_resumes(ray_cluster, fault_data, tmp_path):
+    before = _raylets()
+    args = [sys.executable, "-m", "jobs.train", "--data", str(fault_data), "--epochs", "3", "--batch-size", "16",
+            "--val-fraction", "0.25", "--storage-path", str(tmp_path), "--name", "interrupted"]
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run_dir = tmp_path / "interrupted"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not (run_dir / "metrics.csv").exists():
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.stdout.read()[-3000:]
+    proc.send_signal(signal.SIGINT)  # the fault: Ctrl-C
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-3000:]
+    assert "rerun with the same --name to resume" in out
+    deadline = time.time() + 30
+    while _raylets() > before and time.time() < deadline:  # its embedded cluster went with it
+        time.sleep(0.5)
+    assert _raylets() == before
+
+    done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["epochs"] == 3 and summary["resumed_at_epochs"] and summary["resumed_at_epochs"][0] >= 2
