@@ -2,13 +2,14 @@
 #   make run    create .venv if needed, then train on the bundled default data
 #   make test   create .venv if needed, then run the test suite
 #   make bench  augment-stage img/s against the seed's torchvision pipeline (not a test)
+#   make bench-train  end-to-end training img/s: jobs.train vs the seed's plain script vs synthetic batches
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: run test bench clean venv
+.PHONY: run test bench bench-train clean venv
 
 venv: $(STAMP)
 
@@ -29,6 +30,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.augment $(ARGS)
+
+bench-train: $(STAMP)
+	$(PY) -m bench.train $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs
