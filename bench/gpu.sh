@@ -19,13 +19,13 @@ mkdir -p "$OUT"
 "$PY" -c 'import torch; assert torch.cuda.is_available(), "torch does not see a GPU"; print(torch.__version__, torch.cuda.get_device_name(0))'
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt" || true
 
-# 1. augment stage vs the seed's pipelines, batches of 1024 and 4096 (~2 min)
-timeout 240 "$PY" -m bench.pipelines --device cuda --batch-sizes 1024 4096 --json "$OUT/pipelines-cuda.json" | tee "$OUT/pipelines-cuda.txt"
+# 1. augment stage vs the seed's pipelines, batches of 1024 and 4096 (~2 min; at most 210 s)
+timeout 210 "$PY" -m bench.pipelines --device cuda --batch-sizes 1024 4096 --json "$OUT/pipelines-cuda.json" | tee "$OUT/pipelines-cuda.txt"
 
 # 2. a photo tree for the imagenet preset: 12,000 JPEGs of 300x400 .. 427x640 (~30 s)
-test -f "$PHOTOS/.done" || { "$PY" -m bench.train --make-photos "$PHOTOS" --photos 12000 && touch "$PHOTOS/.done"; }
+test -f "$PHOTOS/.done" || { timeout 90 "$PY" -m bench.train --make-photos "$PHOTOS" --photos 12000 && touch "$PHOTOS/.done"; }
 
 # 3. end to end, bf16, global batch 256, 4 epochs (steady state = epochs 2-4) (~3 min)
-timeout 330 "$PY" -m bench.train --data "$PHOTOS" --train-images 0 --preset imagenet --device cuda --amp bf16 \
+timeout 300 "$PY" -m bench.train --data "$PHOTOS" --train-images 0 --preset imagenet --device cuda --amp bf16 \
     --batch-size 256 --epochs 4 --synthetic-steps 100 --work "$OUT/train" --json "$OUT/train-cuda.json" \
     ${JOB_ARGS:+--job-args $JOB_ARGS} | tee "$OUT/train-cuda.txt"

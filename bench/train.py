@@ -1,7 +1,7 @@
 """End-to-end training throughput: `jobs.train` against the seed's plain script and the
 synthetic-batch ceiling, side by side in one run (not a test).
 
-    python -m bench.train                                   # CPU, digits subset, 3 epochs, ~5 minutes
+    python -m bench.train                                   # CPU, digits subset, 3 epochs: 5-10 minutes
     python -m bench.train --train-images 0 --rounds 2       # the whole digits train set, twice
     python -m bench.train --json bench-train.json
     make bench-train ARGS="--epochs 4"
@@ -120,7 +120,7 @@ def _launch(cmd: list[str], log_path: str) -> tuple[float, float, list[tuple[flo
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines = []
-    with open(log_path, "w") as log:
+    with open(log_path, "w", buffering=1) as log:  # line-buffered: follow it with tail -f
         for line in proc.stdout:
             lines.append((time.time() - t0, line.rstrip("\n")))
             log.write(f"{lines[-1][0]:8.2f}  {line}")
@@ -268,6 +268,9 @@ def main(argv=None) -> dict:
         for variant in order:
             row = runners[variant](f"{variant}-{r}") | {"round": r + 1, "load_avg": os.getloadavg()[0]}
             rows.append(row)
+            if args.json:  # after every variant: a run stopped part-way keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump({"machine": machine, "settings": {k: v for k, v in vars(args).items() if k not in ("json", "work")}, "data": data, "rows": rows}, f, indent=2)
             print(f"round {r + 1}: {row['variant']:<11} {row['steady_img_s']:>8.1f} img/s steady, {row['wall_s']:.1f} s wall (load {row['load_avg']:.1f})", flush=True)
     result = {"machine": machine | {"load_avg_end": os.getloadavg()}, "settings": {k: v for k, v in vars(args).items() if k not in ("json", "work")},
               "data": data, "rows": rows}
