@@ -38,7 +38,9 @@ def quiet_ray(verbose: bool = False) -> dict:
 
     if verbose:
         return {"logging_level": logging.INFO}
-    os.environ.setdefault("RAY_DATA_LOG_LEVEL", "WARNING")
+    import training
+
+    os.environ.setdefault("RAY_DATA_LOGGING_CONFIG", os.path.join(os.path.dirname(training.__file__), "ray_data_logging.yaml"))
     os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
     ctx = ray.data.DataContext.get_current()  # datasets copy it when built: their actors see it
     ctx.print_on_execution_start = False

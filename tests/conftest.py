@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from PIL import Image
 
-os.environ.setdefault("RAY_DATA_LOG_LEVEL", "WARNING")
 
 
 def write_tree(root: Path, classes: dict[str, int], *, size=(32, 32), seed: int = 0, sizes=None) -> Path:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import socket
 import subprocess
@@ -16,8 +17,10 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
+from PIL import Image
 
 from tests.conftest import write_tree
 from training.config import ConfigError, TrainConfig
@@ -205,4 +208,53 @@ def test_autoscaling_cluster_adds_a_node_for_the_job(own_cluster, tmp_path):
     finally:
         if ray.is_initialized():
             ray.shutdown()
+        _ray("stop", "--force", env=env, check=False)
+
+
+def _total_rss() -> int:
+    """Resident bytes of every process on the machine (Linux /proc)."""
+    total = 0
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            line = next((ln for ln in status.read_text().splitlines() if ln.startswith("VmRSS:")), None)
+        except OSError:  # the process ended meanwhile
+            continue
+        total += int(line.split()[1]) * 1024 if line else 0
+    return total
+
+
+@pytest.mark.own_cluster
+def test_a_dataset_several_times_the_object_store_completes(own_cluster, tmp_path):
+    """Object store capped at 200 MB; ~720 MB of decoded photos: the run must stream or spill."""
+
+    rng = np.random.default_rng(0)
+    data = tmp_path / "photos"
+    for cls in ("a", "b"):
+        (data / cls).mkdir(parents=True)
+        for i in range(300):  # smooth 640x640 photos: small PNGs, 1.2 MB each once decoded (720 MB in all)
+            base = rng.integers(0, 255, (5, 5, 3)).astype(np.uint8)
+            Image.fromarray(base).resize((640, 640), Image.BICUBIC).save(data / cls / f"{i:03d}.png")
+    port, dash = _free_port(), _free_port()
+    env = _env(RAY_AUTH_MODE="disabled")
+    _ray("start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
+         f"--dashboard-port={dash}", "--num-cpus=2", f"--object-store-memory={200 * 2**20}", "--disable-usage-stats", env=env)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jobs.train", "--data", str(data), "--preset", "imagenet", "--epochs", "1",
+             "--batch-size", "32", "--augment-batch-size", "32", "--storage-path", str(tmp_path / "runs"), "--name", "big"],
+            cwd=REPO, env=_env(RAY_ADDRESS=f"127.0.0.1:{port}", RAY_AUTH_MODE="disabled"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        peak = 0
+        while proc.poll() is None:  # the machine's peak resident memory over all processes
+            peak = max(peak, _total_rss())
+            time.sleep(1)
+        out = proc.stdout.read()
+        assert proc.returncode == 0, out[-3000:]
+        stats = _ray("memory", "--stats-only", f"--address=127.0.0.1:{port}", env=env, check=False).stdout
+        spilled = re.search(r"Spilled (\d+) MiB", stats)
+        print(f"\npeak RSS of all processes: {peak / 2**20:.0f} MiB; object store: 200 MiB; "
+              f"spilled: {spilled.group(1) if spilled else 0} MiB")
+        summary = json.loads((tmp_path / "runs" / "big" / "summary.json").read_text())
+        assert summary["epochs"] == 1 and summary["coverage"][0]["exactly_once"]
+    finally:
         _ray("stop", "--force", env=env, check=False)

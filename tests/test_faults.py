@@ -200,8 +200,9 @@ def test_ctrl_c_stops_cleanly_and_the_next_run_resumes(ray_cluster, fault_data, 
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run_dir = tmp_path / "interrupted"
     deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None and not (run_dir / "metrics.csv").exists():
+    while time.time() < deadline and proc.poll() is None and not (run_dir / "checkpoint_epoch_0001" / "checkpoint.pt").exists():
         time.sleep(0.2)
+    time.sleep(2.0)  # Ray Train registers the checkpoint right after the upload
     assert proc.poll() is None, proc.stdout.read()[-3000:]
     proc.send_signal(signal.SIGINT)  # the fault: Ctrl-C
     out, _ = proc.communicate(timeout=120)
