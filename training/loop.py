@@ -221,7 +221,7 @@ def train_loop(job: dict) -> None:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
-        torch.set_rng_state(state["rng"]["cpu"])
+        torch.set_rng_state(state["rng"]["cpu"].cpu())  # map_location moved it to the device
         start_epoch, history, timings = state["epoch"] + 1, state["history"], state["timings"]
         seen_per_epoch, resumed_at = state["seen"], state["resumed_at_epochs"] + [start_epoch + 1]
         if master:
