@@ -26,7 +26,7 @@ run: $(STAMP)
 	$(PY) -m jobs.train $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests $(ARGS)
+	$(PY) -m pytest -q --durations=10 tests $(ARGS)
 
 bench: $(STAMP)
 	$(PY) -m bench.augment $(ARGS)
