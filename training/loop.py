@@ -102,7 +102,8 @@ def train_epoch(model, batches, optimizer, scheduler, scaler, normalize, cfg: Tr
     """One pass over this rank's shard; loss and accuracy summed over ranks."""
     model.train()
     amp = torch.autocast(device.type, dtype=torch.bfloat16 if cfg.amp == "bf16" else torch.float16) if cfg.amp != "off" else contextlib.nullcontext()
-    sums = torch.zeros(3, device=device, dtype=torch.float64)  # loss*n, correct, n: stays on device, no per-step sync
+    sums = torch.zeros(2, device=device, dtype=torch.float64)  # loss*n, correct: stays on device, no per-step sync
+    local_count = 0  # images this rank trained on (a host-side int: no device tensor per step)
     digest = torch.zeros(2, device=device, dtype=torch.int64)  # sum of keys, order hash (mod KEY_MOD)
     wait_s, start, step = 0.0, time.perf_counter(), 0
     it = iter(batches)
@@ -126,7 +127,8 @@ def train_epoch(model, batches, optimizer, scheduler, scaler, normalize, cfg: Tr
         scaler.step(optimizer)
         scaler.update()
         scheduler.step()
-        sums += torch.stack([loss.detach().double() * y.shape[0], (logits.argmax(1) == y).sum().double(), torch.tensor(y.shape[0], device=device, dtype=torch.float64)])
+        sums += torch.stack([loss.detach().double() * y.shape[0], (logits.argmax(1) == y).sum().double()])
+        local_count += y.shape[0]
         if bar is not None:
             bar.update(y.shape[0], loss.detach())  # reads the loss (a host sync) at most once a second
         keys = batch["key"] % KEY_MOD
@@ -134,8 +136,8 @@ def train_epoch(model, batches, optimizer, scheduler, scaler, normalize, cfg: Tr
     elapsed = time.perf_counter() - start
     key_sum, order_hash = digest.tolist()  # the epoch's host syncs are here, after the last step
     # which images this rank trained on: the driver checks that the ranks' union is the dataset
-    seen = _all_gather({"count": int(sums[2].item()), "key_sum": key_sum, "order_hash": order_hash})
-    loss_sum, correct, count = _all_reduce(sums).tolist()
+    seen = _all_gather({"count": local_count, "key_sum": key_sum, "order_hash": order_hash})
+    loss_sum, correct, count = _all_reduce(torch.cat([sums, sums.new_tensor([local_count])])).tolist()
     return {
         "train_loss": loss_sum / max(count, 1),
         "train_acc": correct / max(count, 1),
