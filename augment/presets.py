@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from augment.errors import PresetError, check_preset_name  # PresetError: raised here, importable from here
 from augment.mix import check_mix
 from augment.ops import OPS, check_params
 from augment.rng import KeyedRng
@@ -90,10 +91,6 @@ PRESETS = {
 }
 
 
-class PresetError(ValueError):
-    """A preset name or file the user gave is unusable; the message lists what is valid."""
-
-
 def _check_specs(specs, where: str) -> tuple:
     if not isinstance(specs, (list, tuple)) or not specs:
         raise PresetError(f"{where}: expected a non-empty list of ops like [{{random_crop: {{size: 32}}}}]")
@@ -141,11 +138,9 @@ def preset_from_dict(data: dict, where: str = "preset") -> Preset:
 
 def load_preset(name_or_path: str) -> Preset:
     """A built-in preset by name, or a user preset from a .yaml/.yml/.json file."""
-    if name_or_path in PRESETS:
+    if not check_preset_name(name_or_path):
         return PRESETS[name_or_path]
     path = Path(name_or_path)
-    if path.suffix.lower() not in (".yaml", ".yml", ".json"):
-        raise PresetError(f"unknown preset {name_or_path!r}; built-in presets: {sorted(PRESETS)}, or a path to a .yaml/.json preset file")
     if not path.is_file():
         raise PresetError(f"{path}: preset file not found")
     text = path.read_text()

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from augment.presets import Pipeline, Preset
-from augment.stage import to_canvas
+from augment.batch import to_canvas
 
 
 def read_examples(split, *, classes: int, per_class: int) -> tuple[list[np.ndarray], list[int], list[int]]:

@@ -9,16 +9,14 @@ The epoch, which the augmentation depends on, comes from a tiny `EpochClock` act
 rank 0 of the trainer advances before each epoch starts (Ray Data's split coordinator
 holds every epoch's execution until all ranks have asked for it, so no batch of epoch e
 is augmented before the clock says e).
+
+This module stays light (no torch at import): Ray's coordinator processes unpickle the
+dataset plan that names these classes, and only the processes that augment need torch.
 """
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
-import torch
-
-from augment.presets import Pipeline, preset_from_dict
 
 
 class EpochClock:
@@ -35,58 +33,14 @@ class EpochClock:
         return self.epoch
 
 
-def to_canvas(images) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decoded images -> (uint8 canvas (B, Hmax, Wmax, 3), int64 sizes (B, 2)).
-
-    A fixed-shape batch is used as it is (no copy); a ragged one (an object array of HWC
-    arrays) is copied into the top-left corners of a canvas. The rest of the canvas is left
-    uninitialised: no op reads outside an image's size (crops mask, resampling weights
-    are zero there), and zero-filling it cost as much as the copy on 2 cores.
-    """
-    if isinstance(images, np.ndarray) and images.dtype == np.uint8 and images.ndim == 4:
-        b, h, w, c = images.shape
-        if c != 3:
-            raise ValueError(f"augment: expected RGB images (B, H, W, 3), got shape {images.shape}")
-        with warnings.catch_warnings():  # Arrow's buffers are read-only; nothing here writes to them
-            warnings.simplefilter("ignore", UserWarning)
-            canvas = torch.from_numpy(images)
-        return canvas, torch.tensor([[h, w]], dtype=torch.int64).expand(b, 2)
-    arrays = list(images)
-    for a in arrays:
-        if a.dtype != np.uint8 or a.ndim != 3 or a.shape[2] != 3:
-            raise ValueError(f"augment: expected uint8 HWC RGB images, got {a.dtype} {a.shape}")
-    sizes = torch.tensor([a.shape[:2] for a in arrays], dtype=torch.int64).view(-1, 2)
-    canvas = torch.empty((len(arrays), int(sizes[:, 0].max()), int(sizes[:, 1].max()), 3), dtype=torch.uint8)
-    with warnings.catch_warnings():  # read-only arrays (decoded by PIL, Arrow's buffers) are only read
-        warnings.simplefilter("ignore", UserWarning)
-        for i, a in enumerate(arrays):  # a memcpy per image; unavoidable for ragged input
-            canvas[i, : a.shape[0], : a.shape[1]] = torch.from_numpy(a)
-    return canvas, sizes
-
-
-def augment_batch(pipeline: Pipeline, images, keys: torch.Tensor, epoch: int, device: torch.device) -> torch.Tensor:
-    """Decoded images (a uint8 (B, H, W, 3) array or a ragged object array) -> uint8 (B, S, S, 3).
-
-    On the CPU a ragged batch goes to canvases a chunk at a time: one canvas for a whole
-    batch of photos is Hmax x Wmax per image (~1 GB for 1,024 mixed-size photos), and
-    touching that much fresh memory cost more than augmenting it. Each image's result is
-    the same either way. A GPU gets the whole batch in one copy.
-    """
-    fixed = isinstance(images, np.ndarray) and images.dtype == np.uint8 and images.ndim == 4
-    if device.type == "cpu" and pipeline.chunkable and not fixed:
-        step = pipeline.cpu_chunk
-        return torch.cat([pipeline(*to_canvas(images[i : i + step]), keys[i : i + step], epoch) for i in range(0, len(images), step)])
-    canvas, sizes = to_canvas(images)
-    if device.type == "cuda":  # uint8 over PCIe: a quarter of the bytes of float32
-        canvas = canvas.pin_memory().to(device, non_blocking=True)
-    return pipeline(canvas, sizes.to(device), keys.to(device), epoch)
-
-
 class AugmentStage:
     """map_batches callable. `preset` is Preset.to_dict(); `train` picks its train or eval ops."""
 
     def __init__(self, preset: dict, *, train: bool, seed: int, clock=None, device: str = "auto", schedule: str = "none", epochs: int = 1):
         import ray
+        import torch
+
+        from augment.presets import Pipeline, preset_from_dict
 
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
@@ -99,8 +53,28 @@ class AugmentStage:
 
     def __call__(self, batch: dict) -> dict:
         import ray
+        import torch
+
+        from augment.batch import augment_batch
 
         epoch = ray.get(self.clock.get.remote()) if self.clock is not None else 0
         out = augment_batch(self.pipeline, batch["image"], torch.as_tensor(np.array(batch["key"])), epoch, self.device)
         # key travels on so the trainer can count which images each rank saw
         return {"image": out.cpu().numpy(), "label": batch["label"], "key": batch["key"]}  # .cpu() is a sync point on GPU
+
+
+_STAGES: dict[str, AugmentStage] = {}  # per worker process: built once, reused by every task
+
+
+def augment_task(batch: dict, *, preset: dict, train: bool, seed: int, clock=None, schedule: str = "none", epochs: int = 1) -> dict:
+    """map_batches *function* form of AugmentStage for Ray Data tasks (CPU): the worker
+    processes outlive the epoch, so nothing is rebuilt when the next epoch starts, while an
+    actor pool is started afresh for each epoch's execution."""
+    import json
+
+    key = json.dumps([preset, train, seed, schedule, epochs], sort_keys=True)
+    stage = _STAGES.get(key)
+    if stage is None:
+        stage = _STAGES[key] = AugmentStage(preset, train=train, seed=seed, device="cpu", schedule=schedule, epochs=epochs)
+    stage.clock = clock
+    return stage(batch)

@@ -82,7 +82,7 @@ def time_stage(preset: str, train: bool, images: list[np.ndarray], batch: int, t
     with uint8 out; augment_batch + Normalize, the float batch the model gets)."""
     from augment.ops import Normalize
     from augment.presets import PRESETS, Pipeline
-    from augment.stage import augment_batch
+    from augment.batch import augment_batch
 
     p = PRESETS[preset]
     pipe = Pipeline(p.train if train else p.eval, seed=0).to(device)

@@ -13,7 +13,9 @@ import torch
 from augment.ops import OPS, Normalize
 from augment.presets import PRESETS, Pipeline, PresetError, load_preset, preset_from_dict
 from augment.rng import KeyedRng, reference_uniform
-from augment.stage import AugmentStage, to_canvas
+from augment.batch import to_canvas
+from augment.errors import BUILTIN_PRESETS
+from augment.stage import AugmentStage
 
 B = 64
 
@@ -196,6 +198,8 @@ def test_preset_files_and_their_errors(tmp_path):
         assert message in str(err.value), name
     with pytest.raises(PresetError, match="built-in presets: \\['cifar'"):
         load_preset("imagenett")
+    # the entry point checks names against this torch-free list before Ray starts
+    assert set(BUILTIN_PRESETS) == set(PRESETS)
 
 
 def test_preset_round_trips_through_dict():

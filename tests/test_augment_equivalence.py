@@ -21,7 +21,7 @@ from scipy.stats import ks_2samp
 from augment.ops import OPS
 from augment.presets import PRESETS, Pipeline
 from augment.rng import KeyedRng
-from augment.stage import to_canvas
+from augment.batch import to_canvas
 from bench.augment import synthetic_photo
 from training.data import decode_image
 

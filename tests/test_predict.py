@@ -65,7 +65,7 @@ def test_predict_matches_the_model_applied_by_hand(model_and_tree):
     """The saved eval transform and weights, applied without Ray, give the CSV's classes."""
     from augment.ops import Normalize
     from augment.presets import Pipeline
-    from augment.stage import augment_batch
+    from augment.batch import augment_batch
     from training import inference
     from training.data import decode_image
 

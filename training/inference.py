@@ -103,7 +103,7 @@ class Predictor:
 
     @torch.no_grad()
     def __call__(self, batch: dict) -> dict:
-        from augment.stage import augment_batch
+        from augment.batch import augment_batch
 
         n = len(batch["label"])
         if n == 0:
