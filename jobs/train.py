@@ -15,11 +15,13 @@ import argparse
 import logging
 import os
 import sys
+import threading
 
-from augment.presets import PresetError
+from augment.errors import PresetError, check_preset_name
 from training import console
 from training.config import ConfigError, add_arguments, parse_config
 from training.data import DataError
+from training.inputs import check_inputs
 
 
 def parser() -> argparse.ArgumentParser:
@@ -49,7 +51,7 @@ def quiet_ray(verbose: bool = False) -> dict:
     return {"logging_level": logging.WARNING}
 
 
-def connect(verbose: bool = False) -> None:
+def connect(verbose: bool = False, dashboard: bool = False) -> None:
     """Join the cluster of `ray job submit` / RAY_ADDRESS, or start a local one (or keep the
     one this process is already connected to)."""
     import ray
@@ -59,26 +61,69 @@ def connect(verbose: bool = False) -> None:
         return
     if os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"):
         ray.init(**kwargs)
-    else:
+    elif dashboard:
         # a plain local run starts its own embedded cluster (never joins one found on the
-        # machine); the dashboard, which Ray Train's state API needs, listens on loopback only
+        # machine); the dashboard listens on loopback only
         ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", **kwargs)
+    else:
+        # without the dashboard Ray has no state API, which Ray Train's placement-group
+        # cleaner polls (warning each time); the cluster ends with this process anyway
+        hook = {"worker_process_setup_hook": "training.console.quiet_placement_group_cleaner"}
+        ray.init(address="local", include_dashboard=False, runtime_env=hook, **kwargs)
+
+
+class _Preload(threading.Thread):
+    """Imports torch, Kornia and Ray Train and loads the preset while the main thread starts
+    Ray: on a small machine they take about 3 s each, and neither needs the other."""
+
+    def __init__(self, preset_name: str):
+        super().__init__(daemon=True, name="preload")
+        self.preset_name, self.preset, self.error = preset_name, None, None
+
+    def run(self) -> None:
+        try:
+            from augment.presets import load_preset
+
+            self.preset = load_preset(self.preset_name)
+            import training.job  # noqa: F401  (torch, Ray Train)
+        except BaseException as e:  # handed to the main thread, which reports it
+            self.error = e
+
+    def result(self):
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.preset
 
 
 def main(argv=None) -> int:
     try:
-        from training import job
-
         cfg, sources = parse_config(parser(), argv)
-        cfg, tree, preset = job.prepare(cfg)
+        cfg, tree = check_inputs(cfg)  # light: a mistake is reported before anything heavy starts
+        if check_preset_name(cfg.preset):  # a file: loaded and checked before Ray starts too
+            from augment.presets import load_preset
+
+            load_preset(cfg.preset)
     except (DataError, ConfigError, PresetError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    # Two threads import at once below. Safe: the preload thread's torch and Kornia import no
+    # Ray module, and Ray Data (main thread, below) imports neither torch nor Ray Train; the
+    # preload thread's Ray Train waits for the main thread's Ray Data, never the reverse.
+    preload = _Preload(cfg.preset)
+    preload.start()
     log = (lambda *a: None) if cfg.quiet else (lambda *a: print(*a, flush=True))
     log(console.format_config(cfg.to_dict(), sources))
-    connect(cfg.verbose)
+    connect(cfg.verbose, cfg.dashboard)
     try:
-        summary = job.run(cfg, tree, preset, log=log)
+        preset = preload.result()
+    except PresetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from training import job
+
+    try:
+        summary = job.run(cfg, tree, preset, log=log, launched_at=job.process_started_at())
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

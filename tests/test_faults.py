@@ -167,16 +167,28 @@ def test_a_killed_train_worker_resumes_from_the_last_checkpoint(ray_cluster, fau
     _no_leaks(ray_cluster)
 
 
-def test_a_killed_augment_actor_is_restarted_and_the_epoch_completes(ray_cluster, fault_data, tmp_path):
+def _running_augment_pids(mode: str) -> list[int]:
+    if mode == "actors":
+        return _alive_actor_pids("MapWorker(MapBatches(Decoder)->MapBatches(AugmentStage))")
+    # a task worker's process title names the task while it runs
+    out = subprocess.run(["pgrep", "-f", r"^ray::MapBatches\(Decoder\)->MapBatches\(augment_task\)"], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+@pytest.mark.parametrize("mode", ["tasks", "actors"])
+def test_a_killed_augment_worker_is_replaced_and_the_epoch_completes(ray_cluster, fault_data, tmp_path, mode):
+    """CPU augmentation runs as Ray Data tasks by default (Ray retries a task whose process
+    died) and as an actor pool with --augment-actors (Ray Data restarts the actor)."""
     thread, box = _start_in_thread(data=str(fault_data), epochs=3, batch_size=16, num_workers=1, val_fraction=0.25,
-                                   augment_batch_size=8, storage_path=str(tmp_path), name="actor")
-    _wait_for_checkpoint(tmp_path / "actor", 1, thread)
+                                   augment_batch_size=8, augment_actors=1 if mode == "actors" else 0,
+                                   storage_path=str(tmp_path), name=mode)
+    _wait_for_checkpoint(tmp_path / mode, 1, thread)
     deadline = time.time() + 60
     pids = []
-    while not pids and time.time() < deadline:  # epoch 2's actor, as soon as it is up
-        pids = _alive_actor_pids("MapWorker(MapBatches(AugmentStage))")
-        time.sleep(0.05)
-    assert pids, "no augment actor alive during epoch 2"
+    while not pids and time.time() < deadline:  # epoch 2's augmenting process, as soon as it is up
+        pids = _running_augment_pids(mode)
+        time.sleep(0.01)
+    assert pids, f"no augment {mode} process alive during epoch 2"
     os.kill(pids[0], signal.SIGKILL)  # the fault
     thread.join(timeout=600)
     assert "error" not in box, box.get("error")

@@ -50,7 +50,7 @@ class TrainConfig:
     device: str = _f("auto", "where training runs: auto (cuda if the cluster has GPUs), cpu or cuda", choices=("auto", "cpu", "cuda"))
     threads_per_worker: int = _f(0, "torch intra-op threads per CPU worker; 0 = the CPUs Ray gives it")
     cpus_per_worker: int = _f(0, "CPUs reserved per train worker; 0 = half the cluster's CPUs / workers (the rest feeds Ray Data)")
-    augment_actors: int = _f(0, "augment actors per split (train, val); 0 = one per GPU train worker, or 1 on CPU")
+    augment_actors: int = _f(0, "augment actors per split (train, val); 0 = one per GPU train worker, or Ray Data tasks on CPU (their processes outlive the epoch; an actor pool restarts every epoch)")
     augment_gpus: float = _f(0.0, "GPU per augment actor; 0 = a 0.25 share of a trainer's GPU; 1 = a dedicated GPU each")
     augment_batch_size: int = _f(256, "images per augment call (larger is faster on a GPU)")
     # output
@@ -62,6 +62,7 @@ class TrainConfig:
     stop_after: int = _f(0, "stop after this many epochs in this invocation (0 = run to --epochs); rerun to resume")
     quiet: bool = _f(False, "print only errors and the final summary")
     verbose: bool = _f(False, "also print Ray's own INFO logs and Ray Data's progress bars")
+    dashboard: bool = _f(False, "a plain local run starts Ray's dashboard too (http://127.0.0.1:8265); off by default: it adds about 5 s of start-up on a small machine. A cluster keeps its own")
     # augmentation (issue 3)
     augment_schedule: str = _f("none", "strength of the train augmentation over epochs: none, linear-decay, cosine-decay, linear-ramp or cosine-ramp, optionally :LEVEL (the far end, 0..1, default 0), e.g. cosine-decay:0.3")
 

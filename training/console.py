@@ -140,6 +140,7 @@ def summary_table(summary: dict, *, max_classes: int = 20) -> str:
         ("train images/s", f"{summary['train_images_per_s']:,.1f}" if "train_images_per_s" in summary else None),
         ("waiting for data", _fmt(summary.get("data_wait_frac"), pct=True) if "data_wait_frac" in summary else None),
         ("wall time", f"{summary['wall_s']:,.1f} s" if "wall_s" in summary else None),
+        ("start-up (to first step)", f"{summary['startup_s']:,.1f} s" if summary.get("startup_s") is not None else None),
         ("workers x device", f"{summary.get('world_size')} x {summary.get('device')}" if "world_size" in summary else None),
         ("classes / train / val images", f"{summary.get('num_classes')} / {summary.get('train_images')} / {summary.get('val_images')}" if "num_classes" in summary else None),
     ]
@@ -156,3 +157,12 @@ def summary_table(summary: dict, *, max_classes: int = 20) -> str:
     rule = f"+-{'-' * width}-+-{'-' * vwidth}-+"
     body = [f"| {k:<{width}} | {str(v):<{vwidth}} |" for k, v in rows]
     return "\n".join([rule, *body, rule])
+
+
+def quiet_placement_group_cleaner() -> None:
+    """Worker process setup hook for a local cluster started without the dashboard: Ray
+    Train's placement-group cleaner asks the state API (served by the dashboard) whether the
+    controller lives, and warns every few seconds that it cannot. Its other messages stay."""
+    import logging
+
+    logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)

@@ -280,23 +280,24 @@ class Decoder:
         return {"image": stack_images(images), "label": np.array(labels, dtype=np.int64), "key": np.array(keys, dtype=np.int64)}
 
 
-def read_split(split: Split, *, seed: int, shuffle: bool, bad_log=None):
+def read_split(split: Split, *, seed: int, shuffle: bool, bad_log=None, num_cpus: float = 1.0):
     """Ray Dataset of decoded images for one split.
 
     Files are read in an order shuffled once by `seed` so that blocks mix classes; the
-    per-epoch shuffle happens in the trainer's local shuffle buffer.
+    per-epoch shuffle happens in the trainer's local shuffle buffer. `num_cpus` is what each
+    read and decode task reserves: below 1 when trainers hold most of a small machine's CPUs.
     """
     import ray.data
 
     from training.parquet import PreparedSplit, read_prepared_split
 
     if isinstance(split, PreparedSplit):
-        return read_prepared_split(split, seed=seed, shuffle=shuffle, bad_log=bad_log)
+        return read_prepared_split(split, seed=seed, shuffle=shuffle, bad_log=bad_log, num_cpus=num_cpus)
     paths = list(split.paths)
     if shuffle:
         paths = [paths[i] for i in np.random.default_rng(seed).permutation(len(paths))]
-    ds = ray.data.read_binary_files(paths, include_paths=True)
-    return ds.map_batches(Decoder(split, bad_log), batch_format="numpy", batch_size=64)
+    ds = ray.data.read_binary_files(paths, include_paths=True, num_cpus=num_cpus)
+    return ds.map_batches(Decoder(split, bad_log), batch_format="numpy", batch_size=64, num_cpus=num_cpus)
 
 
 # --------------------------------------------------------------------------- default data

@@ -5,6 +5,8 @@ Call order (jobs/train.py):
 
     cfg, tree, preset = prepare(cfg)   # no Ray yet: every user error surfaces here (exit 2)
     ray.init(...)                      # the entry point joins or starts a cluster
+    (jobs/train.py splits prepare: the light training.inputs.check_inputs runs first, the
+    preset loads while Ray starts)
     summary = run(cfg, tree, preset)   # TrainingFailed (exit 1) if training breaks
 """
 
@@ -24,16 +26,14 @@ import torch
 from ray.train.torch import TorchTrainer
 
 from augment.presets import Preset, load_preset
-from augment.schedule import parse_schedule
-from augment.stage import AugmentStage, EpochClock
+from augment.stage import EpochClock
 from training import artifacts, plots
 from training.config import ConfigError, TrainConfig
-from training.data import BadFileLog, DataError, ImageTree, default_dataset_dir, read_split, scan_tree
+from training.data import BadFileLog, DataError, ImageTree
+from training.ingest import SplitValUnequally, build_datasets
+from training.inputs import check_inputs
 from training.loop import CHECKPOINT_FILE, KEY_MOD, train_loop
 from training.model import uses_small_stem
-
-CACHE_DECODED_MAX_BYTES = 256 * 2**20  # encoded bytes under which decoded images are kept in memory
-
 
 class TrainingFailed(RuntimeError):
     """Training started but did not finish."""
@@ -45,25 +45,8 @@ class Interrupted(RuntimeError):
 
 def prepare(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree, Preset]:
     """Everything that needs no cluster: resolve defaults, scan the tree, load the preset."""
-    cfg = cfg.with_defaults_resolved()
-    root = cfg.data or str(default_dataset_dir())
-    tree = scan_tree(root, cfg.val_fraction)
-    preset = load_preset(cfg.preset)
-    try:  # a bad schedule name is found before Ray starts
-        parse_schedule(cfg.augment_schedule)
-    except ValueError as e:
-        raise ConfigError(f"--augment-schedule: {e}") from None
-    if cfg.init_weights and not os.path.isfile(cfg.init_weights):
-        raise ConfigError(f"--init-weights {cfg.init_weights}: no such file; give a torchvision ResNet18 state_dict saved with torch.save")
-    run_dir = artifacts.join(cfg.storage_path, cfg.name)
-    if cfg.fresh and artifacts.exists(run_dir):
-        artifacts.remove_tree(run_dir)  # Ray Train would otherwise resume from its checkpoints
-    if "://" not in cfg.storage_path:
-        try:
-            os.makedirs(os.path.join(cfg.storage_path, cfg.name), exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"--storage-path {cfg.storage_path}: cannot create the run directory ({e.strerror}); choose a writable path") from None
-    return cfg, tree, preset
+    cfg, tree = check_inputs(cfg)
+    return cfg, tree, load_preset(cfg.preset)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +120,7 @@ class ResourcePlan:
     cpus_per_worker: int
     gpus_per_worker: float  # < 1 when augment actors share the trainers' GPUs
     threads_per_worker: int
-    augment_actors: int
+    augment_actors: int  # per split; 0: Ray Data tasks instead (the CPU default)
     augment_gpus: float  # per augment actor; 0 on a CPU-only plan
     augment_cpus: float
     placement: str  # PACK keeps GPU ranks together (NVLink); SPREAD gives CPU ranks their own cores
@@ -145,11 +128,15 @@ class ResourcePlan:
     def describe(self) -> str:
         where = f"{self.gpus_per_worker:g} GPU + " if self.use_gpu else ""
         aug = f"{self.augment_gpus:g} GPU" if self.augment_gpus else f"{self.augment_cpus:g} CPU"
+        who = "augment tasks" if self.augment_tasks else f"{self.augment_actors} augment actor(s)"
         return (
             f"{self.num_workers} train worker(s) x ({where}{self.cpus_per_worker} CPU, "
-            f"{self.threads_per_worker} torch threads), {self.placement}; "
-            f"{self.augment_actors} augment actor(s) x {aug} per split"
+            f"{self.threads_per_worker} torch threads), {self.placement}; {who} x {aug} per split"
         )
+
+    @property
+    def augment_tasks(self) -> bool:
+        return self.augment_actors == 0
 
 
 def plan_resources(cfg: TrainConfig, capacity: Capacity) -> ResourcePlan:
@@ -165,7 +152,7 @@ def plan_resources(cfg: TrainConfig, capacity: Capacity) -> ResourcePlan:
     if use_gpu and gpus == 0 and capacity.bounded:
         raise ConfigError("--device cuda: the Ray cluster has no GPUs and cannot get any; use --device cpu or auto")
     workers = cfg.num_workers or (max(gpus, 1) if use_gpu else 1)
-    actors = cfg.augment_actors or (workers if use_gpu else 1)
+    actors = cfg.augment_actors or (workers if use_gpu else 0)  # CPU: tasks (see training.ingest)
     augment_gpus = (cfg.augment_gpus or 0.25) if use_gpu else 0.0
     gpus_per_worker = 1.0
     if use_gpu:
@@ -203,50 +190,6 @@ def plan_resources(cfg: TrainConfig, capacity: Capacity) -> ResourcePlan:
     )
 
 
-def build_datasets(cfg: TrainConfig, tree: ImageTree, preset: Preset, plan: ResourcePlan, clock, bad_log=None) -> dict:
-    """train/val Ray Datasets: read -> decode -> (cache) -> augment actors."""
-    out = {}
-    for split_name, split in (("train", tree.train), ("val", tree.val)):
-        train = split_name == "train"
-        small = split.total_bytes <= CACHE_DECODED_MAX_BYTES
-        ds = read_split(split, seed=cfg.seed, shuffle=train, bad_log=bad_log)
-        if small and train:
-            ds = ds.materialize()  # small data: decode once, not every epoch
-        elif cfg.strict:
-            ds.count()  # --strict: decode every file once now, so a bad one stops the run before training
-        ds = ds.map_batches(
-            AugmentStage,
-            fn_constructor_kwargs={
-                "preset": preset.to_dict(),
-                "train": train,
-                "seed": cfg.seed,
-                "clock": clock if train else None,
-                "schedule": cfg.augment_schedule,  # the stage applies it to train only
-                "epochs": cfg.epochs,
-            },
-            batch_format="numpy",
-            batch_size=cfg.augment_batch_size,
-            compute=ray.data.ActorPoolStrategy(size=plan.augment_actors),
-            num_gpus=plan.augment_gpus,
-            num_cpus=plan.augment_cpus,
-        )
-        # validation output is deterministic: a small set is computed once, not every epoch
-        out[split_name] = ds.materialize() if small and not train else ds
-    return out
-
-
-class _SplitValUnequally(ray.train.DataConfig):
-    """Train is split equally (every DDP rank takes the same number of steps); validation is
-    split without dropping rows, so every validation image is scored exactly once."""
-
-    def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
-        # Ray Train 2.60 configures one dataset per call
-        if set(datasets) != {"val"}:
-            return super().configure(datasets, world_size, worker_handles, worker_node_ids, **kwargs)
-        splits = datasets["val"].streaming_split(world_size, equal=False, locality_hints=worker_node_ids)
-        return [{"val": split} for split in splits]
-
-
 def git_commit() -> str | None:
     try:
         here = os.path.dirname(os.path.abspath(__file__))
@@ -256,9 +199,23 @@ def git_commit() -> str | None:
         return None
 
 
-def run(cfg: TrainConfig, tree: ImageTree, preset: Preset, *, log=print) -> dict:
-    """Train on a connected Ray cluster; returns the summary written to summary.json."""
-    start = time.time()
+def process_started_at() -> float:
+    """Wall-clock time this process started (Linux: from /proc), else now."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks after boot
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
+def run(cfg: TrainConfig, tree: ImageTree, preset: Preset, *, log=print, launched_at: float | None = None) -> dict:
+    """Train on a connected Ray cluster; returns the summary written to summary.json.
+    `launched_at` (a time.time() value, e.g. process_started_at()) is when start-up began;
+    summary.json's startup_s and wall_s count from it (default: now)."""
+    start = launched_at or time.time()
     run_dir = artifacts.join(cfg.storage_path, cfg.name)
     if cfg.deterministic:  # rows reach the trainer in file order, so batches are the same every run
         ray.data.DataContext.get_current().execution_options.preserve_order = True
@@ -319,7 +276,7 @@ def _fit(cfg, tree, preset, plan, clock, bad_log, *, run_dir, start, log) -> dic
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1, checkpoint_score_attribute="val_acc", checkpoint_score_order="max"),
         ),
         datasets=datasets,
-        dataset_config=_SplitValUnequally(),
+        dataset_config=SplitValUnequally(),
     )
     try:
         result = trainer.fit()
@@ -343,7 +300,7 @@ def _fit(cfg, tree, preset, plan, clock, bad_log, *, run_dir, start, log) -> dic
     artifacts.write_bytes(artifacts.join(run_dir, "confusion.png"), plots.confusion_png(state["confusion"], list(tree.class_names)))
     if plots.write_tensorboard(run_dir, state["history"], state["timings"]):
         log(f"tensorboard: tensorboard --logdir {artifacts.join(run_dir, 'tensorboard')}")
-    summary = summarize(state, time.time() - start, plan, tree, bad)
+    summary = summarize(state, start, plan, tree, bad)
     for problem in (c for c in summary["coverage"] if c["duplicated"] or c["missing"] > c["dropped_for_equal_split"]):
         log(f"warning: epoch {problem['epoch']} trained on {problem['seen']} images, expected {problem['expected']} "
             f"({problem['duplicated']} duplicated, {problem['missing']} missing)")
@@ -400,7 +357,7 @@ def coverage(seen_per_epoch: list[list[dict]], tree: ImageTree, bad: dict[str, s
     return out
 
 
-def summarize(state: dict, wall_s: float, plan: ResourcePlan, tree: ImageTree, bad: dict[str, str]) -> dict:
+def summarize(state: dict, start: float, plan: ResourcePlan, tree: ImageTree, bad: dict[str, str]) -> dict:
     history, timings = state["history"], state["timings"]
     last = history[-1]
     steady = timings[1:] or timings  # skip the first epoch (actor start-up) when there is more than one
@@ -414,7 +371,9 @@ def summarize(state: dict, wall_s: float, plan: ResourcePlan, tree: ImageTree, b
         "train_acc": last["train_acc"],
         "train_images_per_s": round(sum(t["images_per_s"] * t["epoch_s"] for t in steady) / sum(t["epoch_s"] for t in steady), 1),
         "data_wait_frac": round(sum(t["data_wait_frac"] * t["epoch_s"] for t in steady) / sum(t["epoch_s"] for t in steady), 4),
-        "wall_s": round(wall_s, 1),
+        "wall_s": round(time.time() - start, 1),
+        # launch to the end of the first training step: imports, Ray, data pipeline and trainer start
+        "startup_s": round(state["first_step_at"] - start, 1) if state.get("first_step_at") else None,
         "world_size": plan.num_workers,
         "device": "cuda" if plan.use_gpu else "cpu",
         "num_classes": tree.num_classes,

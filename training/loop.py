@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import tempfile
+import threading
 import time
 
 import ray
@@ -105,7 +106,7 @@ def train_epoch(model, batches, optimizer, scheduler, scaler, normalize, cfg: Tr
     sums = torch.zeros(2, device=device, dtype=torch.float64)  # loss*n, correct: stays on device, no per-step sync
     local_count = 0  # images this rank trained on (a host-side int: no device tensor per step)
     digest = torch.zeros(2, device=device, dtype=torch.int64)  # sum of keys, order hash (mod KEY_MOD)
-    wait_s, start, step = 0.0, time.perf_counter(), 0
+    wait_s, start, step, first_step_at = 0.0, time.perf_counter(), 0, None
     it = iter(batches)
     while True:
         t0 = time.perf_counter()
@@ -129,6 +130,10 @@ def train_epoch(model, batches, optimizer, scheduler, scaler, normalize, cfg: Tr
         scheduler.step()
         sums += torch.stack([loss.detach().double() * y.shape[0], (logits.argmax(1) == y).sum().double()])
         local_count += y.shape[0]
+        if first_step_at is None:  # once per epoch: when the first step finished (start-up ends there)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            first_step_at = time.time()
         if bar is not None:
             bar.update(y.shape[0], loss.detach())  # reads the loss (a host sync) at most once a second
         keys = batch["key"] % KEY_MOD
@@ -145,6 +150,7 @@ def train_epoch(model, batches, optimizer, scheduler, scaler, normalize, cfg: Tr
         "epoch_s": elapsed,
         "data_wait_frac": wait_s / max(elapsed, 1e-9),  # this rank's share of time waiting for input
         "seen": seen,
+        "first_step_at": first_step_at,
     }
 
 
@@ -179,6 +185,35 @@ def evaluate(model, batches, normalize, num_classes: int, device) -> dict:
 # --------------------------------------------------------------------------- the loop
 
 
+class FirstBatchEarly:
+    """An iterable of batches whose first batch is fetched in a thread from the moment it is
+    made. The train loop makes the first epoch's one before it builds the model, so Ray
+    Data's start (split coordinator, read, decode and augment workers and their imports)
+    overlaps the model's build instead of following it."""
+
+    _END = object()
+
+    def __init__(self, batches):
+        self._box: dict = {}
+        self._thread = threading.Thread(target=self._pull, args=(batches,), daemon=True, name="first-batch")
+        self._thread.start()
+
+    def _pull(self, batches) -> None:
+        try:
+            it = iter(batches)
+            self._box["first"], self._box["rest"] = next(it, self._END), it
+        except BaseException as e:  # re-raised in the training thread
+            self._box["error"] = e
+
+    def __iter__(self):
+        self._thread.join()
+        if "error" in self._box:
+            raise self._box["error"]
+        if self._box["first"] is not self._END:
+            yield self._box["first"]
+            yield from self._box["rest"]
+
+
 def train_loop(job: dict) -> None:
     cfg = TrainConfig(**job["config"])
     ctx = ray.train.get_context()
@@ -189,6 +224,32 @@ def train_loop(job: dict) -> None:
         torch.set_num_threads(job["threads_per_worker"])
     if cfg.deterministic:
         ray.train.torch.enable_reproducibility(cfg.seed)
+
+    checkpoint = ray.train.get_checkpoint()  # a resumed run: where to start decides the first epoch's data
+    if checkpoint:
+        with checkpoint.as_directory() as d:
+            state = torch.load(os.path.join(d, CHECKPOINT_FILE), map_location=device, weights_only=True)
+    else:
+        state = {"epoch": -1, "history": [], "timings": [], "seen": [], "resumed_at_epochs": [], "first_step_at": None}
+    start_epoch, history, timings, seen_per_epoch = state["epoch"] + 1, state["history"], state["timings"], state["seen"]
+    resumed_at = state["resumed_at_epochs"] + ([start_epoch + 1] if checkpoint else [])
+    first_step_at = state.get("first_step_at")
+    last_epoch = cfg.epochs if not cfg.stop_after else min(cfg.epochs, start_epoch + cfg.stop_after)
+    per_worker = cfg.batch_size // world
+    train_shard, val_shard = ray.train.get_dataset_shard("train"), ray.train.get_dataset_shard("val")
+
+    def epoch_batches(epoch: int):
+        if master:  # before this rank asks for the epoch's data: the split barrier holds the others
+            ray.get(job["clock"].set.remote(epoch))
+        return train_shard.iter_torch_batches(
+            batch_size=per_worker,
+            device=device,
+            local_shuffle_buffer_size=min(4 * per_worker, 2048),
+            local_shuffle_seed=cfg.seed * 1_000_003 + epoch * 1009 + rank,  # fresh every epoch, distinct per rank
+            prefetch_batches=2,
+        )
+
+    first_epoch_batches = FirstBatchEarly(epoch_batches(start_epoch)) if start_epoch < last_epoch else None
 
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     num_classes = len(job["class_names"])
@@ -204,7 +265,6 @@ def train_loop(job: dict) -> None:
     bare = model.module if hasattr(model, "module") else model  # eval and saving skip DDP's collectives
     bare = getattr(bare, "_orig_mod", bare)
 
-    per_worker = cfg.batch_size // world
     steps_per_epoch = max(1, math.ceil(job["train_size"] / world / per_worker))
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer, steps_per_epoch)
@@ -213,40 +273,25 @@ def train_loop(job: dict) -> None:
     mix_cfg = job["preset"].get("mix")
     mix = MixUpCutMix(num_classes=num_classes, **({"label_smoothing": cfg.label_smoothing} | mix_cfg)) if mix_cfg else None
     ranks = _all_gather({"rank": rank, "node_id": ray.get_runtime_context().get_node_id(), "init_digest": init_digest})
-
-    start_epoch, history, timings, seen_per_epoch, resumed_at = 0, [], [], [], []
-    checkpoint = ray.train.get_checkpoint()
     if checkpoint:
-        with checkpoint.as_directory() as d:
-            state = torch.load(os.path.join(d, CHECKPOINT_FILE), map_location=device, weights_only=True)
         bare.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng"]["cpu"].cpu())  # map_location moved it to the device
-        start_epoch, history, timings = state["epoch"] + 1, state["history"], state["timings"]
-        seen_per_epoch, resumed_at = state["seen"], state["resumed_at_epochs"] + [start_epoch + 1]
         if master:
             _say(f"resumed from {checkpoint.path} at epoch {start_epoch + 1}")
 
-    train_shard, val_shard = ray.train.get_dataset_shard("train"), ray.train.get_dataset_shard("val")
     run_dir = artifacts.join(cfg.storage_path, cfg.name)
-    last_epoch = cfg.epochs if not cfg.stop_after else min(cfg.epochs, start_epoch + cfg.stop_after)
     for epoch in range(start_epoch, last_epoch):
-        if master:  # before this rank asks for the epoch's data: the split barrier holds the others
-            ray.get(job["clock"].set.remote(epoch))
-        batches = train_shard.iter_torch_batches(
-            batch_size=per_worker,
-            device=device,
-            local_shuffle_buffer_size=min(4 * per_worker, 2048),
-            local_shuffle_seed=cfg.seed * 1_000_003 + epoch * 1009 + rank,  # fresh every epoch, distinct per rank
-            prefetch_batches=2,
-        )
+        batches = first_epoch_batches if epoch == start_epoch else epoch_batches(epoch)
         bar = EpochProgress(job["train_size"], epoch, cfg.epochs, world_size=world, enabled=master and job["progress"])
         stats = train_epoch(model, batches, optimizer, scheduler, scaler, normalize, cfg, device, epoch=epoch, rank=rank, mix=mix, bar=bar)
         bar.close(stats)
         stats |= evaluate(bare, val_shard.iter_torch_batches(batch_size=per_worker, device=device), normalize, num_classes, device)
         seen_per_epoch.append(stats.pop("seen"))
+        epoch_first_step_at = stats.pop("first_step_at")
+        first_step_at = first_step_at or epoch_first_step_at  # the run's first step, kept across resumes
         confusion = stats.pop("confusion")
         row = {"epoch": epoch + 1, "lr": round(scheduler.get_last_lr()[0], 8)}
         row |= {k: round(v, 6) if isinstance(v, float) else v for k, v in stats.items() if k not in TIMING_COLUMNS}
@@ -258,26 +303,32 @@ def train_loop(job: dict) -> None:
             artifacts.write_csv(artifacts.join(run_dir, "timings.csv"), timings)
             if not cfg.quiet:
                 _say(format_row(row | timing, cfg.epochs))
-        with tempfile.TemporaryDirectory() as tmp:
-            ckpt = None
-            if master:
-                state = {
-                    "model": bare.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "scaler": scaler.state_dict(),
-                    "rng": {"cpu": torch.get_rng_state()},
-                    "epoch": epoch,
-                    "history": history,
-                    "timings": timings,
-                    "confusion": confusion,
-                    "seen": seen_per_epoch,  # per epoch, per rank: images trained on and their key sum
-                    "resumed_at_epochs": resumed_at,  # epochs a restart or a rerun continued from
-                    "ranks": ranks,
-                }
-                torch.save(state, os.path.join(tmp, CHECKPOINT_FILE))
-                ckpt = ray.train.Checkpoint.from_directory(tmp)
-            ray.train.report(row | timing, checkpoint=ckpt, checkpoint_dir_name=f"checkpoint_epoch_{epoch + 1:04d}")
+        state = {
+            "model": bare.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict(),
+            "rng": {"cpu": torch.get_rng_state()},
+            "epoch": epoch,
+            "history": history,
+            "timings": timings,
+            "confusion": confusion,
+            "seen": seen_per_epoch,  # per epoch, per rank: images trained on and their key sum
+            "resumed_at_epochs": resumed_at,  # epochs a restart or a rerun continued from
+            "ranks": ranks,
+            "first_step_at": first_step_at,  # wall clock (time.time()) of the run's first training step
+        } if master else None
+        report(row | timing, state, epoch)
+
+
+def report(metrics: dict, state: dict | None, epoch: int) -> None:
+    """ray.train.report from every rank; rank 0 (the one with a state) attaches the checkpoint."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = None
+        if state is not None:
+            torch.save(state, os.path.join(tmp, CHECKPOINT_FILE))
+            ckpt = ray.train.Checkpoint.from_directory(tmp)
+        ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=f"checkpoint_epoch_{epoch + 1:04d}")
 
 
 def _say(line: str) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torchvision
 
 SMALL_IMAGE_MAX_SIDE = 64  # at or below this the ImageNet stem (7x7/2 conv + max-pool) loses too much
 
@@ -14,6 +13,7 @@ def uses_small_stem(setting: str, image_size: int) -> bool:
 
 def resnet18(num_classes: int, *, small_stem: bool) -> torch.nn.Module:
     """Random init from torch's global RNG: seed it first so every rank builds the same weights."""
+    import torchvision  # here, not at the top: its import pulls torch._dynamo (~2 s), which the driver never needs
     model = torchvision.models.resnet18(weights=None, num_classes=num_classes)
     if small_stem:
         # CIFAR-style stem: 3x3 stride-1 conv, no max-pool; 32 px keeps a 4x4 final feature map

@@ -185,7 +185,7 @@ class PreparedDecoder:
         return out
 
 
-def read_prepared_split(split: PreparedSplit, *, seed: int, shuffle: bool, bad_log=None):
+def read_prepared_split(split: PreparedSplit, *, seed: int, shuffle: bool, bad_log=None, num_cpus: float = 1.0):
     """Ray Dataset of decoded images for one prepared split: the same {image, label, key}
     columns as training.data.read_split. Shards are read in an order shuffled by `seed`
     (their rows were shuffled once by jobs.prepare); the trainer's buffer shuffles per epoch."""
@@ -194,5 +194,5 @@ def read_prepared_split(split: PreparedSplit, *, seed: int, shuffle: bool, bad_l
     shards = list(split.shards)
     if shuffle:
         shards = [shards[i] for i in np.random.default_rng(seed).permutation(len(shards))]
-    ds = ray.data.read_parquet(shards).select_columns(["bytes", "label", "key", "path"])
-    return ds.map_batches(PreparedDecoder(split.source, bad_log), batch_format="numpy", batch_size=64)
+    ds = ray.data.read_parquet(shards, num_cpus=num_cpus).select_columns(["bytes", "label", "key", "path"])
+    return ds.map_batches(PreparedDecoder(split.source, bad_log), batch_format="numpy", batch_size=64, num_cpus=num_cpus)

@@ -1,0 +1,36 @@
+"""The user's inputs, checked before any cluster or heavy import: settings, the image tree,
+the run directory. Light on purpose (no torch, no Ray Train): the entry point runs this
+first, so a mistake is reported in well under a second, then starts Ray while torch loads.
+"""
+
+from __future__ import annotations
+
+import os
+
+from augment.schedule import parse_schedule
+from training import artifacts
+from training.config import ConfigError, TrainConfig
+from training.data import ImageTree, default_dataset_dir, scan_tree
+
+
+def check_inputs(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree]:
+    """Resolve defaults, scan the tree, check the flags that name things; DataError or
+    ConfigError (exit 2) for anything wrong. The preset is checked by augment.presets.load_preset."""
+    cfg = cfg.with_defaults_resolved()
+    root = cfg.data or str(default_dataset_dir())
+    tree = scan_tree(root, cfg.val_fraction)
+    try:  # a bad schedule name is found before Ray starts
+        parse_schedule(cfg.augment_schedule)
+    except ValueError as e:
+        raise ConfigError(f"--augment-schedule: {e}") from None
+    if cfg.init_weights and not os.path.isfile(cfg.init_weights):
+        raise ConfigError(f"--init-weights {cfg.init_weights}: no such file; give a torchvision ResNet18 state_dict saved with torch.save")
+    run_dir = artifacts.join(cfg.storage_path, cfg.name)
+    if cfg.fresh and artifacts.exists(run_dir):
+        artifacts.remove_tree(run_dir)  # Ray Train would otherwise resume from its checkpoints
+    if "://" not in cfg.storage_path:
+        try:
+            os.makedirs(os.path.join(cfg.storage_path, cfg.name), exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"--storage-path {cfg.storage_path}: cannot create the run directory ({e.strerror}); choose a writable path") from None
+    return cfg, tree
