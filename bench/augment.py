@@ -91,7 +91,7 @@ def time_stage(preset: str, train: bool, images: list[np.ndarray], batch: int, t
     keys = torch.arange(batch, dtype=torch.int64)
     rates = []
     for normalize in (False, True):
-        def one(b, step):
+        def one(b, step, normalize=normalize):
             out = augment_batch(pipe, b, keys + step * batch, 0, torch.device(device))
             return norm(out) if normalize else out
 

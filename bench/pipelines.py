@@ -11,6 +11,9 @@ float batch the model takes, img/s:
 * stage 1t / stage Nt  this project's augment stage (bench.augment.time_stage: augment_batch
                        + the trainer's Normalize) with 1 torch thread (what an augment actor
                        gets) and with every core;
+* stage Np             the stage as Ray Data runs it on CPUs: N processes of 1 thread side by
+                       side (one per augment task or actor; N = the DataLoader's workers),
+                       started together after a barrier, their rates summed;
 * tv PIL               the seed's per-image PIL torchvision pipeline in this process
                        (bench.augment.time_torchvision), no workers;
 * tv DataLoader        the same pipeline in a DataLoader with the seeds' worker count
@@ -23,7 +26,9 @@ float batch the model takes, img/s:
                        `imagenet` the photos differ in size, so RandomResizedCrop runs per
                        image (v2, on tensors) before the batched rest.
 
-`ratio` = stage at 1 thread / tv DataLoader (the issue's target: >= 1.0 on the 2-core CPU).
+`ratio` = stage Np / tv DataLoader: the same number of processes on the same cores (the
+issue's target: >= 1.0 on the 2-core CPU). `1t ratio` = stage 1t / tv DataLoader, one core
+against all of them.
 On a GPU (`--device cuda`) the stage and v2 run on the device (the photos are uploaded per
 batch, inside the timing); the PIL and DataLoader columns are CPU-only by nature.
 """
@@ -67,6 +72,30 @@ def time_dataloader(preset: str, images: list[np.ndarray], total: int, workers: 
             n += x.shape[0]
         best = max(best, n / (time.perf_counter() - start))
     return best
+
+
+def _stage_process(preset: str, batch: int, n: int, repeat: int, barrier, results) -> None:
+    torch.set_num_threads(1)
+    images = photos(preset, 96)
+    from augment.presets import PRESETS  # noqa: F401  (imports done before the barrier)
+
+    barrier.wait()
+    results.put(time_stage(preset, True, images, batch, n, "cpu", repeat)[1])
+
+
+def time_stage_processes(preset: str, batch: int, n: int, procs: int, repeat: int) -> float:
+    """Summed img/s of `procs` processes of 1 thread each running the stage at once."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # not fork: this process has already run torch's thread pools
+    barrier, results = ctx.Barrier(procs), ctx.Queue()
+    workers = [ctx.Process(target=_stage_process, args=(preset, batch, n, repeat, barrier, results)) for _ in range(procs)]
+    for w in workers:
+        w.start()
+    rates = [results.get(timeout=600) for _ in workers]
+    for w in workers:
+        w.join()
+    return sum(rates)
 
 
 def v2_pipeline(preset: str):
@@ -120,7 +149,7 @@ def main(argv=None) -> list[dict]:
     workers = args.loader_workers or seed_num_workers(cores)
     rows = []
     print(f"torch {torch.__version__}, {cores} cores, device {args.device}, DataLoader workers {workers}; img/s (train split), higher is better")
-    print(f"{'preset':<9} {'batch':>6} {'stage 1t':>9} {f'stage {cores}t':>9} {'tv PIL':>8} {'tv DataLoader':>14} {'tv v2 batch':>12} {'ratio':>6}")
+    print(f"{'preset':<9} {'batch':>6} {'stage 1t':>9} {f'stage {cores}t':>9} {f'stage {workers}p':>9} {'tv PIL':>8} {'tv DataLoader':>14} {'tv v2 batch':>12} {'ratio':>6} {'1t ratio':>9}")
     for preset in args.presets:
         images = photos(preset, 96)
         total = args.images or (512 if preset == "imagenet" else 4096) * (16 if args.device == "cuda" else 1)
@@ -134,11 +163,14 @@ def main(argv=None) -> list[dict]:
             v2 = time_v2_batched(preset, images, n, batch, args.device, args.repeat)
             torch.set_num_threads(cores)
             stage_n = time_stage(preset, True, images, batch, n, args.device, args.repeat)[1] if args.device == "cpu" else stage1
+            stage_p = time_stage_processes(preset, batch, n, workers, args.repeat) if args.device == "cpu" else stage1
             row = {"preset": preset, "device": args.device, "batch": batch, "images": n, "stage_1t_img_s": round(stage1, 1),
-                   f"stage_{cores}t_img_s": round(stage_n, 1), "tv_pil_img_s": round(pil, 1), "tv_dataloader_img_s": round(loader, 1),
-                   "tv_v2_batch_img_s": round(v2, 1), "loader_workers": workers, "ratio_stage_over_dataloader": round(stage1 / loader, 2)}
+                   f"stage_{cores}t_img_s": round(stage_n, 1), f"stage_{workers}p_img_s": round(stage_p, 1), "tv_pil_img_s": round(pil, 1),
+                   "tv_dataloader_img_s": round(loader, 1), "tv_v2_batch_img_s": round(v2, 1), "loader_workers": workers,
+                   "ratio_stage_over_dataloader": round(stage_p / loader, 2), "ratio_stage_1t_over_dataloader": round(stage1 / loader, 2)}
             rows.append(row)
-            print(f"{preset:<9} {batch:>6} {stage1:>9.0f} {stage_n:>9.0f} {pil:>8.0f} {loader:>14.0f} {v2:>12.0f} {stage1 / loader:>5.2f}x", flush=True)
+            print(f"{preset:<9} {batch:>6} {stage1:>9.0f} {stage_n:>9.0f} {stage_p:>9.0f} {pil:>8.0f} {loader:>14.0f} {v2:>12.0f} "
+                  f"{stage_p / loader:>5.2f}x {stage1 / loader:>8.2f}x", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "cores": cores, "device": args.device, "load_avg": os.getloadavg(), "rows": rows}, f, indent=2)

@@ -27,9 +27,11 @@ def main(argv=None) -> None:
         train = json.load(f)
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2), dpi=100)
-    columns = [("stage_1t_img_s", "this stage (1 thread)"), ("tv_pil_img_s", "torchvision PIL, 1 process"),
-               ("tv_dataloader_img_s", "torchvision PIL, DataLoader"), ("tv_v2_batch_img_s", "torchvision v2 on batches*")]
     rows = [r for r in pipes["rows"] if r["batch"] == max(x["batch"] for x in pipes["rows"] if x["preset"] == r["preset"])]
+    procs = [k for k in rows[0] if k.startswith("stage_") and k.endswith("p_img_s")]  # the stage in N processes, when timed
+    columns = [("stage_1t_img_s", "this stage (1 thread)")] + [(k, f"this stage ({k.split('_')[1][:-1]} processes)") for k in procs]
+    columns += [("tv_pil_img_s", "torchvision PIL, 1 process"), ("tv_dataloader_img_s", "torchvision PIL, DataLoader"),
+                ("tv_v2_batch_img_s", "torchvision v2 on batches*")]
     width = 0.8 / len(columns)
     for j, (key, label) in enumerate(columns):
         left.bar([i + j * width for i in range(len(rows))], [r[key] for r in rows], width, label=label)
