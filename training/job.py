@@ -361,6 +361,7 @@ def summarize(state: dict, start: float, plan: ResourcePlan, tree: ImageTree, ba
     history, timings = state["history"], state["timings"]
     last = history[-1]
     steady = timings[1:] or timings  # skip the first epoch (actor start-up) when there is more than one
+    this_run = [t for t in state.get("first_steps", []) if t >= start]  # first steps of this invocation's attempts
     confusion = state["confusion"]
     summary = {
         "epochs": last["epoch"],
@@ -372,8 +373,9 @@ def summarize(state: dict, start: float, plan: ResourcePlan, tree: ImageTree, ba
         "train_images_per_s": round(sum(t["images_per_s"] * t["epoch_s"] for t in steady) / sum(t["epoch_s"] for t in steady), 1),
         "data_wait_frac": round(sum(t["data_wait_frac"] * t["epoch_s"] for t in steady) / sum(t["epoch_s"] for t in steady), 4),
         "wall_s": round(time.time() - start, 1),
-        # launch to the end of the first training step: imports, Ray, data pipeline and trainer start
-        "startup_s": round(state["first_step_at"] - start, 1) if state.get("first_step_at") else None,
+        # launch to the end of this invocation's first training step: imports, Ray, the trainer
+        # and the data pipeline starting (a rerun that resumes counts its own)
+        "startup_s": round(min(this_run) - start, 1) if this_run else None,
         "world_size": plan.num_workers,
         "device": "cuda" if plan.use_gpu else "cpu",
         "num_classes": tree.num_classes,

@@ -230,10 +230,10 @@ def train_loop(job: dict) -> None:
         with checkpoint.as_directory() as d:
             state = torch.load(os.path.join(d, CHECKPOINT_FILE), map_location=device, weights_only=True)
     else:
-        state = {"epoch": -1, "history": [], "timings": [], "seen": [], "resumed_at_epochs": [], "first_step_at": None}
+        state = {"epoch": -1, "history": [], "timings": [], "seen": [], "resumed_at_epochs": [], "first_steps": []}
     start_epoch, history, timings, seen_per_epoch = state["epoch"] + 1, state["history"], state["timings"], state["seen"]
     resumed_at = state["resumed_at_epochs"] + ([start_epoch + 1] if checkpoint else [])
-    first_step_at = state.get("first_step_at")
+    first_steps = state.get("first_steps", [])  # time.time() when each attempt's first step ended (Ray Train restarts, reruns)
     last_epoch = cfg.epochs if not cfg.stop_after else min(cfg.epochs, start_epoch + cfg.stop_after)
     per_worker = cfg.batch_size // world
     train_shard, val_shard = ray.train.get_dataset_shard("train"), ray.train.get_dataset_shard("val")
@@ -291,7 +291,8 @@ def train_loop(job: dict) -> None:
         stats |= evaluate(bare, val_shard.iter_torch_batches(batch_size=per_worker, device=device), normalize, num_classes, device)
         seen_per_epoch.append(stats.pop("seen"))
         epoch_first_step_at = stats.pop("first_step_at")
-        first_step_at = first_step_at or epoch_first_step_at  # the run's first step, kept across resumes
+        if epoch == start_epoch and epoch_first_step_at is not None:
+            first_steps.append(epoch_first_step_at)
         confusion = stats.pop("confusion")
         row = {"epoch": epoch + 1, "lr": round(scheduler.get_last_lr()[0], 8)}
         row |= {k: round(v, 6) if isinstance(v, float) else v for k, v in stats.items() if k not in TIMING_COLUMNS}
@@ -316,7 +317,7 @@ def train_loop(job: dict) -> None:
             "seen": seen_per_epoch,  # per epoch, per rank: images trained on and their key sum
             "resumed_at_epochs": resumed_at,  # epochs a restart or a rerun continued from
             "ranks": ranks,
-            "first_step_at": first_step_at,  # wall clock (time.time()) of the run's first training step
+            "first_steps": first_steps,
         } if master else None
         report(row | timing, state, epoch)
 
