@@ -31,45 +31,64 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def quiet_ray(verbose: bool = False) -> dict:
-    """Keep the console readable: Ray Data logs only warnings and draws no progress bars of
-    its own (the trainer's per-epoch bar shows the progress that matters), no deprecation
-    noise from Ray's own internals. Environment variables reach the processes of a cluster
-    started here. `verbose` keeps Ray's INFO logs and Ray Data's bars."""
-    import ray.data
-
+def quiet_ray_env(verbose: bool = False) -> dict:
+    """Keep the console readable: Ray Data logs only warnings, no deprecation noise from
+    Ray's own internals. Environment variables reach the processes of a cluster started
+    here, so this runs before `ray.init`; it imports nothing heavy. Returns ray.init's
+    logging arguments. `verbose` keeps Ray's INFO logs."""
     if verbose:
         return {"logging_level": logging.INFO}
     import training
 
     os.environ.setdefault("RAY_DATA_LOGGING_CONFIG", os.path.join(os.path.dirname(training.__file__), "ray_data_logging.yaml"))
     os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
-    ctx = ray.data.DataContext.get_current()  # datasets copy it when built: their actors see it
-    ctx.print_on_execution_start = False
-    ctx.enable_progress_bars = False
-    logging.getLogger("ray.data").setLevel(logging.WARNING)
     return {"logging_level": logging.WARNING}
 
 
-def connect(verbose: bool = False, dashboard: bool = False) -> None:
+def quiet_ray_data(verbose: bool = False) -> None:
+    """Ray Data draws no progress bars of its own (the trainer's per-epoch bar shows the
+    progress that matters) and logs warnings only. Set before the datasets are built: they
+    copy the context, and their actors see the copy. `verbose` keeps Ray Data's bars."""
+    import ray.data
+
+    if verbose:
+        return
+    ctx = ray.data.DataContext.get_current()
+    ctx.print_on_execution_start = False
+    ctx.enable_progress_bars = False
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+
+
+def quiet_ray(verbose: bool = False) -> dict:
+    """Both of the above, for a caller that starts its own cluster (the tests)."""
+    kwargs = quiet_ray_env(verbose)
+    quiet_ray_data(verbose)
+    return kwargs
+
+
+def connect(verbose: bool = False, dashboard: bool = False) -> bool:
     """Join the cluster of `ray job submit` / RAY_ADDRESS, or start a local one (or keep the
-    one this process is already connected to)."""
+    one this process is already connected to). True when it started a local cluster, which
+    lives and dies with this process."""
     import ray
 
-    kwargs = quiet_ray(verbose)
+    kwargs = quiet_ray_env(verbose)
+    started = False
     if ray.is_initialized():
-        return
-    if os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"):
+        pass
+    elif os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"):
         ray.init(**kwargs)
-    elif dashboard:
-        # a plain local run starts its own embedded cluster (never joins one found on the
-        # machine); the dashboard listens on loopback only
-        ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", **kwargs)
     else:
-        # without the dashboard Ray has no state API, which Ray Train's placement-group
-        # cleaner polls (warning each time); the cluster ends with this process anyway
-        hook = {"worker_process_setup_hook": "training.console.quiet_placement_group_cleaner"}
-        ray.init(address="local", include_dashboard=False, runtime_env=hook, **kwargs)
+        # No node of a cluster that ends with this process can be drained by an autoscaler:
+        # Ray Train's preemption watcher (one more actor process to start) has nothing to watch.
+        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+        if dashboard:  # it listens on loopback only
+            ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", **kwargs)
+        else:
+            ray.init(address="local", include_dashboard=False, **kwargs)
+        started = True
+    quiet_ray_data(verbose)  # after ray.init: importing Ray Data first would delay the cluster's start
+    return started
 
 
 class _Preload(threading.Thread):
@@ -114,7 +133,7 @@ def main(argv=None) -> int:
     preload.start()
     log = (lambda *a: None) if cfg.quiet else (lambda *a: print(*a, flush=True))
     log(console.format_config(cfg.to_dict(), sources))
-    connect(cfg.verbose, cfg.dashboard)
+    own_cluster = connect(cfg.verbose, cfg.dashboard)
     try:
         preset = preload.result()
     except PresetError as e:
@@ -123,7 +142,7 @@ def main(argv=None) -> int:
     from training import job
 
     try:
-        summary = job.run(cfg, tree, preset, log=log, launched_at=job.process_started_at())
+        summary = job.run(cfg, tree, preset, log=log, launched_at=job.process_started_at(), own_cluster=own_cluster)
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -157,12 +157,3 @@ def summary_table(summary: dict, *, max_classes: int = 20) -> str:
     rule = f"+-{'-' * width}-+-{'-' * vwidth}-+"
     body = [f"| {k:<{width}} | {str(v):<{vwidth}} |" for k, v in rows]
     return "\n".join([rule, *body, rule])
-
-
-def quiet_placement_group_cleaner() -> None:
-    """Worker process setup hook for a local cluster started without the dashboard: Ray
-    Train's placement-group cleaner asks the state API (served by the dashboard) whether the
-    controller lives, and warns every few seconds that it cannot. Its other messages stay."""
-    import logging
-
-    logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)

@@ -35,6 +35,18 @@ from training.inputs import check_inputs
 from training.loop import CHECKPOINT_FILE, KEY_MOD, train_loop
 from training.model import uses_small_stem
 
+class OwnClusterTorchTrainer(TorchTrainer):
+    """TorchTrainer for a cluster that this process started and that ends with it, less Ray
+    Train's placement-group cleaner: a detached actor that frees the run's placement group
+    should the controller die, which has nothing to outlive here. It would cost one more
+    process at start-up, and without the dashboard it polls a state API that is not there,
+    warning every few seconds."""
+
+    def _create_default_callbacks(self):
+        callbacks = super()._create_default_callbacks()
+        return [c for c in callbacks if type(c).__name__ != "PlacementGroupCleanerCallback"]
+
+
 class TrainingFailed(RuntimeError):
     """Training started but did not finish."""
 
@@ -211,10 +223,12 @@ def process_started_at() -> float:
         return time.time()
 
 
-def run(cfg: TrainConfig, tree: ImageTree, preset: Preset, *, log=print, launched_at: float | None = None) -> dict:
+def run(cfg: TrainConfig, tree: ImageTree, preset: Preset, *, log=print, launched_at: float | None = None,
+        own_cluster: bool = False) -> dict:
     """Train on a connected Ray cluster; returns the summary written to summary.json.
     `launched_at` (a time.time() value, e.g. process_started_at()) is when start-up began;
-    summary.json's startup_s and wall_s count from it (default: now)."""
+    summary.json's startup_s and wall_s count from it (default: now). `own_cluster`: the
+    cluster was started by this process and ends with it."""
     start = launched_at or time.time()
     run_dir = artifacts.join(cfg.storage_path, cfg.name)
     if cfg.deterministic:  # rows reach the trainer in file order, so batches are the same every run
@@ -236,16 +250,16 @@ def run(cfg: TrainConfig, tree: ImageTree, preset: Preset, *, log=print, launche
 
     helpers = [ray.remote(num_cpus=0)(EpochClock).remote(), ray.remote(num_cpus=0)(BadFileLog).remote()]
     try:
-        return _fit(cfg, tree, preset, plan, *helpers, run_dir=run_dir, start=start, log=log)
+        return _fit(cfg, tree, preset, plan, *helpers, run_dir=run_dir, start=start, log=log, own_cluster=own_cluster)
     finally:
         for actor in helpers:  # nothing of this run may hold cluster resources afterwards
             ray.kill(actor)
 
 
-def _fit(cfg, tree, preset, plan, clock, bad_log, *, run_dir, start, log) -> dict:
+def _fit(cfg, tree, preset, plan, clock, bad_log, *, run_dir, start, log, own_cluster) -> dict:
     datasets = build_datasets(cfg, tree, preset, plan, clock, bad_log)
-    bad = ray.get(bad_log.get.remote())  # all of it when the data was decoded up front, else a start
-    if bad and cfg.strict:
+    bad = ray.get(bad_log.get.remote()) if cfg.strict else {}  # --strict decoded every file above
+    if bad:
         _write_bad_files(run_dir, bad)
         first = next(iter(sorted(bad.items())))
         raise DataError(f"{len(bad)} unreadable image(s), e.g. {first[0]}: {first[1]}; see {artifacts.join(run_dir, 'bad_files.csv')}; drop --strict to skip them")
@@ -259,7 +273,9 @@ def _fit(cfg, tree, preset, plan, clock, bad_log, *, run_dir, start, log) -> dic
         "clock": clock,
         "progress": not cfg.quiet and sys.stderr.isatty(),  # no bar in log files or `ray job logs`
     }
-    trainer = TorchTrainer(
+    # (a Ray Train without the callbacks hook gets the plain trainer)
+    own = own_cluster and hasattr(TorchTrainer, "_create_default_callbacks")
+    trainer = (OwnClusterTorchTrainer if own else TorchTrainer)(
         train_loop,
         train_loop_config=job,
         scaling_config=ray.train.ScalingConfig(
