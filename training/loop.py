@@ -236,17 +236,23 @@ def train_loop(job: dict) -> None:
     first_steps = state.get("first_steps", [])  # time.time() when each attempt's first step ended (Ray Train restarts, reruns)
     last_epoch = cfg.epochs if not cfg.stop_after else min(cfg.epochs, start_epoch + cfg.stop_after)
     per_worker = cfg.batch_size // world
-    train_shard, val_shard = ray.train.get_dataset_shard("train"), ray.train.get_dataset_shard("val")
+    train_shard = ray.train.get_dataset_shard("train")  # "val" at the first validation: its split
+    val_shard = None  # coordinator (one more process) then starts after the first steps, not before
 
     def epoch_batches(epoch: int):
         if master:  # before this rank asks for the epoch's data: the split barrier holds the others
             ray.get(job["clock"].set.remote(epoch))
+        # Epoch 0 takes the files in the seed's random permutation (read_split), so a local
+        # shuffle adds little there, and Ray Data's would hold back the first batch until
+        # batch + 1.5 x buffer rows had arrived; block prefetch would wait for the second
+        # block. Without both, the first step starts on the first block.
+        first = epoch == 0
         return train_shard.iter_torch_batches(
             batch_size=per_worker,
             device=device,
-            local_shuffle_buffer_size=min(4 * per_worker, 2048),
+            local_shuffle_buffer_size=None if first else min(4 * per_worker, 2048),
             local_shuffle_seed=cfg.seed * 1_000_003 + epoch * 1009 + rank,  # fresh every epoch, distinct per rank
-            prefetch_batches=2,
+            prefetch_batches=0 if first else 2,
         )
 
     first_epoch_batches = FirstBatchEarly(epoch_batches(start_epoch)) if start_epoch < last_epoch else None
@@ -288,6 +294,8 @@ def train_loop(job: dict) -> None:
         bar = EpochProgress(job["train_size"], epoch, cfg.epochs, world_size=world, enabled=master and job["progress"])
         stats = train_epoch(model, batches, optimizer, scheduler, scaler, normalize, cfg, device, epoch=epoch, rank=rank, mix=mix, bar=bar)
         bar.close(stats)
+        if val_shard is None:  # every rank asks at once: a barrier
+            val_shard = ray.train.get_dataset_shard("val")
         stats |= evaluate(bare, val_shard.iter_torch_batches(batch_size=per_worker, device=device), normalize, num_classes, device)
         seen_per_epoch.append(stats.pop("seen"))
         epoch_first_step_at = stats.pop("first_step_at")
