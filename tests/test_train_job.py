@@ -146,3 +146,15 @@ def test_weight_decay_skips_batchnorm_and_biases():
     names = {id(p): n for n, p in model.named_parameters()}
     assert all("bn" in names[id(p)] or "downsample.1" in names[id(p)] or names[id(p)].endswith("bias") for p in no_decay["params"])
     assert all(p.ndim > 1 for p in decay["params"])
+
+
+def test_a_cluster_the_job_owns_runs_ray_train_without_the_placement_group_cleaner(tmp_path):
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    kwargs = {"scaling_config": ray.train.ScalingConfig(num_workers=1),
+              "run_config": ray.train.RunConfig(name="owned", storage_path=str(tmp_path))}
+    plain = {type(c).__name__ for c in TorchTrainer(lambda: None, **kwargs)._create_default_callbacks()}
+    owned = {type(c).__name__ for c in job.OwnClusterTorchTrainer(lambda: None, **kwargs)._create_default_callbacks()}
+    assert "PlacementGroupCleanerCallback" in plain  # else the filter below has nothing to do on this Ray
+    assert owned == plain - {"PlacementGroupCleanerCallback"}
