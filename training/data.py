@@ -284,8 +284,9 @@ def read_split(split: Split, *, seed: int, shuffle: bool, bad_log=None, num_cpus
     """Ray Dataset of decoded images for one split.
 
     Files are read in an order shuffled once by `seed` so that blocks mix classes (epoch 0
-    takes them in that order); later epochs reshuffle in the trainer's local shuffle buffer. `num_cpus` is what each
-    read and decode task reserves: below 1 when trainers hold most of a small machine's CPUs.
+    takes them in that order); later epochs reshuffle in the trainer's local shuffle buffer.
+    `num_cpus` is what each read and decode task reserves: below 1 when trainers hold most
+    of a small machine's CPUs.
     """
     import ray.data
 

@@ -35,6 +35,7 @@ from training.inputs import check_inputs
 from training.loop import CHECKPOINT_FILE, KEY_MOD, train_loop
 from training.model import uses_small_stem
 
+
 class OwnClusterTorchTrainer(TorchTrainer):
     """TorchTrainer for a cluster that this process started and that ends with it, less Ray
     Train's placement-group cleaner: a detached actor that frees the run's placement group
