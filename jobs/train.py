@@ -92,18 +92,19 @@ def connect(verbose: bool = False, dashboard: bool = False) -> bool:
 
 
 class _Preload(threading.Thread):
-    """Imports torch, Kornia and Ray Train and loads the preset while the main thread starts
-    Ray: on a small machine they take about 3 s each, and neither needs the other."""
+    """Imports torch, Kornia and Ray Train and loads a built-in preset (`preset` is None
+    until then) while the main thread starts Ray: on a small machine they take about 3 s
+    each, and neither needs the other."""
 
-    def __init__(self, preset_name: str):
+    def __init__(self, preset_name: str, preset=None):
         super().__init__(daemon=True, name="preload")
-        self.preset_name, self.preset, self.error = preset_name, None, None
+        self.preset_name, self.preset, self.error = preset_name, preset, None
 
     def run(self) -> None:
         try:
             from augment.presets import load_preset
 
-            self.preset = load_preset(self.preset_name)
+            self.preset = self.preset or load_preset(self.preset_name)
             import training.job  # noqa: F401  (torch, Ray Train)
         except BaseException as e:  # handed to the main thread, which reports it
             self.error = e
@@ -119,26 +120,23 @@ def main(argv=None) -> int:
     try:
         cfg, sources = parse_config(parser(), argv)
         cfg, tree = check_inputs(cfg)  # light: a mistake is reported before anything heavy starts
+        preset = None
         if check_preset_name(cfg.preset):  # a file: loaded and checked before Ray starts too
             from augment.presets import load_preset
 
-            load_preset(cfg.preset)
+            preset = load_preset(cfg.preset)
     except (DataError, ConfigError, PresetError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     # Two threads import at once below. Safe: the preload thread's torch and Kornia import no
     # Ray module, and Ray Data (main thread, below) imports neither torch nor Ray Train; the
     # preload thread's Ray Train waits for the main thread's Ray Data, never the reverse.
-    preload = _Preload(cfg.preset)
+    preload = _Preload(cfg.preset, preset)
     preload.start()
     log = (lambda *a: None) if cfg.quiet else (lambda *a: print(*a, flush=True))
     log(console.format_config(cfg.to_dict(), sources))
     own_cluster = connect(cfg.verbose, cfg.dashboard)
-    try:
-        preset = preload.result()
-    except PresetError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    preset = preload.result()  # a file preset was checked above; a built-in one cannot fail
     from training import job
 
     try:

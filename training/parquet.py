@@ -188,7 +188,8 @@ class PreparedDecoder:
 def read_prepared_split(split: PreparedSplit, *, seed: int, shuffle: bool, bad_log=None, num_cpus: float = 1.0):
     """Ray Dataset of decoded images for one prepared split: the same {image, label, key}
     columns as training.data.read_split. Shards are read in an order shuffled by `seed`
-    (their rows were shuffled once by jobs.prepare); the trainer's buffer shuffles per epoch."""
+    (their rows were shuffled once by jobs.prepare); from epoch 1 on, the trainer's buffer
+    reshuffles every epoch."""
     import ray.data
 
     shards = list(split.shards)
