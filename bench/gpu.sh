@@ -27,5 +27,5 @@ test -f "$PHOTOS/.done" || { timeout 90 "$PY" -m bench.train --make-photos "$PHO
 
 # 3. end to end, bf16, global batch 256, 4 epochs (steady state = epochs 2-4) (~3 min)
 timeout 300 "$PY" -m bench.train --data "$PHOTOS" --train-images 0 --preset imagenet --device cuda --amp bf16 \
-    --batch-size 256 --epochs 4 --synthetic-steps 100 --work "$OUT/train" --json "$OUT/train-cuda.json" \
+    --batch-size 256 --epochs 4 --synthetic-steps 100 --variants plain job synthetic --work "$OUT/train" --json "$OUT/train-cuda.json" \
     ${JOB_ARGS:+--job-args $JOB_ARGS} | tee "$OUT/train-cuda.txt"

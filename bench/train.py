@@ -16,7 +16,10 @@ Three variants on the same data, model, global batch and epochs, each in a fresh
              + SGD, one process, torch threads = cores;
 * jobs.train `python -m jobs.train ... --storage-path <tmp>` (a fresh local Ray each time);
              its summary.json gives steady img/s (epochs 2+) and timings.csv the epochs;
-* synthetic  the project's model and optimizer on random batches already on the device.
+* synthetic  the project's model and optimizer on random batches already on the device;
+* floor      bench/ray_floor.py: the same local Ray and trainer set-up as jobs.train with no
+             model and no images, one batch of a trivial Ray Data pipeline. Its first batch
+             is the start-up Ray Train + Ray Data cost before any of the project's work.
 
 Steady-state img/s counts epochs 2+ (training steps only, validation excluded) for both
 plain and jobs.train. Wall time is the process's, launch to exit. Start-up before the first
@@ -198,6 +201,16 @@ def run_synthetic(args, work: str, tag: str) -> dict:
             "first_step_s": round(res["t_first_step"] - t0, 1), "startup_est_s": None}
 
 
+def run_floor(args, work: str, tag: str) -> dict:
+    cmd = [sys.executable, "-m", "bench.ray_floor"]
+    t0, t1, lines, rc = _launch(cmd, os.path.join(work, f"floor-{tag}.log"))
+    if rc != 0:
+        raise RuntimeError(f"floor run failed (exit {rc}):\n" + "\n".join(l for _, l in lines[-15:]))
+    res = json.loads(lines[-1][1])
+    return {"variant": "floor", "steady_img_s": None, "wall_s": round(t1 - t0, 1), "first_step_s": res["first_batch_s"],
+            "loop_start_s": res["loop_start_s"], "startup_est_s": None}
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -220,6 +233,12 @@ def table(rows: list[dict]) -> tuple[str, dict]:
                    f"{r['steady_img_s'] / plain['steady_img_s']:>7.2f}x {r['steady_img_s'] / synth['steady_img_s']:>9.2f}x")
     out.append(f"jobs.train: {fmt(job['to_plan_line_s'])} s to its plan line (imports + ray.init), data wait {100 * (job['data_wait_frac'] or 0):.0f}% of epochs 2+, "
                f"{job['wall_s'] - job['epoch_s_sum']:.1f} s of its wall outside training epochs")
+    floors = [r for r in rows if r["variant"] == "floor"]
+    if floors:
+        floor = min(floors, key=lambda r: r["first_step_s"])
+        ratios["job_first_step_over_floor"] = round(job["first_step_s"] / floor["first_step_s"], 3) if job["first_step_s"] else None
+        out.append(f"floor (Ray Train + Ray Data, no work): train loop starts at {floor['loop_start_s']:.1f} s, first batch at {floor['first_step_s']:.1f} s; "
+                   f"jobs.train's first step {fmt(job['first_step_s'])} s")
     return "\n".join(out), ratios
 
 
@@ -235,7 +254,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--loader-workers", type=int, default=0, help="the plain script's DataLoader workers; 0 = the seeds' advice capped to the cores")
     ap.add_argument("--synthetic-steps", type=int, default=12, help="timed steps of the synthetic ceiling")
     ap.add_argument("--rounds", type=int, default=1, help="run every variant this many times, alternating the order; the best of each counts")
-    ap.add_argument("--variants", nargs="+", default=["plain", "job", "synthetic"], choices=("plain", "job", "synthetic"), help="which to run")
+    ap.add_argument("--variants", nargs="+", default=["plain", "job", "synthetic", "floor"], choices=("plain", "job", "synthetic", "floor"), help="which to run")
     ap.add_argument("--job-args", nargs=argparse.REMAINDER, default=[], help="further flags for jobs.train (must come last), e.g. --job-args --augment-actors 2")
     ap.add_argument("--work", help="keep logs and run directories here (default: a temporary directory, removed)")
     ap.add_argument("--json", help="also write every measurement and the ratios as JSON to this path")
@@ -261,7 +280,7 @@ def main(argv=None) -> dict:
           f"{args.preset}, batch {args.batch_size}, {args.epochs} epochs, device {args.device}, amp {args.amp}", flush=True)
 
     runners = {"plain": lambda tag: run_plain(args, data, work, tag), "job": lambda tag: run_job(args, data, work, tag),
-               "synthetic": lambda tag: run_synthetic(args, work, tag)}
+               "synthetic": lambda tag: run_synthetic(args, work, tag), "floor": lambda tag: run_floor(args, work, tag)}
     rows = []
     for r in range(args.rounds):
         order = args.variants if r % 2 == 0 else list(reversed(args.variants))
@@ -271,7 +290,8 @@ def main(argv=None) -> dict:
             if args.json:  # after every variant: a run stopped part-way keeps what it measured
                 with open(args.json, "w") as f:
                     json.dump({"machine": machine, "settings": {k: v for k, v in vars(args).items() if k not in ("json", "work")}, "data": data, "rows": rows}, f, indent=2)
-            print(f"round {r + 1}: {row['variant']:<11} {row['steady_img_s']:>8.1f} img/s steady, {row['wall_s']:.1f} s wall (load {row['load_avg']:.1f})", flush=True)
+            rate = f"first batch at {row['first_step_s']:.1f} s" if row["variant"] == "floor" else f"{row['steady_img_s']:>8.1f} img/s steady"
+            print(f"round {r + 1}: {row['variant']:<11} {rate}, {row['wall_s']:.1f} s wall (load {row['load_avg']:.1f})", flush=True)
     result = {"machine": machine | {"load_avg_end": os.getloadavg()}, "settings": {k: v for k, v in vars(args).items() if k not in ("json", "work")},
               "data": data, "rows": rows}
     if {"plain", "job", "synthetic"} <= set(args.variants):

@@ -1,0 +1,69 @@
+"""The start-up floor of Ray Train + Ray Data on this machine: a job that does nothing.
+
+    python -m bench.ray_floor          # prints one JSON line
+
+The same set-up as `jobs.train` on a machine of its own (a local cluster started by
+`jobs.train.connect`, `OwnClusterTorchTrainer`, one worker), with no model, no images and
+no augmentation: the train loop takes one batch of a trivial Ray Data pipeline (a range,
+one map_batches task) and reports. It gives, from the process's start:
+
+* loop_start_s   the train function begins on its worker (ray.init, Ray Train's controller
+                 and worker group);
+* first_batch_s  the first batch of the trivial pipeline reaches it (plus Ray Data's
+                 dataset manager, split coordinator, read and map tasks).
+
+`bench.train` runs it beside `jobs.train` (variant `floor`): whatever `jobs.train` takes
+beyond first_batch_s is the project's own start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+
+
+def _loop(config: dict) -> None:
+    import ray.train
+
+    loop_start = time.time()
+    shard = ray.train.get_dataset_shard("train")
+    next(iter(shard.iter_batches(batch_size=64, prefetch_batches=0)))
+    first_batch = time.time()
+    with open(config["out"], "w") as f:  # the cluster is this machine's: a file reaches the driver
+        json.dump({"loop_start": loop_start, "first_batch": first_batch}, f)
+
+
+def _identity(batch):
+    return batch
+
+
+def main() -> dict:
+    from training.job import process_started_at
+
+    started = process_started_at()
+    from jobs.train import connect
+
+    own_cluster = connect()
+    import ray.data
+    from ray.train import RunConfig, ScalingConfig
+
+    from training.job import OwnClusterTorchTrainer
+
+    ds = ray.data.range(1024, override_num_blocks=4).map_batches(_identity, batch_size=64)
+    with tempfile.TemporaryDirectory(prefix="ray-floor-") as storage:
+        out_path = os.path.join(storage, "times.json")
+        trainer = OwnClusterTorchTrainer(_loop, train_loop_config={"out": out_path}, scaling_config=ScalingConfig(num_workers=1),
+                                         run_config=RunConfig(storage_path=storage, name="floor"), datasets={"train": ds})
+        trainer.fit()
+        with open(out_path) as f:
+            metrics = json.load(f)
+    out = {"own_cluster": own_cluster, "loop_start_s": round(metrics["loop_start"] - started, 1),
+           "first_batch_s": round(metrics["first_batch"] - started, 1), "wall_s": round(time.time() - started, 1)}
+    print(json.dumps(out), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()
