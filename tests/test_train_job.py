@@ -31,6 +31,12 @@ def two_worker_run(ray_cluster, data, tmp_path_factory):
     return runs / "tiny", summary, tree
 
 
+def _split_coordinators() -> set[str]:
+    from ray.util.state import list_actors
+
+    return {a.actor_id for a in list_actors(filters=[("class_name", "=", "SplitCoordinator")], limit=10_000)}
+
+
 def _rows(path):
     return list(csv.DictReader(path.open()))
 
@@ -82,11 +88,15 @@ def test_validation_scores_every_image_once(two_worker_run):
     _, summary, tree = two_worker_run
     n = len(tree.val)
     assert any(abs(summary["val_acc"] - k / n) < 1e-5 for k in range(n + 1))
+    assert _split_coordinators(), "two workers split their datasets through coordinator actors"
 
 
 def test_deterministic_runs_repeat_and_resume_continues(ray_cluster, data, tmp_path):
     common = dict(data=str(data), epochs=2, batch_size=16, num_workers=1, deterministic=True, storage_path=str(tmp_path), val_fraction=0.25)
+    coordinators_before = _split_coordinators()
     _run(name="a", **common)
+    # one worker takes each dataset whole, so no split coordinator starts before its first step
+    assert _split_coordinators() == coordinators_before
     _run(name="b", **common)
     a, b = (tmp_path / "a" / "metrics.csv").read_text(), (tmp_path / "b" / "metrics.csv").read_text()
     assert a == b, "same seed and world size must give identical metrics"

@@ -2,7 +2,7 @@
 they are split between the ranks.
 
 Light on purpose (no torch at import): Ray Train's controller and dataset manager and Ray
-Data's split coordinators unpickle what this module defines, and each is a process of its
+Data's split coordinators (with more than one worker) unpickle what this module defines, and each is a process of its
 own; importing torch there would cost seconds of start-up apiece on a small machine.
 """
 
@@ -57,11 +57,17 @@ def build_datasets(cfg, tree, preset, plan, clock, bad_log=None) -> dict:
 
 class SplitValUnequally(ray.train.DataConfig):
     """Train is split equally (every DDP rank takes the same number of steps); validation is
-    split without dropping rows, so every validation image is scored exactly once."""
+    split without dropping rows, so every validation image is scored exactly once.
+
+    A single worker gets each dataset whole: it runs the dataset's execution itself, and no
+    split coordinator starts (an actor process of its own per split, before the first step)."""
+
+    def __init__(self, world_size: int):
+        super().__init__(datasets_to_split=[] if world_size == 1 else "all")
 
     def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
         # Ray Train 2.60 configures one dataset per call
-        if set(datasets) != {"val"}:
+        if set(datasets) != {"val"} or self._datasets_to_split != "all":
             return super().configure(datasets, world_size, worker_handles, worker_node_ids, **kwargs)
         splits = datasets["val"].streaming_split(world_size, equal=False, locality_hints=worker_node_ids)
         return [{"val": split} for split in splits]

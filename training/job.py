@@ -293,7 +293,7 @@ def _fit(cfg, tree, preset, plan, clock, bad_log, *, run_dir, start, log, own_cl
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1, checkpoint_score_attribute="val_acc", checkpoint_score_order="max"),
         ),
         datasets=datasets,
-        dataset_config=SplitValUnequally(),
+        dataset_config=SplitValUnequally(plan.num_workers),
     )
     try:
         result = trainer.fit()
