@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 
 import pytest
 import torch
@@ -144,6 +145,35 @@ def test_cpu_plan_leaves_cpus_for_ray_data():
     assert (plan.num_workers, plan.cpus_per_worker, plan.threads_per_worker) == (1, 1, 2)
     with pytest.raises(ConfigError, match="needs 8 CPUs but the cluster has at most 4"):
         job.plan_resources(TrainConfig(num_workers=4, cpus_per_worker=2), job.Capacity(cpus=4, gpus=0, hosts=1, autoscaling=False))
+
+
+def test_fp16_autocast_on_cpu_is_a_config_error(data, tmp_path):
+    with pytest.raises(ConfigError, match="--amp fp16 on CPU.*--amp bf16"):  # before Ray starts
+        job.prepare(TrainConfig(data=str(data), device="cpu", amp="fp16", storage_path=str(tmp_path)))
+    with pytest.raises(ConfigError, match="--amp fp16 on CPU"):  # --device auto on a cluster without GPUs
+        job.plan_resources(TrainConfig(amp="fp16"), job.Capacity(cpus=2, gpus=0, hosts=1, autoscaling=False))
+    assert job.plan_resources(TrainConfig(amp="fp16"), job.Capacity(cpus=8, gpus=1, hosts=1, autoscaling=False)).use_gpu
+
+
+def test_amp_bf16_trains_in_bfloat16_on_cpu():
+    from augment.ops import Normalize
+    from training.loop import build_optimizer, build_scheduler, train_epoch
+    from training.model import resnet18
+
+    torch.manual_seed(0)
+    cfg = TrainConfig(amp="bf16", batch_size=8)
+    model = resnet18(3, small_stem=True)
+    dtypes = []
+    model.fc.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
+    optimizer = build_optimizer(cfg, model)
+    before = model.fc.weight.detach().clone()
+    batches = [{"image": torch.randint(0, 256, (8, 32, 32, 3), dtype=torch.uint8), "label": torch.arange(8) % 3,
+                "key": torch.arange(8) + 8 * i} for i in range(2)]
+    stats = train_epoch(model, batches, optimizer, build_scheduler(cfg, optimizer, 2), torch.amp.GradScaler("cpu", enabled=False),
+                        Normalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25)), cfg, torch.device("cpu"), epoch=0, rank=0)
+    assert dtypes == [torch.bfloat16, torch.bfloat16]  # the forward ran under bf16 autocast
+    assert model.fc.weight.dtype == torch.float32 and not torch.equal(model.fc.weight, before)  # fp32 master weights, updated
+    assert stats["train_images"] == 16 and math.isfinite(stats["train_loss"])
 
 
 def test_weight_decay_skips_batchnorm_and_biases():

@@ -9,7 +9,7 @@ import os
 
 from augment.schedule import parse_schedule
 from training import artifacts
-from training.config import ConfigError, TrainConfig
+from training.config import ConfigError, TrainConfig, check_amp
 from training.data import ImageTree, default_dataset_dir, scan_tree
 
 
@@ -23,6 +23,8 @@ def check_inputs(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree]:
         parse_schedule(cfg.augment_schedule)
     except ValueError as e:
         raise ConfigError(f"--augment-schedule: {e}") from None
+    if cfg.device == "cpu":  # else the plan checks it, once it knows where training runs
+        check_amp(cfg.amp, on_gpu=False)
     if cfg.init_weights and not os.path.isfile(cfg.init_weights):
         raise ConfigError(f"--init-weights {cfg.init_weights}: no such file; give a torchvision ResNet18 state_dict saved with torch.save")
     run_dir = artifacts.join(cfg.storage_path, cfg.name)

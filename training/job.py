@@ -28,7 +28,7 @@ from ray.train.torch import TorchTrainer
 from augment.presets import Preset, load_preset
 from augment.stage import EpochClock
 from training import artifacts, plots
-from training.config import ConfigError, TrainConfig
+from training.config import ConfigError, TrainConfig, check_amp
 from training.data import BadFileLog, DataError, ImageTree
 from training.ingest import SplitValUnequally, build_datasets
 from training.inputs import check_inputs
@@ -164,6 +164,7 @@ def plan_resources(cfg: TrainConfig, capacity: Capacity) -> ResourcePlan:
     use_gpu = cfg.device == "cuda" or (cfg.device == "auto" and gpus > 0)
     if use_gpu and gpus == 0 and capacity.bounded:
         raise ConfigError("--device cuda: the Ray cluster has no GPUs and cannot get any; use --device cpu or auto")
+    check_amp(cfg.amp, on_gpu=use_gpu)
     workers = cfg.num_workers or (max(gpus, 1) if use_gpu else 1)
     actors = cfg.augment_actors or (workers if use_gpu else 0)  # CPU: tasks (see training.ingest)
     augment_gpus = (cfg.augment_gpus or 0.25) if use_gpu else 0.0
