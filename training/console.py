@@ -11,6 +11,7 @@ caller passes enabled=False and the per-epoch lines alone remain.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 
@@ -26,6 +27,17 @@ def format_config(config: dict, sources: dict | None = None) -> str:
         mark = f"  ({sources[key]})" if key in sources else ""
         lines.append(f"  {key:<{width}}  {shown}{mark}")
     return "\n".join(lines)
+
+
+def quiet_train_reports() -> None:
+    """Ray Train 2.60 logs every ray.train.report (a whole TrainingReport) at INFO through a
+    logger named by its file's path, which LoggingConfig's level does not reach: it filters
+    "ray.train.*" names, and the worker's root logger takes INFO. Call in the train worker."""
+    try:
+        from ray.train.v2._internal.execution import context
+    except ImportError:  # another Ray: nothing to quiet here
+        return
+    logging.getLogger(context.__file__).setLevel(logging.WARNING)
 
 
 class _RayWorkerBar:

@@ -26,7 +26,7 @@ from augment.mix import MixUpCutMix, mix_generator
 from augment.ops import Normalize
 from training import artifacts
 from training.config import TrainConfig
-from training.console import EpochProgress
+from training.console import EpochProgress, quiet_train_reports
 from training.model import load_init_weights, resnet18, uses_small_stem
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -215,6 +215,7 @@ class FirstBatchEarly:
 
 
 def train_loop(job: dict) -> None:
+    quiet_train_reports()
     cfg = TrainConfig(**job["config"])
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
