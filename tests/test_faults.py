@@ -122,15 +122,25 @@ def _start_in_thread(**overrides):
     return thread, box
 
 
-def _wait_for_checkpoint(run_dir: Path, epoch: int, thread, timeout=300):
-    """Until epoch `epoch`'s checkpoint is persisted (and, a moment later, registered)."""
+def _registered_checkpoint(run_dir: Path) -> str:
+    """The checkpoint Ray Train's controller registered last: it rewrites this snapshot after
+    registering one, and a restart resumes from it. The files of a checkpoint appear earlier,
+    while the worker uploads them."""
+    try:
+        state = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
+    except (OSError, ValueError):  # not written yet, or read while being written
+        return ""
+    return (state.get("latest_checkpoint_result") or {}).get("checkpoint_dir_name") or ""
+
+
+def _wait_for_checkpoint(run_dir: Path, epoch: int, alive, timeout=300):
+    """Until epoch `epoch`'s checkpoint (or a later one) is registered, while alive() holds."""
     deadline = time.time() + timeout
-    while time.time() < deadline and thread.is_alive():
-        if (run_dir / f"checkpoint_epoch_{epoch:04d}" / "checkpoint.pt").exists():
-            time.sleep(2.0)  # the controller registers it right after the upload
+    while time.time() < deadline and alive():
+        if _registered_checkpoint(run_dir) >= f"checkpoint_epoch_{epoch:04d}":
             return
         time.sleep(0.2)
-    raise AssertionError(f"epoch {epoch} was never checkpointed")
+    raise AssertionError(f"epoch {epoch}'s checkpoint was never registered")
 
 
 def _alive_actor_pids(class_name: str) -> list[int]:
@@ -149,7 +159,7 @@ def test_a_killed_train_worker_resumes_from_the_last_checkpoint(ray_cluster, fau
     baseline, _, _ = _run(name="clean", **common)
 
     thread, box = _start_in_thread(name="killed", max_failures=2, **common)
-    _wait_for_checkpoint(tmp_path / "killed", 1, thread)
+    _wait_for_checkpoint(tmp_path / "killed", 1, thread.is_alive)
     pids = _alive_actor_pids("RayTrainWorker")
     assert len(pids) == 1
     os.kill(pids[0], signal.SIGKILL)  # the fault
@@ -182,7 +192,7 @@ def test_a_killed_augment_worker_is_replaced_and_the_epoch_completes(ray_cluster
     thread, box = _start_in_thread(data=str(fault_data), epochs=3, batch_size=16, num_workers=1, val_fraction=0.25,
                                    augment_batch_size=8, augment_actors=1 if mode == "actors" else 0,
                                    storage_path=str(tmp_path), name=mode)
-    _wait_for_checkpoint(tmp_path / mode, 1, thread)
+    _wait_for_checkpoint(tmp_path / mode, 1, thread.is_alive)
     deadline = time.time() + 60
     pids = []
     while not pids and time.time() < deadline:  # epoch 2's augmenting process, as soon as it is up
@@ -211,10 +221,7 @@ def test_ctrl_c_stops_cleanly_and_the_next_run_resumes(ray_cluster, fault_data, 
     env = {**os.environ, "RAY_ADDRESS": ""}
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run_dir = tmp_path / "interrupted"
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None and not (run_dir / "checkpoint_epoch_0001" / "checkpoint.pt").exists():
-        time.sleep(0.2)
-    time.sleep(2.0)  # Ray Train registers the checkpoint right after the upload
+    _wait_for_checkpoint(run_dir, 1, lambda: proc.poll() is None)
     assert proc.poll() is None, proc.stdout.read()[-3000:]
     proc.send_signal(signal.SIGINT)  # the fault: Ctrl-C
     out, _ = proc.communicate(timeout=120)
