@@ -3,14 +3,14 @@
     python -m bench.ray_floor          # prints one JSON line
 
 The same set-up as `jobs.train` on a machine of its own (a local cluster started by
-`jobs.train.connect`, `OwnClusterTorchTrainer`, one worker), with no model, no images and
-no augmentation: the train loop takes one batch of a trivial Ray Data pipeline (a range,
+`jobs.train.connect`, `OwnClusterTorchTrainer` with one worker and the job's data config, so
+no split coordinator), with no model, no images and no augmentation: the train loop takes one batch of a trivial Ray Data pipeline (a range,
 one map_batches task) and reports. It gives, from the process's start:
 
 * loop_start_s   the train function begins on its worker (ray.init, Ray Train's controller
                  and worker group);
-* first_batch_s  the first batch of the trivial pipeline reaches it (plus Ray Data's
-                 dataset manager, split coordinator, read and map tasks).
+* first_batch_s  the first batch of the trivial pipeline reaches it (plus Ray Train's
+                 dataset manager, Ray Data's stats actor and its read and map tasks).
 
 `bench.train` runs it beside `jobs.train` (variant `floor`): whatever `jobs.train` takes
 beyond first_batch_s is the project's own start-up.
@@ -49,13 +49,15 @@ def main() -> dict:
     import ray.data
     from ray.train import RunConfig, ScalingConfig
 
+    from training.ingest import SplitValUnequally
     from training.job import OwnClusterTorchTrainer
 
     ds = ray.data.range(1024, override_num_blocks=4).map_batches(_identity, batch_size=64)
     with tempfile.TemporaryDirectory(prefix="ray-floor-") as storage:
         out_path = os.path.join(storage, "times.json")
         trainer = OwnClusterTorchTrainer(_loop, train_loop_config={"out": out_path}, scaling_config=ScalingConfig(num_workers=1),
-                                         run_config=RunConfig(storage_path=storage, name="floor"), datasets={"train": ds})
+                                         run_config=RunConfig(storage_path=storage, name="floor"), datasets={"train": ds},
+                                         dataset_config=SplitValUnequally(1))
         trainer.fit()
         with open(out_path) as f:
             metrics = json.load(f)

@@ -1,9 +1,10 @@
 """The trainer's input: Ray Datasets that read, decode and augment each split, and how
 they are split between the ranks.
 
-Light on purpose (no torch at import): Ray Train's controller and dataset manager and Ray
-Data's split coordinators (with more than one worker) unpickle what this module defines, and each is a process of its
-own; importing torch there would cost seconds of start-up apiece on a small machine.
+Light on purpose (no torch at import): Ray Train's controller and dataset manager and, with
+more than one worker, Ray Data's split coordinators unpickle what this module defines, and
+each is a process of its own; importing torch there would cost seconds of start-up apiece
+on a small machine.
 """
 
 from __future__ import annotations
