@@ -41,7 +41,8 @@ class OwnClusterTorchTrainer(TorchTrainer):
     Train's placement-group cleaner: a detached actor that frees the run's placement group
     should the controller die, which has nothing to outlive here. It would cost one more
     process at start-up, and without the dashboard it polls a state API that is not there,
-    warning every few seconds."""
+    warning every few seconds. (On a Ray Train without this hook the override is never
+    called, and the trainer is the plain one.)"""
 
     def _create_default_callbacks(self):
         callbacks = super()._create_default_callbacks()
@@ -275,9 +276,7 @@ def _fit(cfg, tree, preset, plan, clock, bad_log, *, run_dir, start, log, own_cl
         "clock": clock,
         "progress": not cfg.quiet and sys.stderr.isatty(),  # no bar in log files or `ray job logs`
     }
-    # (a Ray Train without the callbacks hook gets the plain trainer)
-    own = own_cluster and hasattr(TorchTrainer, "_create_default_callbacks")
-    trainer = (OwnClusterTorchTrainer if own else TorchTrainer)(
+    trainer = (OwnClusterTorchTrainer if own_cluster else TorchTrainer)(
         train_loop,
         train_loop_config=job,
         scaling_config=ray.train.ScalingConfig(

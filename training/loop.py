@@ -237,8 +237,8 @@ def train_loop(job: dict) -> None:
     first_steps = state.get("first_steps", [])  # time.time() when each attempt's first step ended (Ray Train restarts, reruns)
     last_epoch = cfg.epochs if not cfg.stop_after else min(cfg.epochs, start_epoch + cfg.stop_after)
     per_worker = cfg.batch_size // world
-    train_shard = ray.train.get_dataset_shard("train")  # "val" at the first validation: its split
-    val_shard = None  # coordinator (one more process) then starts after the first steps, not before
+    train_shard = ray.train.get_dataset_shard("train")  # "val" at the first validation: with several
+    val_shard = None  # workers, its split coordinator (one more process) starts after the first steps
 
     def epoch_batches(epoch: int):
         if master:  # before this rank asks for the epoch's data: the split barrier holds the others
