@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine:
 #   make run    create .venv if needed, then train on the bundled default data
-#   make test   create .venv if needed, then run the test suite
+#   make test   create .venv if needed, then lint (ruff) and run the test suite
 #   make bench  augment-stage img/s against the seed's torchvision pipeline (not a test)
 #   make bench-train  end-to-end training img/s: jobs.train vs the seed's plain script vs synthetic batches
 PYTHON ?= python3
@@ -26,6 +26,7 @@ run: $(STAMP)
 	$(PY) -m jobs.train $(ARGS)
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q --durations=10 tests $(ARGS)
 
 bench: $(STAMP)

@@ -51,7 +51,9 @@ def augment_batch(pipeline: Pipeline, images, keys: torch.Tensor, epoch: int, de
     fixed = isinstance(images, np.ndarray) and images.dtype == np.uint8 and images.ndim == 4
     if device.type == "cpu" and pipeline.chunkable and not fixed:
         step = pipeline.cpu_chunk
-        return torch.cat([pipeline(*to_canvas(images[i : i + step]), keys[i : i + step], epoch) for i in range(0, len(images), step)])
+        return torch.cat(
+            [pipeline(*to_canvas(images[i : i + step]), keys[i : i + step], epoch) for i in range(0, len(images), step)]
+        )
     canvas, sizes = to_canvas(images)
     if device.type == "cuda":  # uint8 over PCIe: a quarter of the bytes of float32
         canvas = canvas.pin_memory().to(device, non_blocking=True)

@@ -16,4 +16,6 @@ def check_preset_name(name: str) -> bool:
         return False
     if name.lower().endswith(PRESET_FILE_SUFFIXES):
         return True
-    raise PresetError(f"unknown preset {name!r}; built-in presets: {sorted(BUILTIN_PRESETS)}, or a path to a .yaml/.json preset file")
+    raise PresetError(
+        f"unknown preset {name!r}; built-in presets: {sorted(BUILTIN_PRESETS)}, or a path to a .yaml/.json preset file"
+    )

@@ -46,9 +46,31 @@ def mix_generator(seed: int, epoch: int, step: int, rank: int) -> torch.Generato
 
 
 class MixUpCutMix:
-    def __init__(self, *, num_classes: int, mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0, prob: float = 1.0, switch_prob: float = 0.5, label_smoothing: float = 0.0):
-        check_mix({"mixup_alpha": mixup_alpha, "cutmix_alpha": cutmix_alpha, "prob": prob, "switch_prob": switch_prob, "label_smoothing": label_smoothing})
-        self.num_classes, self.prob, self.switch_prob, self.smoothing = int(num_classes), float(prob), float(switch_prob), float(label_smoothing)
+    def __init__(
+        self,
+        *,
+        num_classes: int,
+        mixup_alpha: float = 0.0,
+        cutmix_alpha: float = 0.0,
+        prob: float = 1.0,
+        switch_prob: float = 0.5,
+        label_smoothing: float = 0.0,
+    ):
+        check_mix(
+            {
+                "mixup_alpha": mixup_alpha,
+                "cutmix_alpha": cutmix_alpha,
+                "prob": prob,
+                "switch_prob": switch_prob,
+                "label_smoothing": label_smoothing,
+            }
+        )
+        self.num_classes, self.prob, self.switch_prob, self.smoothing = (
+            int(num_classes),
+            float(prob),
+            float(switch_prob),
+            float(label_smoothing),
+        )
         self.mixup_alpha, self.cutmix_alpha = float(mixup_alpha), float(cutmix_alpha)
 
     def _beta(self, alpha: float, g: torch.Generator) -> float:
@@ -76,7 +98,10 @@ class MixUpCutMix:
     def __call__(self, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator):
         """x float (B, C, H, W), y int64 (B,) -> (mixed x, soft targets (B, num_classes) float)."""
         if not x.is_floating_point() or x.ndim != 4 or y.ndim != 1 or y.shape[0] != x.shape[0]:
-            raise ValueError(f"MixUpCutMix expects float (B, C, H, W) and int (B,) labels, got {x.dtype} {tuple(x.shape)} and {tuple(y.shape)}")
+            raise ValueError(
+                f"MixUpCutMix expects float (B, C, H, W) and int (B,) labels, got {x.dtype} {tuple(x.shape)} and "
+                f"{tuple(y.shape)}"
+            )
         p = self.sample(tuple(x.shape[-2:]), generator)
         off = self.smoothing / self.num_classes
         target = F.one_hot(y, self.num_classes).to(x.dtype) * (1.0 - self.smoothing) + off

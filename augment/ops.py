@@ -173,7 +173,15 @@ class ColorJitter(Op):
     name = "color_jitter"
     scalable = ("brightness", "contrast", "saturation", "hue")
 
-    def __init__(self, *, brightness: float = 0.0, contrast: float = 0.0, saturation: float = 0.0, hue: float = 0.0, p: float = 1.0):
+    def __init__(
+        self,
+        *,
+        brightness: float = 0.0,
+        contrast: float = 0.0,
+        saturation: float = 0.0,
+        hue: float = 0.0,
+        p: float = 1.0,
+    ):
         super().__init__()
         self.brightness, self.contrast, self.saturation, self.hue = map(float, (brightness, contrast, saturation, hue))
         if not 0 <= self.hue <= 0.5:
@@ -269,8 +277,10 @@ def resample_boxes(canvas, box, resized, offset, out_hw, method: str = "auto") -
     if method == "loop":
         # planar output: the CPU's pixel ops are fastest on it (see ColorJitter.apply)
         out = torch.empty((canvas.shape[0], 3, oh, ow), dtype=torch.uint8)
-        for b, ((t, l, h, w), (rh, rw), (oy, ox)) in enumerate(zip(box.tolist(), resized.tolist(), offset.tolist())):
-            crop = canvas[b, t : t + h, l : l + w].permute(2, 0, 1)[None]  # a channels_last view, no copy
+        for b, ((t, left, h, w), (rh, rw), (oy, ox)) in enumerate(
+            zip(box.tolist(), resized.tolist(), offset.tolist(), strict=True)
+        ):
+            crop = canvas[b, t : t + h, left : left + w].permute(2, 0, 1)[None]  # a channels_last view, no copy
             if (h, w) != (rh, rw):
                 crop = F.interpolate(crop, size=(rh, rw), mode="bilinear", antialias=True, align_corners=False)
             out[b] = crop[0, :, oy : oy + oh, ox : ox + ow]
@@ -308,7 +318,10 @@ class RandomResizedCrop(Op):
         self.size = _as_pair(size)
         self.scale, self.ratio = (float(scale[0]), float(scale[1])), (float(ratio[0]), float(ratio[1]))
         if not (0 < self.scale[0] <= self.scale[1] <= 1 and 0 < self.ratio[0] <= self.ratio[1]):
-            raise ValueError(f"random_resized_crop: need 0 < scale[0] <= scale[1] <= 1 and 0 < ratio[0] <= ratio[1], got scale={scale} ratio={ratio}")
+            raise ValueError(
+                "random_resized_crop: need 0 < scale[0] <= scale[1] <= 1 and 0 < ratio[0] <= ratio[1], got "
+                f"scale={scale} ratio={ratio}"
+            )
         if method not in ("auto", "loop", "matmul"):
             raise ValueError(f"random_resized_crop: method must be auto, loop or matmul, got {method!r}")
         self.method = method
@@ -358,7 +371,9 @@ class ResizeCenterCrop(Op):
         super().__init__()
         self.resize, self.size, self.method = int(resize), _as_pair(size), method
         if min(self.size) > self.resize:
-            raise ValueError(f"resize_center_crop: size {size} is larger than resize {resize}; the crop would need padding")
+            raise ValueError(
+                f"resize_center_crop: size {size} is larger than resize {resize}; the crop would need padding"
+            )
         if method not in ("auto", "loop", "matmul"):
             raise ValueError(f"resize_center_crop: method must be auto, loop or matmul, got {method!r}")
 
@@ -452,7 +467,11 @@ class _KorniaPolicy(Op):
         return {"choice": torch.where((u[:, :1] < self.p), choice, -1), "seed": rng.batch_seed(self.stream)}
 
     def apply(self, x, params, sizes=None):
-        devices = [x.device.index if x.device.index is not None else torch.cuda.current_device()] if x.device.type == "cuda" else []
+        devices = (
+            [x.device.index if x.device.index is not None else torch.cuda.current_device()]
+            if x.device.type == "cuda"
+            else []
+        )
         with torch.random.fork_rng(devices=devices):  # leave the caller's global RNG as it was
             torch.manual_seed(params["seed"])
             for r in range(self.rounds):
@@ -496,7 +515,6 @@ class RandAugment(_KorniaPolicy):
             raise ValueError(f"rand_augment: need n >= 1 and 0 <= m <= 30, got n={n} m={m}")
         self.p, self.rounds, self.m = float(p), int(n), int(m)
         self._candidates(default_policy, lambda policy: KRA(n=1, m=self.m, policy=policy))
-
 
 
 def check_params(op_cls: type[Op], params: dict) -> None:

@@ -55,7 +55,13 @@ class Preset:
         return int(size if isinstance(size, (int, float)) else size[0])
 
     def to_dict(self) -> dict:
-        out = {"name": self.name, "mean": list(self.mean), "std": list(self.std), "train": list(self.train), "eval": list(self.eval)}
+        out = {
+            "name": self.name,
+            "mean": list(self.mean),
+            "std": list(self.std),
+            "train": list(self.train),
+            "eval": list(self.eval),
+        }
         return out | ({"mix": dict(self.mix)} if self.mix else {})
 
 
@@ -100,7 +106,7 @@ def _check_specs(specs, where: str) -> tuple:
             spec = {spec: {}}
         if not isinstance(spec, dict) or len(spec) != 1:
             raise PresetError(f"{where}[{i}]: each op is a one-key mapping {{op_name: {{params}}}}, got {spec!r}")
-        (name, params), = spec.items()
+        ((name, params),) = spec.items()
         if name not in OPS:
             raise PresetError(f"{where}[{i}]: unknown op {name!r}; valid ops: {sorted(OPS)}")
         params = dict(params or {})
@@ -110,7 +116,10 @@ def _check_specs(specs, where: str) -> tuple:
             raise PresetError(f"{where}[{i}]: {e}") from None
         if OPS[name].geometry != (i == 0):
             first = sorted(n for n, c in OPS.items() if c.geometry)
-            raise PresetError(f"{where}[{i}]: {name!r} cannot come {'first' if i == 0 else 'here'}; the first op, and only the first, is a geometry op: {first}")
+            raise PresetError(
+                f"{where}[{i}]: {name!r} cannot come {'first' if i == 0 else 'here'}; the first op, and only the "
+                f"first, is a geometry op: {first}"
+            )
         out.append({name: params})
     return tuple(out)
 
@@ -182,7 +191,7 @@ class Pipeline(torch.nn.Module):
         self.schedule, self.epochs, self._strength = schedule, int(epochs), 1.0
         ops = []
         for stream, spec in enumerate(specs, start=1):
-            (name, params), = spec.items()
+            ((name, params),) = spec.items()
             op = OPS[name](**params)
             op.stream = stream
             ops.append(op)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from augment.presets import Pipeline, Preset
 from augment.batch import to_canvas
+from augment.presets import Pipeline, Preset
 
 
 def read_examples(split, *, classes: int, per_class: int) -> tuple[list[np.ndarray], list[int], list[int]]:
@@ -29,13 +29,19 @@ def read_examples(split, *, classes: int, per_class: int) -> tuple[list[np.ndarr
     picks = [i for label in sorted(chosen) for i in chosen[label]]
     images = []
     for i in picks:
-        fs, path = pafs.FileSystem.from_uri(split.paths[i]) if "://" in split.paths[i] else (pafs.LocalFileSystem(), split.paths[i])
+        fs, path = (
+            pafs.FileSystem.from_uri(split.paths[i])
+            if "://" in split.paths[i]
+            else (pafs.LocalFileSystem(), split.paths[i])
+        )
         with fs.open_input_file(path) as f:
             images.append(decode_image(f.read()))
     return images, [split.labels[i] for i in picks], [split.keys[i] for i in picks]
 
 
-def augment_views(images: list[np.ndarray], keys: list[int], preset: Preset, *, seed: int, augmentations: int) -> tuple[np.ndarray, list[np.ndarray]]:
+def augment_views(
+    images: list[np.ndarray], keys: list[int], preset: Preset, *, seed: int, augmentations: int
+) -> tuple[np.ndarray, list[np.ndarray]]:
     """(eval views (N, S, S, 3), [train views (N, S, S, 3) for epochs 0..augmentations-1])."""
     ragged = np.empty(len(images), dtype=object)
     ragged[:] = images
@@ -46,7 +52,19 @@ def augment_views(images: list[np.ndarray], keys: list[int], preset: Preset, *, 
     return eval_views, [train(canvas, sizes, k, epoch=e).numpy() for e in range(augmentations)]
 
 
-def render_grid(images, labels, class_names, preset: Preset, out_path: str, *, keys=None, seed: int = 0, augmentations: int = 5, cell_inches: float = 1.3, dpi: int = 80) -> str:
+def render_grid(
+    images,
+    labels,
+    class_names,
+    preset: Preset,
+    out_path: str,
+    *,
+    keys=None,
+    seed: int = 0,
+    augmentations: int = 5,
+    cell_inches: float = 1.3,
+    dpi: int = 80,
+) -> str:
     """Write the grid as a PNG to out_path; returns out_path."""
     import matplotlib
 
@@ -56,11 +74,13 @@ def render_grid(images, labels, class_names, preset: Preset, out_path: str, *, k
     keys = list(range(len(images))) if keys is None else list(keys)
     eval_views, train_views = augment_views(images, keys, preset, seed=seed, augmentations=augmentations)
     cols = 2 + augmentations
-    fig, axes = plt.subplots(len(images), cols, figsize=(cols * cell_inches, len(images) * cell_inches * 1.08), squeeze=False)
+    fig, axes = plt.subplots(
+        len(images), cols, figsize=(cols * cell_inches, len(images) * cell_inches * 1.08), squeeze=False
+    )
     headers = ["original", "eval"] + [f"train, epoch {e}" for e in range(augmentations)]
-    for r, (img, label) in enumerate(zip(images, labels)):
+    for r, (img, label) in enumerate(zip(images, labels, strict=True)):
         row = [img, eval_views[r]] + [v[r] for v in train_views]
-        for c, (ax, view) in enumerate(zip(axes[r], row)):
+        for c, (ax, view) in enumerate(zip(axes[r], row, strict=True)):
             ax.imshow(view, interpolation="nearest")
             ax.set_xticks([])
             ax.set_yticks([])

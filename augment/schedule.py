@@ -24,7 +24,10 @@ def parse_schedule(spec: str) -> tuple[str, float]:
     """'cosine-decay:0.3' -> ('cosine-decay', 0.3). ValueError naming the valid forms."""
     name, _, end = str(spec).partition(":")
     if name not in SCHEDULES or (name == "none" and end):
-        raise ValueError(f"unknown augmentation schedule {spec!r}; valid: {', '.join(SCHEDULES)} (decay/ramp take an optional ':LEVEL' in [0, 1], e.g. cosine-decay:0.3)")
+        raise ValueError(
+            f"unknown augmentation schedule {spec!r}; valid: {', '.join(SCHEDULES)} (decay/ramp take an optional "
+            "':LEVEL' in [0, 1], e.g. cosine-decay:0.3)"
+        )
     try:
         level = float(end) if end else 0.0
     except ValueError:

@@ -36,7 +36,17 @@ class EpochClock:
 class AugmentStage:
     """map_batches callable. `preset` is Preset.to_dict(); `train` picks its train or eval ops."""
 
-    def __init__(self, preset: dict, *, train: bool, seed: int, clock=None, device: str = "auto", schedule: str = "none", epochs: int = 1):
+    def __init__(
+        self,
+        preset: dict,
+        *,
+        train: bool,
+        seed: int,
+        clock=None,
+        device: str = "auto",
+        schedule: str = "none",
+        epochs: int = 1,
+    ):
         import ray
         import torch
 
@@ -60,13 +70,19 @@ class AugmentStage:
         epoch = ray.get(self.clock.get.remote()) if self.clock is not None else 0
         out = augment_batch(self.pipeline, batch["image"], torch.as_tensor(np.array(batch["key"])), epoch, self.device)
         # key travels on so the trainer can count which images each rank saw
-        return {"image": out.cpu().numpy(), "label": batch["label"], "key": batch["key"]}  # .cpu() is a sync point on GPU
+        return {
+            "image": out.cpu().numpy(),
+            "label": batch["label"],
+            "key": batch["key"],
+        }  # .cpu() is a sync point on GPU
 
 
 _STAGES: dict[str, AugmentStage] = {}  # per worker process: built once, reused by every task
 
 
-def augment_task(batch: dict, *, preset: dict, train: bool, seed: int, clock=None, schedule: str = "none", epochs: int = 1) -> dict:
+def augment_task(
+    batch: dict, *, preset: dict, train: bool, seed: int, clock=None, schedule: str = "none", epochs: int = 1
+) -> dict:
     """map_batches *function* form of AugmentStage for Ray Data tasks (CPU): the worker
     processes outlive the epoch, so nothing is rebuilt when the next epoch starts, while an
     actor pool is started afresh for each epoch's execution."""
@@ -75,6 +91,8 @@ def augment_task(batch: dict, *, preset: dict, train: bool, seed: int, clock=Non
     key = json.dumps([preset, train, seed, schedule, epochs], sort_keys=True)
     stage = _STAGES.get(key)
     if stage is None:
-        stage = _STAGES[key] = AugmentStage(preset, train=train, seed=seed, device="cpu", schedule=schedule, epochs=epochs)
+        stage = _STAGES[key] = AugmentStage(
+            preset, train=train, seed=seed, device="cpu", schedule=schedule, epochs=epochs
+        )
     stage.clock = clock
     return stage(batch)

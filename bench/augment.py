@@ -61,7 +61,11 @@ def torchvision_pipeline(preset: str, train: bool):
     if preset == "cifar":
         head = [T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ColorJitter(0.2, 0.2, 0.2)] if train else []
     else:
-        head = [T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ColorJitter(0.2, 0.2, 0.2)] if train else [T.Resize(256), T.CenterCrop(224)]
+        head = (
+            [T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ColorJitter(0.2, 0.2, 0.2)]
+            if train
+            else [T.Resize(256), T.CenterCrop(224)]
+        )
     return T.Compose(head + tail)
 
 
@@ -77,12 +81,14 @@ def _ragged(arrays: list[np.ndarray]) -> np.ndarray:
     return out
 
 
-def time_stage(preset: str, train: bool, images: list[np.ndarray], batch: int, total: int, device: str, repeat: int = 1) -> tuple[float, float]:
+def time_stage(
+    preset: str, train: bool, images: list[np.ndarray], batch: int, total: int, device: str, repeat: int = 1
+) -> tuple[float, float]:
     """img/s over `total` images in batches of `batch`: (augment_batch alone, the actor's work
     with uint8 out; augment_batch + Normalize, the float batch the model gets)."""
+    from augment.batch import augment_batch
     from augment.ops import Normalize
     from augment.presets import PRESETS, Pipeline
-    from augment.batch import augment_batch
 
     p = PRESETS[preset]
     pipe = Pipeline(p.train if train else p.eval, seed=0).to(device)
@@ -91,6 +97,7 @@ def time_stage(preset: str, train: bool, images: list[np.ndarray], batch: int, t
     keys = torch.arange(batch, dtype=torch.int64)
     rates = []
     for normalize in (False, True):
+
         def one(b, step, normalize=normalize):
             out = augment_batch(pipe, b, keys + step * batch, 0, torch.device(device))
             return norm(out) if normalize else out
@@ -130,11 +137,20 @@ def time_torchvision(preset: str, train: bool, images: list[np.ndarray], total: 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="python -m bench.augment", description=__doc__.split("\n")[0])
     ap.add_argument("--presets", nargs="+", default=["imagenet", "cifar"], help="built-in presets to time")
-    ap.add_argument("--batch-sizes", nargs="+", type=int, default=[64, 256, 1024], help="augment batch sizes (images per call)")
-    ap.add_argument("--images", type=int, default=512, help="images timed per measurement (at least one batch); more = steadier, slower")
+    ap.add_argument(
+        "--batch-sizes", nargs="+", type=int, default=[64, 256, 1024], help="augment batch sizes (images per call)"
+    )
+    ap.add_argument(
+        "--images",
+        type=int,
+        default=512,
+        help="images timed per measurement (at least one batch); more = steadier, slower",
+    )
     ap.add_argument("--repeat", type=int, default=2, help="passes per measurement; the fastest counts (default: 2)")
     ap.add_argument("--photos", type=int, default=96, help="distinct photos generated and cycled through")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on the CPU (an augment actor has 1 CPU)")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads on the CPU (an augment actor has 1 CPU)"
+    )
     ap.add_argument("--no-gpu", action="store_true", help="skip the CUDA rows even when a GPU is present")
     ap.add_argument("--json", help="also write the rows as JSON to this path")
     args = ap.parse_args(argv)
@@ -142,8 +158,14 @@ def main(argv=None) -> list[dict]:
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and not args.no_gpu else [])
 
     rows = []
-    print(f"torch {torch.__version__}, {args.threads} CPU thread(s), {platform.processor() or platform.machine()}; img/s, higher is better")
-    print(f"{'preset':<9} {'split':<5} {'batch':>5} {'device':<6} {'stage':>8} {'stage+norm':>11} {'torchvision PIL':>16} {'ratio':>6}")
+    print(
+        f"torch {torch.__version__}, {args.threads} CPU thread(s), {platform.processor() or platform.machine()}; "
+        "img/s, higher is better"
+    )
+    print(
+        f"{'preset':<9} {'split':<5} {'batch':>5} {'device':<6} {'stage':>8} {'stage+norm':>11} "
+        f"{'torchvision PIL':>16} {'ratio':>6}"
+    )
     for preset in args.presets:
         images = photos(preset, args.photos)
         for train in (True, False):
@@ -152,11 +174,24 @@ def main(argv=None) -> list[dict]:
                 for batch in args.batch_sizes:
                     total = max(batch, args.images // batch * batch)
                     stage, ours = time_stage(preset, train, images, batch, total, device, args.repeat)
-                    row = {"preset": preset, "split": "train" if train else "eval", "batch": batch, "device": device,
-                           "stage_img_s": round(stage, 1), "stage_normalize_img_s": round(ours, 1), "torchvision_pil_img_s": round(tv, 1),
-                           "ratio": round(ours / tv, 2), "threads": args.threads, "images": total}
+                    row = {
+                        "preset": preset,
+                        "split": "train" if train else "eval",
+                        "batch": batch,
+                        "device": device,
+                        "stage_img_s": round(stage, 1),
+                        "stage_normalize_img_s": round(ours, 1),
+                        "torchvision_pil_img_s": round(tv, 1),
+                        "ratio": round(ours / tv, 2),
+                        "threads": args.threads,
+                        "images": total,
+                    }
                     rows.append(row)
-                    print(f"{preset:<9} {row['split']:<5} {batch:>5} {device:<6} {stage:>8.0f} {ours:>11.0f} {tv:>16.0f} {ours / tv:>5.1f}x", flush=True)
+                    print(
+                        f"{preset:<9} {row['split']:<5} {batch:>5} {device:<6} {stage:>8.0f} {ours:>11.0f} "
+                        f"{tv:>16.0f} {ours / tv:>5.1f}x",
+                        flush=True,
+                    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "threads": args.threads, "rows": rows}, f, indent=2)

@@ -4,8 +4,8 @@
 
 The same set-up as `jobs.train` on a machine of its own (a local cluster started by
 `jobs.train.connect`, `OwnClusterTorchTrainer` with one worker and the job's data config, so
-no split coordinator), with no model, no images and no augmentation: the train loop takes one batch of a trivial Ray Data pipeline (a range,
-one map_batches task) and reports. It gives, from the process's start:
+no split coordinator), with no model, no images and no augmentation: the train loop takes one
+batch of a trivial Ray Data pipeline (a range, one map_batches task) and reports. It gives, from the process's start:
 
 * loop_start_s   the train function begins on its worker (ray.init, Ray Train's controller
                  and worker group);
@@ -55,14 +55,23 @@ def main() -> dict:
     ds = ray.data.range(1024, override_num_blocks=4).map_batches(_identity, batch_size=64)
     with tempfile.TemporaryDirectory(prefix="ray-floor-") as storage:
         out_path = os.path.join(storage, "times.json")
-        trainer = OwnClusterTorchTrainer(_loop, train_loop_config={"out": out_path}, scaling_config=ScalingConfig(num_workers=1),
-                                         run_config=RunConfig(storage_path=storage, name="floor"), datasets={"train": ds},
-                                         dataset_config=SplitValUnequally(1))
+        trainer = OwnClusterTorchTrainer(
+            _loop,
+            train_loop_config={"out": out_path},
+            scaling_config=ScalingConfig(num_workers=1),
+            run_config=RunConfig(storage_path=storage, name="floor"),
+            datasets={"train": ds},
+            dataset_config=SplitValUnequally(1),
+        )
         trainer.fit()
         with open(out_path) as f:
             metrics = json.load(f)
-    out = {"own_cluster": own_cluster, "loop_start_s": round(metrics["loop_start"] - started, 1),
-           "first_batch_s": round(metrics["first_batch"] - started, 1), "wall_s": round(time.time() - started, 1)}
+    out = {
+        "own_cluster": own_cluster,
+        "loop_start_s": round(metrics["loop_start"] - started, 1),
+        "first_batch_s": round(metrics["first_batch"] - started, 1),
+        "wall_s": round(time.time() - started, 1),
+    }
     print(json.dumps(out), flush=True)
     return out
 

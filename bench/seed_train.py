@@ -4,11 +4,12 @@
     python -m bench.seed_train --synthetic --steps 60 --batch-size 64      # model + optimizer only
     python -m bench.seed_train --device cuda --preset imagenet --amp bf16 --data /tmp/photos
 
-The plain script is what the seeds (shared/seeds/) write: torchvision.datasets.ImageFolder +
+The plain script is what the two articles the project started from write: torchvision.datasets.ImageFolder +
 DataLoader(shuffle=True, num_workers=...) + a transforms.Compose per image + ResNet18 + SGD,
 one process, no Ray. Defaults follow the seeds: `num_workers` "2-4x the CPU cores" (seed 0,
-whose example uses 4), capped to the cores (on 2 cores: 2); pin_memory on a GPU. The model is the project's (torchvision ResNet18
-with the small-image stem at <= 64 px), built in the seed's way (no channels_last).
+whose example uses 4), capped to the cores (on 2 cores: 2); pin_memory on a GPU.
+The model is the project's (torchvision ResNet18 with the small-image stem at <= 64 px), built
+in the seed's way (no channels_last).
 
 `--synthetic` times the same model, optimizer and batch on random tensors that are already
 on the device: the ceiling any input pipeline can reach on this machine. Its model is the
@@ -50,7 +51,11 @@ def seed_transforms(preset: str, train: bool):
     if preset == "cifar":
         head = [T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ColorJitter(0.2, 0.2, 0.2)] if train else []
         return T.Compose(head + [T.ToTensor(), T.Normalize(CIFAR_MEAN, CIFAR_STD)])
-    head = [T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ColorJitter(0.2, 0.2, 0.2)] if train else [T.Resize(256), T.CenterCrop(224)]
+    head = (
+        [T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ColorJitter(0.2, 0.2, 0.2)]
+        if train
+        else [T.Resize(256), T.CenterCrop(224)]
+    )
     return T.Compose(head + [T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
 
 
@@ -138,8 +143,14 @@ def run_plain(args, device: torch.device) -> dict:
             model.eval()
             with torch.no_grad(), amp_ctx:
                 correct = sum(int((model(x.to(device)).argmax(1) == y.to(device)).sum()) for x, y in val_loader)
-        epochs.append({"epoch": epoch + 1, "images": seen, "epoch_s": round(epoch_s, 4), "images_per_s": round(seen / epoch_s, 1)})
-        print(f"plain epoch {epoch + 1}/{args.epochs}: {seen / epoch_s:.0f} img/s" + ("" if args.no_val else f"  val_acc {correct / len(val_set):.3f}"), flush=True)
+        epochs.append(
+            {"epoch": epoch + 1, "images": seen, "epoch_s": round(epoch_s, 4), "images_per_s": round(seen / epoch_s, 1)}
+        )
+        print(
+            f"plain epoch {epoch + 1}/{args.epochs}: {seen / epoch_s:.0f} img/s"
+            + ("" if args.no_val else f"  val_acc {correct / len(val_set):.3f}"),
+            flush=True,
+        )
     steady = epochs[1:] or epochs  # as jobs.train's summary: epochs 2+ when there are several
     return {
         "kind": "plain",
@@ -160,7 +171,10 @@ def run_synthetic(args, device: torch.device) -> dict:
     optimizer = sgd(model, args.batch_size)
     amp_ctx = autocast(device, args.amp)
     # a few distinct batches, resident on the device: no input cost at all
-    xs = [torch.randn(args.batch_size, 3, size, size, device=device).contiguous(memory_format=torch.channels_last) for _ in range(4)]
+    xs = [
+        torch.randn(args.batch_size, 3, size, size, device=device).contiguous(memory_format=torch.channels_last)
+        for _ in range(4)
+    ]
     ys = [torch.randint(0, 10, (args.batch_size,), device=device) for _ in range(4)]
     model.train()
     t_first_step = None
@@ -175,29 +189,57 @@ def run_synthetic(args, device: torch.device) -> dict:
         step(model, optimizer, xs[i % 4], ys[i % 4], amp_ctx)
     sync(device)
     elapsed = time.perf_counter() - start
-    return {"kind": "synthetic", "steady_img_s": round(args.steps * args.batch_size / elapsed, 1), "steps": args.steps, "t_first_step": t_first_step}
+    return {
+        "kind": "synthetic",
+        "steady_img_s": round(args.steps * args.batch_size / elapsed, 1),
+        "steps": args.steps,
+        "t_first_step": t_first_step,
+    }
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m bench.seed_train", description=__doc__.split("\n")[0])
     ap.add_argument("--data", help="image tree (DIR/train + DIR/val, or DIR/<class>/); default: the bundled digits")
-    ap.add_argument("--preset", default="cifar", choices=("cifar", "imagenet"), help="the seed's pipeline: cifar (32 px) or imagenet (224 px)")
+    ap.add_argument(
+        "--preset",
+        default="cifar",
+        choices=("cifar", "imagenet"),
+        help="the seed's pipeline: cifar (32 px) or imagenet (224 px)",
+    )
     ap.add_argument("--epochs", type=int, default=3, help="passes over the training set; img/s counts epochs 2+")
     ap.add_argument("--batch-size", type=int, default=64, help="images per step (global: one process)")
-    ap.add_argument("--loader-workers", type=int, default=0, help="DataLoader worker processes; 0 = the seeds' advice capped to the cores")
-    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads in the main process; 0 = the CPU cores")
+    ap.add_argument(
+        "--loader-workers",
+        type=int,
+        default=0,
+        help="DataLoader worker processes; 0 = the seeds' advice capped to the cores",
+    )
+    ap.add_argument(
+        "--threads", type=int, default=0, help="torch intra-op threads in the main process; 0 = the CPU cores"
+    )
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model trains")
     ap.add_argument("--amp", default="off", choices=("off", "bf16", "fp16"), help="autocast dtype for the forward pass")
-    ap.add_argument("--no-val", action="store_true", help="skip the per-epoch validation pass (the seeds' script has none)")
-    ap.add_argument("--synthetic", action="store_true", help="time the model on random batches already on the device (the ceiling)")
+    ap.add_argument(
+        "--no-val", action="store_true", help="skip the per-epoch validation pass (the seeds' script has none)"
+    )
+    ap.add_argument(
+        "--synthetic", action="store_true", help="time the model on random batches already on the device (the ceiling)"
+    )
     ap.add_argument("--steps", type=int, default=60, help="--synthetic: timed steps")
     ap.add_argument("--warmup-steps", type=int, default=5, help="--synthetic: untimed steps first (allocator, kernels)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     device = torch.device(args.device)
     result = run_synthetic(args, device) if args.synthetic else run_plain(args, device)
-    result |= {"t_import": T_IMPORT, "t_end": time.time(), "threads": torch.get_num_threads(), "device": args.device,
-               "batch_size": args.batch_size, "preset": args.preset, "amp": args.amp}
+    result |= {
+        "t_import": T_IMPORT,
+        "t_end": time.time(),
+        "threads": torch.get_num_threads(),
+        "device": args.device,
+        "batch_size": args.batch_size,
+        "preset": args.preset,
+        "amp": args.amp,
+    }
     print(json.dumps(result), flush=True)
     return result
 

@@ -50,7 +50,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-EPOCH1 = re.compile(r"\bepoch\s+1/\d+\b")  # jobs.train's line comes prefixed by Ray: "(RayTrainWorker pid=…) epoch   1/3"
+EPOCH1 = re.compile(
+    r"\bepoch\s+1/\d+\b"
+)  # jobs.train's line comes prefixed by Ray: "(RayTrainWorker pid=…) epoch   1/3"
 
 
 def cpu_model() -> str:
@@ -75,7 +77,7 @@ def subset_tree(root: str, train_images: int, out: str, val_fraction: float = 0.
     tree = scan_tree(root, val_fraction)
     for split_name, split, n in (("train", tree.train, train_images), ("val", tree.val, max(1, train_images // 4))):
         by_class: dict[int, list[str]] = {}
-        for path, label in sorted(zip(split.paths, split.labels)):
+        for path, label in sorted(zip(split.paths, split.labels, strict=True)):
             by_class.setdefault(label, []).append(path)
         picked, i = [], 0
         while len(picked) < min(n, len(split.paths)):
@@ -138,7 +140,18 @@ def _startup_estimate(lines, epoch1_images: int, steady_img_s: float) -> float |
 
 
 def common_flags(args) -> list[str]:
-    return ["--preset", args.preset, "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--amp", args.amp, "--device", args.device]
+    return [
+        "--preset",
+        args.preset,
+        "--epochs",
+        str(args.epochs),
+        "--batch-size",
+        str(args.batch_size),
+        "--amp",
+        args.amp,
+        "--device",
+        args.device,
+    ]
 
 
 def run_plain(args, data: str, work: str, tag: str) -> dict:
@@ -147,7 +160,10 @@ def run_plain(args, data: str, work: str, tag: str) -> dict:
         cmd += ["--loader-workers", str(args.loader_workers)]
     t0, t1, lines, rc = _launch(cmd, os.path.join(work, f"plain-{tag}.log"))
     if rc != 0:
-        raise RuntimeError(f"plain script failed (exit {rc}); see {work}/plain-{tag}.log:\n" + "\n".join(l for _, l in lines[-15:]))
+        raise RuntimeError(
+            f"plain script failed (exit {rc}); see {work}/plain-{tag}.log:\n"
+            + "\n".join(text for _, text in lines[-15:])
+        )
     res = json.loads(lines[-1][1])
     return {
         "variant": "plain",
@@ -163,11 +179,24 @@ def run_plain(args, data: str, work: str, tag: str) -> dict:
 
 def run_job(args, data: str, work: str, tag: str) -> dict:
     name = f"bench-{tag}"
-    cmd = [sys.executable, "-m", "jobs.train", "--data", data, *common_flags(args), "--name", name, "--storage-path", work]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jobs.train",
+        "--data",
+        data,
+        *common_flags(args),
+        "--name",
+        name,
+        "--storage-path",
+        work,
+    ]
     cmd += args.job_args
     t0, t1, lines, rc = _launch(cmd, os.path.join(work, f"job-{tag}.log"))
     if rc != 0:
-        raise RuntimeError(f"jobs.train failed (exit {rc}); see {work}/job-{tag}.log:\n" + "\n".join(l for _, l in lines[-15:]))
+        raise RuntimeError(
+            f"jobs.train failed (exit {rc}); see {work}/job-{tag}.log:\n" + "\n".join(text for _, text in lines[-15:])
+        )
     run_dir = os.path.join(work, name)
     with open(os.path.join(run_dir, "summary.json")) as f:
         summary = json.load(f)
@@ -191,24 +220,49 @@ def run_job(args, data: str, work: str, tag: str) -> dict:
 
 
 def run_synthetic(args, work: str, tag: str) -> dict:
-    cmd = [sys.executable, "-m", "bench.seed_train", "--synthetic", "--steps", str(args.synthetic_steps),
-           "--preset", args.preset, "--batch-size", str(args.batch_size), "--amp", args.amp, "--device", args.device]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.seed_train",
+        "--synthetic",
+        "--steps",
+        str(args.synthetic_steps),
+        "--preset",
+        args.preset,
+        "--batch-size",
+        str(args.batch_size),
+        "--amp",
+        args.amp,
+        "--device",
+        args.device,
+    ]
     t0, t1, lines, rc = _launch(cmd, os.path.join(work, f"synthetic-{tag}.log"))
     if rc != 0:
-        raise RuntimeError(f"synthetic run failed (exit {rc}):\n" + "\n".join(l for _, l in lines[-15:]))
+        raise RuntimeError(f"synthetic run failed (exit {rc}):\n" + "\n".join(text for _, text in lines[-15:]))
     res = json.loads(lines[-1][1])
-    return {"variant": "synthetic", "steady_img_s": res["steady_img_s"], "wall_s": round(t1 - t0, 1),
-            "first_step_s": round(res["t_first_step"] - t0, 1), "startup_est_s": None}
+    return {
+        "variant": "synthetic",
+        "steady_img_s": res["steady_img_s"],
+        "wall_s": round(t1 - t0, 1),
+        "first_step_s": round(res["t_first_step"] - t0, 1),
+        "startup_est_s": None,
+    }
 
 
 def run_floor(args, work: str, tag: str) -> dict:
     cmd = [sys.executable, "-m", "bench.ray_floor"]
     t0, t1, lines, rc = _launch(cmd, os.path.join(work, f"floor-{tag}.log"))
     if rc != 0:
-        raise RuntimeError(f"floor run failed (exit {rc}):\n" + "\n".join(l for _, l in lines[-15:]))
+        raise RuntimeError(f"floor run failed (exit {rc}):\n" + "\n".join(text for _, text in lines[-15:]))
     res = json.loads(lines[-1][1])
-    return {"variant": "floor", "steady_img_s": None, "wall_s": round(t1 - t0, 1), "first_step_s": res["first_batch_s"],
-            "loop_start_s": res["loop_start_s"], "startup_est_s": None}
+    return {
+        "variant": "floor",
+        "steady_img_s": None,
+        "wall_s": round(t1 - t0, 1),
+        "first_step_s": res["first_batch_s"],
+        "loop_start_s": res["loop_start_s"],
+        "startup_est_s": None,
+    }
 
 
 # --------------------------------------------------------------------------- report
@@ -227,38 +281,87 @@ def table(rows: list[dict]) -> tuple[str, dict]:
         "job_over_plain_wall": round(job["wall_s"] / plain["wall_s"], 3),
     }
     fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
-    out = [f"{'variant':<12} {'steady img/s':>12} {'wall s':>8} {'first step s':>13} {'start-up est s':>15} {'/ plain':>8} {'/ ceiling':>10}"]
+    out = [
+        f"{'variant':<12} {'steady img/s':>12} {'wall s':>8} {'first step s':>13} {'start-up est s':>15} "
+        f"{'/ plain':>8} {'/ ceiling':>10}"
+    ]
     for r in (plain, job, synth):
-        out.append(f"{r['variant']:<12} {r['steady_img_s']:>12.1f} {r['wall_s']:>8.1f} {fmt(r['first_step_s']):>13} {fmt(r['startup_est_s']):>15} "
-                   f"{r['steady_img_s'] / plain['steady_img_s']:>7.2f}x {r['steady_img_s'] / synth['steady_img_s']:>9.2f}x")
-    out.append(f"jobs.train: {fmt(job['to_plan_line_s'])} s to its plan line (imports + ray.init), data wait {100 * (job['data_wait_frac'] or 0):.0f}% of epochs 2+, "
-               f"{job['wall_s'] - job['epoch_s_sum']:.1f} s of its wall outside training epochs")
+        out.append(
+            f"{r['variant']:<12} {r['steady_img_s']:>12.1f} {r['wall_s']:>8.1f} {fmt(r['first_step_s']):>13} "
+            f"{fmt(r['startup_est_s']):>15} "
+            f"{r['steady_img_s'] / plain['steady_img_s']:>7.2f}x {r['steady_img_s'] / synth['steady_img_s']:>9.2f}x"
+        )
+    out.append(
+        f"jobs.train: {fmt(job['to_plan_line_s'])} s to its plan line (imports + ray.init), data wait "
+        f"{100 * (job['data_wait_frac'] or 0):.0f}% of epochs 2+, "
+        f"{job['wall_s'] - job['epoch_s_sum']:.1f} s of its wall outside training epochs"
+    )
     floors = [r for r in rows if r["variant"] == "floor"]
     if floors:
         floor = min(floors, key=lambda r: r["first_step_s"])
-        ratios["job_first_step_over_floor"] = round(job["first_step_s"] / floor["first_step_s"], 3) if job["first_step_s"] else None
-        out.append(f"floor (Ray Train + Ray Data, no work): train loop starts at {floor['loop_start_s']:.1f} s, first batch at {floor['first_step_s']:.1f} s; "
-                   f"jobs.train's first step {fmt(job['first_step_s'])} s")
+        ratios["job_first_step_over_floor"] = (
+            round(job["first_step_s"] / floor["first_step_s"], 3) if job["first_step_s"] else None
+        )
+        out.append(
+            f"floor (Ray Train + Ray Data, no work): train loop starts at {floor['loop_start_s']:.1f} s, first "
+            f"batch at {floor['first_step_s']:.1f} s; "
+            f"jobs.train's first step {fmt(job['first_step_s'])} s"
+        )
     return "\n".join(out), ratios
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m bench.train", description=__doc__.split("\n")[0])
     ap.add_argument("--data", help="image tree; default: the bundled digits (32 px PNGs)")
-    ap.add_argument("--train-images", type=int, default=448, help="use a class-balanced subset of this many training images (+1/4 as many for validation); 0 = all")
-    ap.add_argument("--preset", default="cifar", choices=("cifar", "imagenet"), help="augmentation preset on both sides (cifar: 32 px, small stem; imagenet: 224 px)")
+    ap.add_argument(
+        "--train-images",
+        type=int,
+        default=448,
+        help="use a class-balanced subset of this many training images (+1/4 as many for validation); 0 = all",
+    )
+    ap.add_argument(
+        "--preset",
+        default="cifar",
+        choices=("cifar", "imagenet"),
+        help="augmentation preset on both sides (cifar: 32 px, small stem; imagenet: 224 px)",
+    )
     ap.add_argument("--epochs", type=int, default=3, help="epochs per training run; steady state counts epochs 2+")
     ap.add_argument("--batch-size", type=int, default=64, help="global batch size, the same for every variant")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where every variant trains")
-    ap.add_argument("--amp", default="off", choices=("off", "bf16", "fp16"), help="autocast on every variant (bf16 on a GPU)")
-    ap.add_argument("--loader-workers", type=int, default=0, help="the plain script's DataLoader workers; 0 = the seeds' advice capped to the cores")
+    ap.add_argument(
+        "--amp", default="off", choices=("off", "bf16", "fp16"), help="autocast on every variant (bf16 on a GPU)"
+    )
+    ap.add_argument(
+        "--loader-workers",
+        type=int,
+        default=0,
+        help="the plain script's DataLoader workers; 0 = the seeds' advice capped to the cores",
+    )
     ap.add_argument("--synthetic-steps", type=int, default=12, help="timed steps of the synthetic ceiling")
-    ap.add_argument("--rounds", type=int, default=1, help="run every variant this many times, alternating the order; the best of each counts")
-    ap.add_argument("--variants", nargs="+", default=["plain", "job", "synthetic", "floor"], choices=("plain", "job", "synthetic", "floor"), help="which to run")
-    ap.add_argument("--job-args", nargs=argparse.REMAINDER, default=[], help="further flags for jobs.train (must come last), e.g. --job-args --augment-actors 2")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every variant this many times, alternating the order; the best of each counts",
+    )
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=["plain", "job", "synthetic", "floor"],
+        choices=("plain", "job", "synthetic", "floor"),
+        help="which to run",
+    )
+    ap.add_argument(
+        "--job-args",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="further flags for jobs.train (must come last), e.g. --job-args --augment-actors 2",
+    )
     ap.add_argument("--work", help="keep logs and run directories here (default: a temporary directory, removed)")
     ap.add_argument("--json", help="also write every measurement and the ratios as JSON to this path")
-    ap.add_argument("--make-photos", metavar="DIR", help="only write --photos synthetic JPEG photos as DIR/<class>/ and exit")
+    ap.add_argument(
+        "--make-photos", metavar="DIR", help="only write --photos synthetic JPEG photos as DIR/<class>/ and exit"
+    )
     ap.add_argument("--photos", type=int, default=20000, help="--make-photos: how many")
     args = ap.parse_args(argv)
     if args.make_photos:
@@ -274,13 +377,24 @@ def main(argv=None) -> dict:
     data = args.data or str(default_dataset_dir())
     if args.train_images:
         data = subset_tree(data, args.train_images, os.path.join(work, "data"))
-    machine = {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
-               "load_avg_start": os.getloadavg()}
-    print(f"{machine['cpu']}, {machine['cores']} cores, load {machine['load_avg_start'][0]:.1f}; data {data}; "
-          f"{args.preset}, batch {args.batch_size}, {args.epochs} epochs, device {args.device}, amp {args.amp}", flush=True)
+    machine = {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "load_avg_start": os.getloadavg(),
+    }
+    print(
+        f"{machine['cpu']}, {machine['cores']} cores, load {machine['load_avg_start'][0]:.1f}; data {data}; "
+        f"{args.preset}, batch {args.batch_size}, {args.epochs} epochs, device {args.device}, amp {args.amp}",
+        flush=True,
+    )
 
-    runners = {"plain": lambda tag: run_plain(args, data, work, tag), "job": lambda tag: run_job(args, data, work, tag),
-               "synthetic": lambda tag: run_synthetic(args, work, tag), "floor": lambda tag: run_floor(args, work, tag)}
+    runners = {
+        "plain": lambda tag: run_plain(args, data, work, tag),
+        "job": lambda tag: run_job(args, data, work, tag),
+        "synthetic": lambda tag: run_synthetic(args, work, tag),
+        "floor": lambda tag: run_floor(args, work, tag),
+    }
     rows = []
     for r in range(args.rounds):
         order = args.variants if r % 2 == 0 else list(reversed(args.variants))
@@ -289,16 +403,39 @@ def main(argv=None) -> dict:
             rows.append(row)
             if args.json:  # after every variant: a run stopped part-way keeps what it measured
                 with open(args.json, "w") as f:
-                    json.dump({"machine": machine, "settings": {k: v for k, v in vars(args).items() if k not in ("json", "work")}, "data": data, "rows": rows}, f, indent=2)
-            rate = f"first batch at {row['first_step_s']:.1f} s" if row["variant"] == "floor" else f"{row['steady_img_s']:>8.1f} img/s steady"
-            print(f"round {r + 1}: {row['variant']:<11} {rate}, {row['wall_s']:.1f} s wall (load {row['load_avg']:.1f})", flush=True)
-    result = {"machine": machine | {"load_avg_end": os.getloadavg()}, "settings": {k: v for k, v in vars(args).items() if k not in ("json", "work")},
-              "data": data, "rows": rows}
+                    json.dump(
+                        {
+                            "machine": machine,
+                            "settings": {k: v for k, v in vars(args).items() if k not in ("json", "work")},
+                            "data": data,
+                            "rows": rows,
+                        },
+                        f,
+                        indent=2,
+                    )
+            rate = (
+                f"first batch at {row['first_step_s']:.1f} s"
+                if row["variant"] == "floor"
+                else f"{row['steady_img_s']:>8.1f} img/s steady"
+            )
+            print(
+                f"round {r + 1}: {row['variant']:<11} {rate}, {row['wall_s']:.1f} s wall (load {row['load_avg']:.1f})",
+                flush=True,
+            )
+    result = {
+        "machine": machine | {"load_avg_end": os.getloadavg()},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "work")},
+        "data": data,
+        "rows": rows,
+    }
     if {"plain", "job", "synthetic"} <= set(args.variants):
         text, ratios = table(rows)
         print("\n" + text)
         result["ratios"] = ratios
-        print(f"jobs.train / plain (steady): {ratios['job_over_plain_steady']:.2f}x; input-bound ratio (jobs.train / synthetic): {ratios['input_bound_ratio']:.2f}")
+        print(
+            f"jobs.train / plain (steady): {ratios['job_over_plain_steady']:.2f}x; input-bound ratio (jobs.train / "
+            f"synthetic): {ratios['input_bound_ratio']:.2f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -20,8 +20,20 @@ from jobs.predict import add_inference_arguments
 def parse(argv=None):
     ap = argparse.ArgumentParser(prog="python -m jobs.evaluate", description=__doc__.split("\n")[0])
     add_inference_arguments(ap)
-    ap.add_argument("--split", default="all", choices=("all", "val"), help="all: every image below --data (a held-out test folder); val: the validation split training used, DIR/val or the hash split by the run's --val-fraction (default: all)")
-    ap.add_argument("--out", default=None, help="directory for confusion.png, per_class.csv, predictions.csv (default: eval/ beside the model file)")
+    ap.add_argument(
+        "--split",
+        default="all",
+        choices=("all", "val"),
+        help=(
+            "all: every image below --data (a held-out test folder); val: the validation split training used, "
+            "DIR/val or the hash split by the run's --val-fraction (default: all)"
+        ),
+    )
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="directory for confusion.png, per_class.csv, predictions.csv (default: eval/ beside the model file)",
+    )
     return ap.parse_args(argv)
 
 
@@ -39,12 +51,24 @@ def main(argv=None) -> int:
         if not is_prepared(args.data):
             _, labels, _ = inference.list_inputs(args.data, info["class_names"], args.split, val_fraction)
             if all(lab < 0 for lab in labels):
-                raise DataError(f"{args.data}: no image sits in a directory named after one of the model's classes {list(info['class_names'])[:10]}; evaluation needs labels (use jobs.predict for unlabelled images)")
+                raise DataError(
+                    f"{args.data}: no image sits in a directory named after one of the model's classes "
+                    f"{list(info['class_names'])[:10]}; evaluation needs labels "
+                    "(use jobs.predict for unlabelled images)"
+                )
     except (inference.ModelFileError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     connect()
-    rows, unread = inference.predict(info, args.data, split=args.split, val_fraction=val_fraction, batch_size=args.batch_size, actors=args.actors, device=args.device)
+    rows, unread = inference.predict(
+        info,
+        args.data,
+        split=args.split,
+        val_fraction=val_fraction,
+        batch_size=args.batch_size,
+        actors=args.actors,
+        device=args.device,
+    )
     names = list(info["class_names"])
     confusion = inference.confusion_matrix(rows, len(names))
     stats = inference.per_class(confusion, names)
@@ -55,7 +79,10 @@ def main(argv=None) -> int:
     print(inference.per_class_table(stats))
     if unread:
         print(f"skipped {len(unread)} unreadable file(s), e.g. {unread[0]}")
-    print(f"accuracy {correct / max(labelled, 1):.4f} ({correct}/{labelled} labelled images); wrote {out}/confusion.png, per_class.csv, predictions.csv")
+    print(
+        f"accuracy {correct / max(labelled, 1):.4f} ({correct}/{labelled} labelled images); wrote "
+        f"{out}/confusion.png, per_class.csv, predictions.csv"
+    )
     return 0
 
 

@@ -18,16 +18,32 @@ import sys
 def add_inference_arguments(ap: argparse.ArgumentParser) -> None:
     """The flags jobs.predict and jobs.evaluate share."""
     ap.add_argument("--model", required=True, help="model.pt of a training run (runs/<name>/model.pt)")
-    ap.add_argument("--data", required=True, help="folder of images (any depth; DIR/<class>/<img> gives labels), or a jobs.prepare directory; local path or s3://, gs://")
+    ap.add_argument(
+        "--data",
+        required=True,
+        help=(
+            "folder of images (any depth; DIR/<class>/<img> gives labels), or a jobs.prepare directory; local "
+            "path or s3://, gs://"
+        ),
+    )
     ap.add_argument("--batch-size", type=int, default=256, help="images per inference call (default: 256)")
-    ap.add_argument("--actors", type=int, default=1, help="inference actors, each with the model loaded once (default: 1)")
-    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda if the cluster has GPUs (one GPU per actor), else cpu (default: auto)")
+    ap.add_argument(
+        "--actors", type=int, default=1, help="inference actors, each with the model loaded once (default: 1)"
+    )
+    ap.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="auto: cuda if the cluster has GPUs (one GPU per actor), else cpu (default: auto)",
+    )
 
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(prog="python -m jobs.predict", description=__doc__.split("\n")[0])
     add_inference_arguments(ap)
-    ap.add_argument("--out", default="predictions.csv", help="CSV to write (local path or s3://, gs://; default: predictions.csv)")
+    ap.add_argument(
+        "--out", default="predictions.csv", help="CSV to write (local path or s3://, gs://; default: predictions.csv)"
+    )
     return ap.parse_args(argv)
 
 
@@ -42,12 +58,16 @@ def main(argv=None) -> int:
         return 2
     try:
         info = inference.load_model_file(args.model)
-        inference.list_inputs(args.data, info["class_names"]) if not _prepared(args.data) else None  # bad --data: exit 2 before Ray starts
+        inference.list_inputs(args.data, info["class_names"]) if not _prepared(
+            args.data
+        ) else None  # bad --data: exit 2 before Ray starts
     except (inference.ModelFileError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     connect()
-    rows, unread = inference.predict(info, args.data, batch_size=args.batch_size, actors=args.actors, device=args.device)
+    rows, unread = inference.predict(
+        info, args.data, batch_size=args.batch_size, actors=args.actors, device=args.device
+    )
     inference.write_predictions_csv(rows, args.out, info["class_names"])
     print(f"wrote {args.out}: {len(rows)} predictions")
     if unread:

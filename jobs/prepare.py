@@ -17,12 +17,34 @@ import sys
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(prog="python -m jobs.prepare", description=__doc__.split("\n")[0])
-    ap.add_argument("data", metavar="DIR", help="image tree: DIR/<class>/<img> or DIR/{train,val}/<class>/<img>; local path or s3://, gs://")
-    ap.add_argument("out", metavar="OUT", help="new (or empty) directory for the shards and _prepared.json; local path or s3://, gs://")
-    ap.add_argument("--val-fraction", type=float, default=0.2, help="fraction of DIR/<class>/ files held out for validation by path hash, as jobs.train --val-fraction (ignored with train/ + val/; default: 0.2)")
-    ap.add_argument("--shard-mb", type=float, default=128.0, help="target size of one shard, in MB of encoded images (default: 128)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the one-time shuffle of the train rows across shards (default: 0)")
-    ap.add_argument("--threads", type=int, default=16, help="files read at once (object storage is latency-bound; default: 16)")
+    ap.add_argument(
+        "data",
+        metavar="DIR",
+        help="image tree: DIR/<class>/<img> or DIR/{train,val}/<class>/<img>; local path or s3://, gs://",
+    )
+    ap.add_argument(
+        "out",
+        metavar="OUT",
+        help="new (or empty) directory for the shards and _prepared.json; local path or s3://, gs://",
+    )
+    ap.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.2,
+        help=(
+            "fraction of DIR/<class>/ files held out for validation by path hash, as jobs.train --val-fraction "
+            "(ignored with train/ + val/; default: 0.2)"
+        ),
+    )
+    ap.add_argument(
+        "--shard-mb", type=float, default=128.0, help="target size of one shard, in MB of encoded images (default: 128)"
+    )
+    ap.add_argument(
+        "--seed", type=int, default=0, help="seed of the one-time shuffle of the train rows across shards (default: 0)"
+    )
+    ap.add_argument(
+        "--threads", type=int, default=16, help="files read at once (object storage is latency-bound; default: 16)"
+    )
     return ap.parse_args(argv)
 
 
@@ -35,14 +57,22 @@ def main(argv=None) -> int:
         print("error: --shard-mb and --threads must be positive", file=sys.stderr)
         return 2
     try:
-        manifest = prepare_tree(args.data, args.out, val_fraction=args.val_fraction, shard_mb=args.shard_mb, seed=args.seed, threads=args.threads)
+        manifest = prepare_tree(
+            args.data,
+            args.out,
+            val_fraction=args.val_fraction,
+            shard_mb=args.shard_mb,
+            seed=args.seed,
+            threads=args.threads,
+        )
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     splits = manifest["splits"]
     print(
         f"prepared {args.out}: {len(manifest['class_names'])} classes, {splits['train']['images']} train / "
-        f"{splits['val']['images']} val images in {len(splits['train']['shards']) + len(splits['val']['shards'])} shards; "
+        f"{splits['val']['images']} val images in {len(splits['train']['shards']) + len(splits['val']['shards'])} "
+        "shards; "
         f"train with: python -m jobs.train --data {args.out}"
     )
     return 0

@@ -15,8 +15,12 @@ import sys
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(prog="python -m jobs.preview", description=__doc__.split("\n")[0])
-    ap.add_argument("--data", help="image tree (DIR/<class>/<img> or DIR/{train,val}/...); default: the bundled digits dataset")
-    ap.add_argument("--preset", default="cifar", help="built-in preset name or a .yaml/.json preset file (default: cifar)")
+    ap.add_argument(
+        "--data", help="image tree (DIR/<class>/<img> or DIR/{train,val}/...); default: the bundled digits dataset"
+    )
+    ap.add_argument(
+        "--preset", default="cifar", help="built-in preset name or a .yaml/.json preset file (default: cifar)"
+    )
     ap.add_argument("--out", default="preview.png", help="PNG to write (default: preview.png)")
     ap.add_argument("--classes", type=int, default=4, help="how many classes to show, in label order (default: 4)")
     ap.add_argument("--per-class", type=int, default=1, help="training images per class (default: 1)")
@@ -39,7 +43,17 @@ def main(argv=None) -> int:
     except (PresetError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out = render_grid(images, labels, tree.class_names, preset, args.out, keys=keys, seed=args.seed, augmentations=args.augmentations, dpi=args.dpi)
+    out = render_grid(
+        images,
+        labels,
+        tree.class_names,
+        preset,
+        args.out,
+        keys=keys,
+        seed=args.seed,
+        augmentations=args.augmentations,
+        dpi=args.dpi,
+    )
     print(f"wrote {out}: {len(images)} images x {args.augmentations} augmentations, preset {preset.name!r}")
     return 0
 

@@ -26,7 +26,14 @@ from training.inputs import check_inputs
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jobs.train", description=__doc__.split("\n")[0])
-    ap.add_argument("--config", metavar="FILE", help="YAML file of settings (keys: the flags below, e.g. batch_size: 256); flags given here override it. Examples in configs/")
+    ap.add_argument(
+        "--config",
+        metavar="FILE",
+        help=(
+            "YAML file of settings (keys: the flags below, e.g. batch_size: 256); flags given here override it. "
+            "Examples in configs/"
+        ),
+    )
     add_arguments(ap)
     return ap
 
@@ -40,7 +47,9 @@ def quiet_ray_env(verbose: bool = False) -> dict:
         return {"logging_level": logging.INFO}
     import training
 
-    os.environ.setdefault("RAY_DATA_LOGGING_CONFIG", os.path.join(os.path.dirname(training.__file__), "ray_data_logging.yaml"))
+    os.environ.setdefault(
+        "RAY_DATA_LOGGING_CONFIG", os.path.join(os.path.dirname(training.__file__), "ray_data_logging.yaml")
+    )
     os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
     return {"logging_level": logging.WARNING}
 

@@ -9,7 +9,6 @@ import pytest
 from PIL import Image
 
 
-
 def write_tree(root: Path, classes: dict[str, int], *, size=(32, 32), seed: int = 0, sizes=None) -> Path:
     """root/<class>/<i>.png with `classes[name]` images each. Each class has its own colour
     (so a model can learn it) plus noise. `sizes`, if given, cycles through (h, w) pairs."""
@@ -56,7 +55,12 @@ def ray_cluster():
         dashboard_port = sock.getsockname()[1]
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 2, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": dashboard_port},
+        head_node_args={
+            "num_cpus": 2,
+            "include_dashboard": True,
+            "dashboard_host": "127.0.0.1",
+            "dashboard_port": dashboard_port,
+        },
     )
     cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
+from augment.batch import to_canvas
+from augment.errors import BUILTIN_PRESETS
 from augment.ops import OPS, Normalize
 from augment.presets import PRESETS, Pipeline, PresetError, load_preset, preset_from_dict
 from augment.rng import KeyedRng, reference_uniform
-from augment.batch import to_canvas
-from augment.errors import BUILTIN_PRESETS
 from augment.stage import AugmentStage
 
 B = 64
@@ -38,7 +38,10 @@ OP_CASES = {
     "random_crop": ({"size": 32, "padding": 4}, None),
     "center_crop": ({"size": 24}, None),
     "horizontal_flip": ({"p": 1.0}, {"p": 0.0}),
-    "color_jitter": ({"brightness": 0.4, "contrast": 0.4, "saturation": 0.4, "hue": 0.1, "p": 1.0}, {"brightness": 0.4, "contrast": 0.4, "saturation": 0.4, "p": 0.0}),
+    "color_jitter": (
+        {"brightness": 0.4, "contrast": 0.4, "saturation": 0.4, "hue": 0.1, "p": 1.0},
+        {"brightness": 0.4, "contrast": 0.4, "saturation": 0.4, "p": 0.0},
+    ),
     "random_resized_crop": ({"size": 24}, None),
     "resize_center_crop": ({"resize": 28, "size": 24}, None),
     "random_erasing": ({"p": 1.0, "value": [0.5, 0.5, 0.5]}, {"p": 0.0}),
@@ -181,14 +184,26 @@ def test_stage_on_a_numpy_batch():
 
 def test_preset_files_and_their_errors(tmp_path):
     good = tmp_path / "mine.yaml"
-    good.write_text("name: mine\ntrain:\n  - random_crop: {size: 16, padding: 2}\n  - horizontal_flip: {p: 0.3}\neval:\n  - center_crop: {size: 16}\n")
+    good.write_text(
+        "name: mine\ntrain:\n  - random_crop: {size: 16, padding: 2}\n  - horizontal_flip: {p: 0.3}\neval:\n  - "
+        "center_crop: {size: 16}\n"
+    )
     p = load_preset(str(good))
     assert p.name == "mine" and p.image_size == 16 and p.train[1] == {"horizontal_flip": {"p": 0.3}}
     cases = {
         "unknown op": ("train: [{spin: {}}]\neval: [{center_crop: {size: 8}}]", "unknown op 'spin'; valid ops: "),
-        "unknown param": ("train: [{random_crop: {size: 8, pad: 2}}]\neval: [{center_crop: {size: 8}}]", "unknown parameter(s) ['pad']; valid: ['size', 'padding', 'fill']"),
-        "order": ("train: [{horizontal_flip: {}}]\neval: [{center_crop: {size: 8}}]", "the first op, and only the first, is a geometry op"),
-        "unknown key": ("train: [{random_crop: {size: 8}}]\neval: [{center_crop: {size: 8}}]\nnormalise: 1", "unknown key(s) ['normalise']"),
+        "unknown param": (
+            "train: [{random_crop: {size: 8, pad: 2}}]\neval: [{center_crop: {size: 8}}]",
+            "unknown parameter(s) ['pad']; valid: ['size', 'padding', 'fill']",
+        ),
+        "order": (
+            "train: [{horizontal_flip: {}}]\neval: [{center_crop: {size: 8}}]",
+            "the first op, and only the first, is a geometry op",
+        ),
+        "unknown key": (
+            "train: [{random_crop: {size: 8}}]\neval: [{center_crop: {size: 8}}]\nnormalise: 1",
+            "unknown key(s) ['normalise']",
+        ),
     }
     for name, (text, message) in cases.items():
         f = tmp_path / f"{name.replace(' ', '_')}.yaml"
@@ -222,7 +237,9 @@ def _photos(sizes=((30, 40), (37, 50), (50, 33), (41, 41)), seed=0):
     return ragged
 
 
-@pytest.mark.parametrize("name,params", [("random_resized_crop", {"size": 24}), ("resize_center_crop", {"resize": 28, "size": 24})])
+@pytest.mark.parametrize(
+    "name,params", [("random_resized_crop", {"size": 24}), ("resize_center_crop", {"resize": 28, "size": 24})]
+)
 def test_cpu_loop_and_batched_matmul_resampling_agree(name, params):
     """The CPU formulation (per-image antialiased interpolate, uint8) and the GPU one (two
     batched matmuls, float) of the same op on a ragged batch: within one uint8 level (torch's
@@ -246,9 +263,15 @@ def test_uninitialised_canvas_memory_never_reaches_the_output():
         for i, (h, w) in enumerate(sizes.tolist()):
             c[i, :h, :w] = canvas[i, :h, :w]
         rng = KeyedRng(_keys(4), seed=0, epoch=0)
-        outs.append([OPS[n](**OP_CASES[n][0], **m)(c, rng, sizes) for n in sorted(OPS) if OPS[n].geometry
-                     for m in ([{}] if n in ("random_crop", "center_crop") else [{"method": "loop"}, {"method": "matmul"}])])
-    for a, b in zip(*outs):
+        outs.append(
+            [
+                OPS[n](**OP_CASES[n][0], **m)(c, rng, sizes)
+                for n in sorted(OPS)
+                if OPS[n].geometry
+                for m in ([{}] if n in ("random_crop", "center_crop") else [{"method": "loop"}, {"method": "matmul"}])
+            ]
+        )
+    for a, b in zip(*outs, strict=True):
         assert torch.equal(a, b)
 
 
@@ -288,7 +311,9 @@ def test_schedule_strengths():
     assert [strength("linear-decay", e, 5) for e in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
     assert [strength("linear-ramp:0.5", e, 3) for e in range(3)] == [0.5, 0.75, 1.0]
     cos = [strength("cosine-decay:0.2", e, 5) for e in range(5)]
-    assert cos[0] == 1.0 and cos[-1] == pytest.approx(0.2) and cos[1] > 0.75 * 1.0 + 0.25 * 0.2  # slower start than linear
+    assert (
+        cos[0] == 1.0 and cos[-1] == pytest.approx(0.2) and cos[1] > 0.75 * 1.0 + 0.25 * 0.2
+    )  # slower start than linear
     assert strength("cosine-ramp", 0, 1) == 0.0  # one epoch: the first is the start
 
 
@@ -318,9 +343,13 @@ def test_schedule_scales_jitter_erasing_and_crop_range():
 
 
 def test_stage_schedules_train_only():
-    stage = AugmentStage(PRESETS["cifar"].to_dict(), train=False, seed=0, device="cpu", schedule="linear-decay", epochs=4)
+    stage = AugmentStage(
+        PRESETS["cifar"].to_dict(), train=False, seed=0, device="cpu", schedule="linear-decay", epochs=4
+    )
     assert stage.pipeline.schedule == "none"
-    stage = AugmentStage(PRESETS["cifar"].to_dict(), train=True, seed=0, device="cpu", schedule="linear-decay", epochs=4)
+    stage = AugmentStage(
+        PRESETS["cifar"].to_dict(), train=True, seed=0, device="cpu", schedule="linear-decay", epochs=4
+    )
     assert stage.pipeline.schedule == "linear-decay" and stage.pipeline.epochs == 4
 
 
@@ -377,7 +406,10 @@ def test_mix_is_replayable_and_prob_zero_only_one_hots():
 
 def test_preset_mix_key_round_trips_and_rejects_unknown_settings(tmp_path):
     f = tmp_path / "mix.yaml"
-    f.write_text("train: [{random_resized_crop: {size: 16}}]\neval: [{resize_center_crop: {resize: 18, size: 16}}]\nmix: {mixup_alpha: 0.2, cutmix_alpha: 1.0}\n")
+    f.write_text(
+        "train: [{random_resized_crop: {size: 16}}]\neval: [{resize_center_crop: {resize: 18, size: 16}}]\nmix: "
+        "{mixup_alpha: 0.2, cutmix_alpha: 1.0}\n"
+    )
     p = load_preset(str(f))
     assert p.mix == {"mixup_alpha": 0.2, "cutmix_alpha": 1.0} and preset_from_dict(p.to_dict()) == p
     f.write_text("train: [{random_crop: {size: 8}}]\neval: [{center_crop: {size: 8}}]\nmix: {mixup: 0.2}\n")
@@ -394,7 +426,10 @@ def test_preview_writes_a_grid_and_rejects_a_bad_preset(tree, tmp_path, capsys):
     from jobs.preview import main
 
     out = tmp_path / "grid.png"
-    assert main(["--data", str(tree), "--preset", "cifar", "--out", str(out), "--classes", "2", "--augmentations", "2"]) == 0
+    assert (
+        main(["--data", str(tree), "--preset", "cifar", "--out", str(out), "--classes", "2", "--augmentations", "2"])
+        == 0
+    )
     with Image.open(out) as img:
         assert img.size[0] > img.size[1] > 100  # 2 rows, 4 columns
     assert main(["--data", str(tree), "--preset", "imagenett", "--out", str(out)]) == 2
@@ -415,5 +450,7 @@ def test_a_bad_augment_schedule_is_a_config_error_before_ray_starts(tree, tmp_pa
     from training.config import ConfigError, TrainConfig
     from training.job import prepare
 
-    with pytest.raises(ConfigError, match="--augment-schedule: unknown augmentation schedule 'fast'; valid: none, linear-decay"):
+    with pytest.raises(
+        ConfigError, match="--augment-schedule: unknown augmentation schedule 'fast'; valid: none, linear-decay"
+    ):
         prepare(TrainConfig(data=str(tree), augment_schedule="fast", storage_path=str(tmp_path)))

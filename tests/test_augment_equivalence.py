@@ -18,10 +18,10 @@ import torch
 from PIL import Image
 from scipy.stats import ks_2samp
 
+from augment.batch import to_canvas
 from augment.ops import OPS
 from augment.presets import PRESETS, Pipeline
 from augment.rng import KeyedRng
-from augment.batch import to_canvas
 from bench.augment import synthetic_photo
 from training.data import decode_image
 
@@ -80,7 +80,7 @@ def test_random_resized_crop_is_torchvisions_resized_crop_of_its_box(photos, met
     canvas, sizes = to_canvas(_ragged(photos))
     params = op.sample(KeyedRng(torch.arange(len(photos)), 1, 2), sizes)
     out = op.apply(canvas, params, sizes)
-    for img, (top, left, h, w), got in zip(photos, params["box"].tolist(), out):
+    for img, (top, left, h, w), got in zip(photos, params["box"].tolist(), out, strict=True):
         t = torch.from_numpy(img).permute(2, 0, 1)
         ref = TF.resized_crop(t, top, left, h, w, [224, 224], antialias=True).float() / 255
         assert (got - ref).abs().max() <= 1 / 255 + 1e-6
@@ -155,7 +155,7 @@ def test_color_jitter_pixels_match_torchvision_for_given_factors(photos):
     p = op.sample(KeyedRng(_keys(len(x)), 0, 0), None)
     out = op.apply(x.contiguous(memory_format=torch.channels_last), p)
     fns = [TF.adjust_brightness, TF.adjust_contrast, TF.adjust_saturation]
-    for img, f, order, got in zip(x, p["factors"], p["order"], out):
+    for img, f, order, got in zip(x, p["factors"], p["order"], out, strict=True):
         ref = img
         for k in order.tolist():
             ref = fns[k](ref, float(f[k]))
@@ -170,7 +170,13 @@ def test_random_erasing_boxes_have_torchvisions_distribution():
     box = p["box"][p["apply"]].double()
     torch.manual_seed(0)
     img = torch.empty(3, 224, 224)
-    ref = torch.tensor([RandomErasing.get_params(img, (0.02, 0.33), (0.3, 3.3), value=[0.0])[:4] for _ in range(N)]).double()
+    ref = torch.tensor(
+        [RandomErasing.get_params(img, (0.02, 0.33), (0.3, 3.3), value=[0.0])[:4] for _ in range(N)]
+    ).double()
     ref = ref[ref[:, 2] < 224]  # torchvision returns the whole image when nothing fits: not erased
-    for name, f in {"area": lambda b: b[:, 2] * b[:, 3], "aspect": lambda b: b[:, 2] / b[:, 3], "top": lambda b: b[:, 0]}.items():
+    for name, f in {
+        "area": lambda b: b[:, 2] * b[:, 3],
+        "aspect": lambda b: b[:, 2] / b[:, 3],
+        "top": lambda b: b[:, 0],
+    }.items():
         assert ks_2samp(f(box).numpy(), f(ref).numpy()).pvalue > 0.01, name

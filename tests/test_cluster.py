@@ -45,7 +45,9 @@ def _env(**extra) -> dict:
 def _ray(*args, env, timeout=180, check=True):
     out = subprocess.run([f"{VENV_BIN}/ray", *args], env=env, capture_output=True, text=True, timeout=timeout)
     if check and out.returncode != 0:
-        raise AssertionError(f"ray {' '.join(args)} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+        raise AssertionError(
+            f"ray {' '.join(args)} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+        )
     return out
 
 
@@ -67,7 +69,9 @@ def test_cluster_yaml_passes_rays_autoscaler_schema():
     assert config["idle_timeout_minutes"] > 0
     head_start = " ".join(config["head_start_ray_commands"])
     assert "--dashboard-host=127.0.0.1" in head_start and "RAY_AUTH_MODE=token" in head_start
-    assert all("RAY_AUTH_MODE=token" in " ".join(config[k]) for k in ("head_start_ray_commands", "worker_start_ray_commands"))
+    assert all(
+        "RAY_AUTH_MODE=token" in " ".join(config[k]) for k in ("head_start_ray_commands", "worker_start_ray_commands")
+    )
     assert "~/.ray/auth_token" in config["file_mounts"]  # the token travels as a file
     assert "RAY_AUTH_TOKEN=" not in (REPO / "cluster.yaml").read_text()  # never on a command line
 
@@ -98,12 +102,23 @@ def test_an_autoscaler_without_published_limits_is_not_refused():
 
 def test_gpu_plans_share_or_dedicate_gpus_and_refuse_the_impossible():
     shared = plan_resources(TrainConfig(), Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False))
-    assert (shared.num_workers, shared.gpus_per_worker, shared.augment_actors, shared.augment_gpus) == (4, 0.75, 4, 0.25)
+    assert (shared.num_workers, shared.gpus_per_worker, shared.augment_actors, shared.augment_gpus) == (
+        4,
+        0.75,
+        4,
+        0.25,
+    )
     assert shared.placement == "PACK"
-    dedicated = plan_resources(TrainConfig(num_workers=2, augment_actors=2, augment_gpus=1), Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False))
+    dedicated = plan_resources(
+        TrainConfig(num_workers=2, augment_actors=2, augment_gpus=1),
+        Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False),
+    )
     assert (dedicated.gpus_per_worker, dedicated.augment_gpus) == (1.0, 1.0)
     with pytest.raises(ConfigError, match="need 6 GPUs but the cluster has at most 4"):
-        plan_resources(TrainConfig(num_workers=4, augment_actors=2, augment_gpus=1), Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False))
+        plan_resources(
+            TrainConfig(num_workers=4, augment_actors=2, augment_gpus=1),
+            Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False),
+        )
     with pytest.raises(ConfigError, match="need 8 GPUs but the cluster has at most 4"):
         plan_resources(TrainConfig(num_workers=8), Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False))
     cpu = plan_resources(TrainConfig(num_workers=2), Capacity(cpus=4, gpus=0, hosts=2, autoscaling=False))
@@ -120,17 +135,49 @@ def test_ray_job_submit_to_a_token_protected_head(own_cluster, tmp_path):
     token.write_text(secrets.token_hex(32))
     env = _env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
     port, dash = _free_port(), _free_port()
-    _ray("start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
-         f"--dashboard-port={dash}", "--num-cpus=3", "--disable-usage-stats", env=env)
+    _ray(
+        "start",
+        "--head",
+        f"--port={port}",
+        "--node-ip-address=127.0.0.1",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dash}",
+        "--num-cpus=3",
+        "--disable-usage-stats",
+        env=env,
+    )
     try:
         address = f"http://127.0.0.1:{dash}"
         unauthenticated = _ray("job", "list", "--address", address, env=_env(RAY_AUTH_MODE="disabled"), check=False)
         assert unauthenticated.returncode != 0  # the head refuses a client without the token
         submit = _ray(
-            "job", "submit", "--address", address, "--working-dir", str(REPO), "--entrypoint-num-cpus", "0",
-            "--submission-id", "rga-test", "--no-wait", "--",
-            "python", "-m", "jobs.train", "--data", str(data), "--epochs", "1", "--batch-size", "8",
-            "--storage-path", str(tmp_path / "runs"), "--name", "submitted", "--val-fraction", "0.25",
+            "job",
+            "submit",
+            "--address",
+            address,
+            "--working-dir",
+            str(REPO),
+            "--entrypoint-num-cpus",
+            "0",
+            "--submission-id",
+            "rga-test",
+            "--no-wait",
+            "--",
+            "python",
+            "-m",
+            "jobs.train",
+            "--data",
+            str(data),
+            "--epochs",
+            "1",
+            "--batch-size",
+            "8",
+            "--storage-path",
+            str(tmp_path / "runs"),
+            "--name",
+            "submitted",
+            "--val-fraction",
+            "0.25",
             env=env,
         )
         assert "rga-test" in submit.stdout + submit.stderr
@@ -159,20 +206,40 @@ def _fake_autoscaling_config(head_cpus: int, worker_cpus: int, max_workers: int)
         "max_workers": max_workers,
         "provider": {
             # the fake provider through "external": its default-config file is missing from the wheel
-            "type": "external", "module": "ray.autoscaler._private.fake_multi_node.node_provider.FakeMultiNodeProvider",
-            "use_node_id_as_ip": True, "disable_node_updaters": True, "disable_launch_config_check": True,
+            "type": "external",
+            "module": "ray.autoscaler._private.fake_multi_node.node_provider.FakeMultiNodeProvider",
+            "use_node_id_as_ip": True,
+            "disable_node_updaters": True,
+            "disable_launch_config_check": True,
         },
         "available_node_types": {
             "ray.head.default": {"resources": {"CPU": head_cpus}, "node_config": {}, "max_workers": 0},
-            "cpu_node": {"resources": {"CPU": worker_cpus}, "node_config": {}, "min_workers": 0, "max_workers": max_workers},
+            "cpu_node": {
+                "resources": {"CPU": worker_cpus},
+                "node_config": {},
+                "min_workers": 0,
+                "max_workers": max_workers,
+            },
         },
         "head_node_type": "ray.head.default",
         "auth": {},
         "upscaling_speed": 1.0,
         "idle_timeout_minutes": 1,
         "docker": {},
-        **{k: [] for k in ("initialization_commands", "setup_commands", "head_setup_commands", "worker_setup_commands",
-                           "head_start_ray_commands", "worker_start_ray_commands", "cluster_synced_files", "rsync_exclude", "rsync_filter")},
+        **{
+            k: []
+            for k in (
+                "initialization_commands",
+                "setup_commands",
+                "head_setup_commands",
+                "worker_setup_commands",
+                "head_start_ray_commands",
+                "worker_start_ray_commands",
+                "cluster_synced_files",
+                "rsync_exclude",
+                "rsync_filter",
+            )
+        },
         "file_mounts": {},
         "file_mounts_sync_continuously": False,
     }
@@ -187,13 +254,42 @@ def test_autoscaling_cluster_adds_a_node_for_the_job(own_cluster, tmp_path):
     # the 1-CPU head alone cannot hold a 2-CPU train worker: the autoscaler must add a node
     config.write_text(json.dumps(_fake_autoscaling_config(head_cpus=1, worker_cpus=2, max_workers=2)))
     env = _env(AUTOSCALER_UPDATE_INTERVAL_S="1", RAY_FAKE_CLUSTER="1", RAY_AUTH_MODE="disabled")
-    _ray("start", "--head", f"--autoscaling-config={config}", "--num-cpus=1", "--node-ip-address=127.0.0.1",
-         "--dashboard-host=127.0.0.1", "--disable-usage-stats", env=env)
+    _ray(
+        "start",
+        "--head",
+        f"--autoscaling-config={config}",
+        "--num-cpus=1",
+        "--node-ip-address=127.0.0.1",
+        "--dashboard-host=127.0.0.1",
+        "--disable-usage-stats",
+        env=env,
+    )
     try:
         out = subprocess.run(
-            [sys.executable, "-m", "jobs.train", "--data", str(data), "--epochs", "1", "--batch-size", "8",
-             "--cpus-per-worker", "2", "--storage-path", str(tmp_path / "runs"), "--name", "scaled", "--val-fraction", "0.25"],
-            cwd=REPO, env=_env(RAY_ADDRESS="auto", RAY_AUTH_MODE="disabled"), capture_output=True, text=True, timeout=600,
+            [
+                sys.executable,
+                "-m",
+                "jobs.train",
+                "--data",
+                str(data),
+                "--epochs",
+                "1",
+                "--batch-size",
+                "8",
+                "--cpus-per-worker",
+                "2",
+                "--storage-path",
+                str(tmp_path / "runs"),
+                "--name",
+                "scaled",
+                "--val-fraction",
+                "0.25",
+            ],
+            cwd=REPO,
+            env=_env(RAY_ADDRESS="auto", RAY_AUTH_MODE="disabled"),
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         # the 1-CPU head cannot hold the plan, but an autoscaler runs: the plan waits for it instead of refusing
@@ -236,13 +332,44 @@ def test_a_dataset_several_times_the_object_store_completes(own_cluster, tmp_pat
             Image.fromarray(base).resize((640, 640), Image.BICUBIC).save(data / cls / f"{i:03d}.png")
     port, dash = _free_port(), _free_port()
     env = _env(RAY_AUTH_MODE="disabled")
-    _ray("start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
-         f"--dashboard-port={dash}", "--num-cpus=2", f"--object-store-memory={200 * 2**20}", "--disable-usage-stats", env=env)
+    _ray(
+        "start",
+        "--head",
+        f"--port={port}",
+        "--node-ip-address=127.0.0.1",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dash}",
+        "--num-cpus=2",
+        f"--object-store-memory={200 * 2**20}",
+        "--disable-usage-stats",
+        env=env,
+    )
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "jobs.train", "--data", str(data), "--preset", "imagenet", "--epochs", "1",
-             "--batch-size", "32", "--augment-batch-size", "32", "--storage-path", str(tmp_path / "runs"), "--name", "big"],
-            cwd=REPO, env=_env(RAY_ADDRESS=f"127.0.0.1:{port}", RAY_AUTH_MODE="disabled"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                "-m",
+                "jobs.train",
+                "--data",
+                str(data),
+                "--preset",
+                "imagenet",
+                "--epochs",
+                "1",
+                "--batch-size",
+                "32",
+                "--augment-batch-size",
+                "32",
+                "--storage-path",
+                str(tmp_path / "runs"),
+                "--name",
+                "big",
+            ],
+            cwd=REPO,
+            env=_env(RAY_ADDRESS=f"127.0.0.1:{port}", RAY_AUTH_MODE="disabled"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         peak = 0
         while proc.poll() is None:  # the machine's peak resident memory over all processes
@@ -252,8 +379,10 @@ def test_a_dataset_several_times_the_object_store_completes(own_cluster, tmp_pat
         assert proc.returncode == 0, out[-3000:]
         stats = _ray("memory", "--stats-only", f"--address=127.0.0.1:{port}", env=env, check=False).stdout
         spilled = re.search(r"Spilled (\d+) MiB", stats)
-        print(f"\npeak RSS of all processes: {peak / 2**20:.0f} MiB; object store: 200 MiB; "
-              f"spilled: {spilled.group(1) if spilled else 0} MiB")
+        print(
+            f"\npeak RSS of all processes: {peak / 2**20:.0f} MiB; object store: 200 MiB; "
+            f"spilled: {spilled.group(1) if spilled else 0} MiB"
+        )
         summary = json.loads((tmp_path / "runs" / "big" / "summary.json").read_text())
         assert summary["epochs"] == 1 and summary["coverage"][0]["exactly_once"]
     finally:

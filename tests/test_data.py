@@ -23,7 +23,7 @@ def test_labels_are_sorted_directory_positions(tree):
     t = scan_tree(str(tree), val_fraction=0.25)
     assert t.class_names == ("cat", "dog", "eel")
     for split in (t.train, t.val):
-        for path, label in zip(split.paths, split.labels):
+        for path, label in zip(split.paths, split.labels, strict=True):
             assert Path(path).parent.name == t.class_names[label]
 
 
@@ -97,7 +97,9 @@ def test_validation_classes_must_be_training_classes(tmp_path):
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(args, message):
-    out = subprocess.run([sys.executable, "-m", "jobs.train", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "jobs.train", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], out.stderr
@@ -113,7 +115,10 @@ def test_decoder_labels_keys_and_modes(tree, tmp_path):
     assert decode_image(gray.read_bytes()).shape == (5, 7, 3)
     assert (decode_image(rgba.read_bytes()) == 255).all()  # transparent -> white background
     t = scan_tree(str(tree), 0.0)
-    batch = {"path": np.array(t.train.paths[:4]), "bytes": np.array([Path(p).read_bytes() for p in t.train.paths[:4]], dtype=object)}
+    batch = {
+        "path": np.array(t.train.paths[:4]),
+        "bytes": np.array([Path(p).read_bytes() for p in t.train.paths[:4]], dtype=object),
+    }
     out = Decoder(t.train)(batch)
     assert out["image"].shape == (4, 32, 32, 3) and out["image"].dtype == np.uint8
     assert list(out["label"]) == list(t.train.labels[:4])

@@ -82,11 +82,18 @@ def messy_tree(tmp_path_factory):
     return root
 
 
-EXPECTED_BAD = {"truncated.jpg": "corrupt image", "not_an_image.jpg": "not an image", "empty.jpg": "empty file", "bomb.png": "decompression bomb"}
+EXPECTED_BAD = {
+    "truncated.jpg": "corrupt image",
+    "not_an_image.jpg": "not an image",
+    "empty.jpg": "empty file",
+    "bomb.png": "decompression bomb",
+}
 
 
 def test_bad_files_are_listed_and_every_good_file_is_trained_on(ray_cluster, messy_tree, tmp_path):
-    summary, tree, lines = _run(data=str(messy_tree), epochs=1, batch_size=8, num_workers=1, storage_path=str(tmp_path), name="messy")
+    summary, tree, lines = _run(
+        data=str(messy_tree), epochs=1, batch_size=8, num_workers=1, storage_path=str(tmp_path), name="messy"
+    )
     rows = list(csv.DictReader((tmp_path / "messy" / "bad_files.csv").open()))
     reasons = {Path(r["path"]).name: r["reason"] for r in rows}
     assert set(reasons) == set(EXPECTED_BAD)
@@ -102,7 +109,15 @@ def test_bad_files_are_listed_and_every_good_file_is_trained_on(ray_cluster, mes
 
 def test_strict_makes_a_bad_file_fatal_before_training(ray_cluster, messy_tree, tmp_path):
     with pytest.raises(DataError, match=r"4 unreadable image\(s\).*drop --strict"):
-        _run(data=str(messy_tree), epochs=1, batch_size=8, num_workers=1, storage_path=str(tmp_path), name="strict", strict=True)
+        _run(
+            data=str(messy_tree),
+            epochs=1,
+            batch_size=8,
+            num_workers=1,
+            storage_path=str(tmp_path),
+            name="strict",
+            strict=True,
+        )
     assert not (tmp_path / "strict" / "metrics.csv").exists()
     assert len(list(csv.DictReader((tmp_path / "strict" / "bad_files.csv").open()))) == 4
     _no_leaks(ray_cluster)
@@ -155,7 +170,15 @@ def fault_data(tmp_path_factory):
 
 
 def test_a_killed_train_worker_resumes_from_the_last_checkpoint(ray_cluster, fault_data, tmp_path):
-    common = dict(data=str(fault_data), epochs=3, batch_size=16, num_workers=1, deterministic=True, val_fraction=0.25, storage_path=str(tmp_path))
+    common = dict(
+        data=str(fault_data),
+        epochs=3,
+        batch_size=16,
+        num_workers=1,
+        deterministic=True,
+        val_fraction=0.25,
+        storage_path=str(tmp_path),
+    )
     baseline, _, _ = _run(name="clean", **common)
 
     thread, box = _start_in_thread(name="killed", max_failures=2, **common)
@@ -181,7 +204,9 @@ def _running_augment_pids(mode: str) -> list[int]:
     if mode == "actors":
         return _alive_actor_pids("MapWorker(MapBatches(Decoder)->MapBatches(AugmentStage))")
     # a task worker's process title names the task while it runs
-    out = subprocess.run(["pgrep", "-f", r"^ray::MapBatches\(Decoder\)->MapBatches\(augment_task\)"], capture_output=True, text=True)
+    out = subprocess.run(
+        ["pgrep", "-f", r"^ray::MapBatches\(Decoder\)->MapBatches\(augment_task\)"], capture_output=True, text=True
+    )
     return [int(p) for p in out.stdout.split()]
 
 
@@ -189,9 +214,17 @@ def _running_augment_pids(mode: str) -> list[int]:
 def test_a_killed_augment_worker_is_replaced_and_the_epoch_completes(ray_cluster, fault_data, tmp_path, mode):
     """CPU augmentation runs as Ray Data tasks by default (Ray retries a task whose process
     died) and as an actor pool with --augment-actors (Ray Data restarts the actor)."""
-    thread, box = _start_in_thread(data=str(fault_data), epochs=3, batch_size=16, num_workers=1, val_fraction=0.25,
-                                   augment_batch_size=8, augment_actors=1 if mode == "actors" else 0,
-                                   storage_path=str(tmp_path), name=mode)
+    thread, box = _start_in_thread(
+        data=str(fault_data),
+        epochs=3,
+        batch_size=16,
+        num_workers=1,
+        val_fraction=0.25,
+        augment_batch_size=8,
+        augment_actors=1 if mode == "actors" else 0,
+        storage_path=str(tmp_path),
+        name=mode,
+    )
     _wait_for_checkpoint(tmp_path / mode, 1, thread.is_alive)
     deadline = time.time() + 60
     pids = []
@@ -216,8 +249,23 @@ def _raylets() -> int:
 
 def test_ctrl_c_stops_cleanly_and_the_next_run_resumes(ray_cluster, fault_data, tmp_path):
     before = _raylets()
-    args = [sys.executable, "-m", "jobs.train", "--data", str(fault_data), "--epochs", "3", "--batch-size", "16",
-            "--val-fraction", "0.25", "--storage-path", str(tmp_path), "--name", "interrupted"]
+    args = [
+        sys.executable,
+        "-m",
+        "jobs.train",
+        "--data",
+        str(fault_data),
+        "--epochs",
+        "3",
+        "--batch-size",
+        "16",
+        "--val-fraction",
+        "0.25",
+        "--storage-path",
+        str(tmp_path),
+        "--name",
+        "interrupted",
+    ]
     env = {**os.environ, "RAY_ADDRESS": ""}
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run_dir = tmp_path / "interrupted"

@@ -63,9 +63,9 @@ def test_predict_writes_one_row_per_image_and_the_accuracy_of_the_csv(ray_cluste
 
 def test_predict_matches_the_model_applied_by_hand(model_and_tree):
     """The saved eval transform and weights, applied without Ray, give the CSV's classes."""
+    from augment.batch import augment_batch
     from augment.ops import Normalize
     from augment.presets import Pipeline
-    from augment.batch import augment_batch
     from training import inference
     from training.data import decode_image
 
@@ -82,8 +82,14 @@ def test_predict_matches_the_model_applied_by_hand(model_and_tree):
     images = np.empty(len(files), dtype=object)
     images[:] = [decode_image(f.read_bytes()) for f in files]
     predictor = inference.Predictor(info)
-    got = predictor({"image": images, "label": np.zeros(len(files), np.int64), "path": np.array([str(f) for f in files], dtype=object)})
-    for i, f in enumerate(files):
+    got = predictor(
+        {
+            "image": images,
+            "label": np.zeros(len(files), np.int64),
+            "path": np.array([str(f) for f in files], dtype=object),
+        }
+    )
+    for i in range(len(files)):
         crop = augment_batch(pipeline, images[i : i + 1], torch.zeros(1, dtype=torch.int64), 0, torch.device("cpu"))
         with torch.no_grad():
             probs = model(normalize(crop)).softmax(1)[0]
@@ -122,7 +128,9 @@ def test_evaluate_on_a_prepared_directory(ray_cluster, model_and_tree, tmp_path,
         assert re.search(rf"^{name}\s+6\s", printed, re.M)
     # the same images as files give the same predictions
     assert predict(["--model", str(model), "--data", str(labelled_only), "--out", str(tmp_path / "p.csv")]) == 0
-    assert [(r["path"], r["predicted"], r["label"]) for r in _csv(tmp_path / "p.csv")] == [(r["path"], r["predicted"], r["label"]) for r in rows]
+    assert [(r["path"], r["predicted"], r["label"]) for r in _csv(tmp_path / "p.csv")] == [
+        (r["path"], r["predicted"], r["label"]) for r in rows
+    ]
 
 
 @pytest.mark.parametrize("module", ["jobs.predict", "jobs.evaluate"])

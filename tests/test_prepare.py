@@ -17,7 +17,7 @@ def _rows(ds) -> dict:
     """key -> (label, image) of every row of a dataset of {image, label, key}."""
     out = {}
     for batch in ds.iter_batches(batch_format="numpy", batch_size=None):
-        for image, label, key in zip(batch["image"], batch["label"], batch["key"]):
+        for image, label, key in zip(batch["image"], batch["label"], batch["key"], strict=True):
             out[int(key)] = (int(label), np.asarray(image))
     return out
 
@@ -36,7 +36,9 @@ def test_prepared_shards_read_back_as_the_tree(ray_cluster, tmp_path, capsys):
     tree, prepared = scan_tree(str(tree_dir), 0.25), scan_prepared(str(out))
     assert prepared.class_names == tree.class_names
     for a, b in ((tree.train, prepared.train), (tree.val, prepared.val)):
-        assert sorted(zip(a.paths, a.labels, a.keys)) == sorted(zip(b.paths, b.labels, b.keys))
+        assert sorted(zip(a.paths, a.labels, a.keys, strict=True)) == sorted(
+            zip(b.paths, b.labels, b.keys, strict=True)
+        )
         assert a.total_bytes == b.total_bytes
 
     # a shard row: the file's bytes unchanged, its size and its relative path

@@ -28,7 +28,9 @@ def data(tmp_path_factory):
 @pytest.fixture(scope="module")
 def two_worker_run(ray_cluster, data, tmp_path_factory):
     runs = tmp_path_factory.mktemp("runs")
-    summary, tree = _run(data=str(data), epochs=1, batch_size=16, num_workers=2, storage_path=str(runs), name="tiny", val_fraction=0.25)
+    summary, tree = _run(
+        data=str(data), epochs=1, batch_size=16, num_workers=2, storage_path=str(runs), name="tiny", val_fraction=0.25
+    )
     return runs / "tiny", summary, tree
 
 
@@ -44,7 +46,15 @@ def _rows(path):
 
 def test_run_directory_has_sane_contents(two_worker_run):
     run_dir, summary, tree = two_worker_run
-    for name in ("config.json", "metrics.csv", "timings.csv", "summary.json", "model.pt", "curves.png", "confusion.png"):
+    for name in (
+        "config.json",
+        "metrics.csv",
+        "timings.csv",
+        "summary.json",
+        "model.pt",
+        "curves.png",
+        "confusion.png",
+    ):
         assert (run_dir / name).is_file(), name
     assert (run_dir / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -93,7 +103,15 @@ def test_validation_scores_every_image_once(two_worker_run):
 
 
 def test_deterministic_runs_repeat_and_resume_continues(ray_cluster, data, tmp_path):
-    common = dict(data=str(data), epochs=2, batch_size=16, num_workers=1, deterministic=True, storage_path=str(tmp_path), val_fraction=0.25)
+    common = dict(
+        data=str(data),
+        epochs=2,
+        batch_size=16,
+        num_workers=1,
+        deterministic=True,
+        storage_path=str(tmp_path),
+        val_fraction=0.25,
+    )
     coordinators_before = _split_coordinators()
     _run(name="a", **common)
     # one worker takes each dataset whole, so no split coordinator starts before its first step
@@ -119,7 +137,18 @@ def test_init_weights_from_a_torchvision_state_dict(ray_cluster, data, tmp_path)
     torch.manual_seed(123)
     source = torchvision.models.resnet18(weights=None)  # 1000 classes, ImageNet stem
     torch.save(source.state_dict(), tmp_path / "r18.pt")
-    _run(data=str(data), epochs=1, batch_size=16, num_workers=1, storage_path=str(tmp_path), name="ft", init_weights=str(tmp_path / "r18.pt"), small_stem="off", lr=1e-6, val_fraction=0.25)
+    _run(
+        data=str(data),
+        epochs=1,
+        batch_size=16,
+        num_workers=1,
+        storage_path=str(tmp_path),
+        name="ft",
+        init_weights=str(tmp_path / "r18.pt"),
+        small_stem="off",
+        lr=1e-6,
+        val_fraction=0.25,
+    )
     model = torch.load(tmp_path / "ft" / "model.pt", weights_only=True)["state_dict"]
     assert model["fc.weight"].shape == (5, 512)
     # a tiny lr barely moves the loaded weights away from the source's
@@ -144,7 +173,9 @@ def test_cpu_plan_leaves_cpus_for_ray_data():
     plan = job.plan_resources(TrainConfig(), one_host)
     assert (plan.num_workers, plan.cpus_per_worker, plan.threads_per_worker) == (1, 1, 2)
     with pytest.raises(ConfigError, match="needs 8 CPUs but the cluster has at most 4"):
-        job.plan_resources(TrainConfig(num_workers=4, cpus_per_worker=2), job.Capacity(cpus=4, gpus=0, hosts=1, autoscaling=False))
+        job.plan_resources(
+            TrainConfig(num_workers=4, cpus_per_worker=2), job.Capacity(cpus=4, gpus=0, hosts=1, autoscaling=False)
+        )
 
 
 def test_fp16_autocast_on_cpu_is_a_config_error(data, tmp_path):
@@ -167,12 +198,30 @@ def test_amp_bf16_trains_in_bfloat16_on_cpu():
     model.fc.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
     optimizer = build_optimizer(cfg, model)
     before = model.fc.weight.detach().clone()
-    batches = [{"image": torch.randint(0, 256, (8, 32, 32, 3), dtype=torch.uint8), "label": torch.arange(8) % 3,
-                "key": torch.arange(8) + 8 * i} for i in range(2)]
-    stats = train_epoch(model, batches, optimizer, build_scheduler(cfg, optimizer, 2), torch.amp.GradScaler("cpu", enabled=False),
-                        Normalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25)), cfg, torch.device("cpu"), epoch=0, rank=0)
+    batches = [
+        {
+            "image": torch.randint(0, 256, (8, 32, 32, 3), dtype=torch.uint8),
+            "label": torch.arange(8) % 3,
+            "key": torch.arange(8) + 8 * i,
+        }
+        for i in range(2)
+    ]
+    stats = train_epoch(
+        model,
+        batches,
+        optimizer,
+        build_scheduler(cfg, optimizer, 2),
+        torch.amp.GradScaler("cpu", enabled=False),
+        Normalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25)),
+        cfg,
+        torch.device("cpu"),
+        epoch=0,
+        rank=0,
+    )
     assert dtypes == [torch.bfloat16, torch.bfloat16]  # the forward ran under bf16 autocast
-    assert model.fc.weight.dtype == torch.float32 and not torch.equal(model.fc.weight, before)  # fp32 master weights, updated
+    assert model.fc.weight.dtype == torch.float32 and not torch.equal(
+        model.fc.weight, before
+    )  # fp32 master weights, updated
     assert stats["train_images"] == 16 and math.isfinite(stats["train_loss"])
 
 
@@ -184,7 +233,10 @@ def test_weight_decay_skips_batchnorm_and_biases():
     decay, no_decay = param_groups(model, 5e-4)
     assert decay["weight_decay"] == 5e-4 and no_decay["weight_decay"] == 0.0
     names = {id(p): n for n, p in model.named_parameters()}
-    assert all("bn" in names[id(p)] or "downsample.1" in names[id(p)] or names[id(p)].endswith("bias") for p in no_decay["params"])
+    assert all(
+        "bn" in names[id(p)] or "downsample.1" in names[id(p)] or names[id(p)].endswith("bias")
+        for p in no_decay["params"]
+    )
     assert all(p.ndim > 1 for p in decay["params"])
 
 
@@ -192,8 +244,10 @@ def test_a_cluster_the_job_owns_runs_ray_train_without_the_placement_group_clean
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    kwargs = {"scaling_config": ray.train.ScalingConfig(num_workers=1),
-              "run_config": ray.train.RunConfig(name="owned", storage_path=str(tmp_path))}
+    kwargs = {
+        "scaling_config": ray.train.ScalingConfig(num_workers=1),
+        "run_config": ray.train.RunConfig(name="owned", storage_path=str(tmp_path)),
+    }
     plain = {type(c).__name__ for c in TorchTrainer(lambda: None, **kwargs)._create_default_callbacks()}
     owned = {type(c).__name__ for c in job.OwnClusterTorchTrainer(lambda: None, **kwargs)._create_default_callbacks()}
     assert "PlacementGroupCleanerCallback" in plain  # else the filter below has nothing to do on this Ray

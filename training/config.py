@@ -22,8 +22,10 @@ def check_amp(amp: str, on_gpu: bool) -> None:
     """fp16 autocast on a CPU runs, but torch's float16 CPU kernels are slow: 2.4 img/s against
     48 in float32 (and 82 in bf16) for ResNet18 on the 2-core build machine."""
     if amp == "fp16" and not on_gpu:
-        raise ConfigError("--amp fp16 on CPU: torch's float16 kernels there are many times slower than float32; "
-                          "use --amp bf16 (fast on CPUs with AVX512-BF16 or AMX) or --amp off")
+        raise ConfigError(
+            "--amp fp16 on CPU: torch's float16 kernels there are many times slower than float32; "
+            "use --amp bf16 (fast on CPUs with AVX512-BF16 or AMX) or --amp off"
+        )
 
 
 def _f(default, help: str, **meta):
@@ -33,46 +35,91 @@ def _f(default, help: str, **meta):
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     # data
-    data: Optional[str] = _f(None, "image tree: DIR/<class>/<img> or DIR/{train,val}/<class>/<img>; local path or s3://, gs://. Default: the bundled digits dataset")
-    val_fraction: float = _f(0.2, "fraction of DIR/<class>/ files held out for validation by path hash (ignored with train/ + val/)")
+    data: Optional[str] = _f(
+        None,
+        "image tree: DIR/<class>/<img> or DIR/{train,val}/<class>/<img>; local path or s3://, gs://. Default: the "
+        "bundled digits dataset",
+    )
+    val_fraction: float = _f(
+        0.2, "fraction of DIR/<class>/ files held out for validation by path hash (ignored with train/ + val/)"
+    )
     preset: str = _f("cifar", "augmentation preset name, or a .yaml/.json preset file")
     # optimisation
     epochs: int = _f(5, "number of passes over the training set")
     batch_size: int = _f(64, "global batch size (images per step, summed over all workers)")
-    lr: float = _f(0.08, "peak learning rate for a global batch of 256; scaled linearly with --batch-size (Goyal et al. 2017)")
+    lr: float = _f(
+        0.08, "peak learning rate for a global batch of 256; scaled linearly with --batch-size (Goyal et al. 2017)"
+    )
     optimizer: str = _f("sgd", "sgd (momentum, Nesterov) or adamw", choices=("sgd", "adamw"))
-    schedule: str = _f("cosine", "cosine: linear warm-up then cosine to 0; onecycle: torch's OneCycleLR", choices=("cosine", "onecycle"))
+    schedule: str = _f(
+        "cosine",
+        "cosine: linear warm-up then cosine to 0; onecycle: torch's OneCycleLR",
+        choices=("cosine", "onecycle"),
+    )
     warmup_epochs: float = _f(1.0, "epochs of linear warm-up (cosine schedule; onecycle uses it as its rising phase)")
     momentum: float = _f(0.9, "SGD momentum (Nesterov)")
     weight_decay: float = _f(5e-4, "weight decay on conv and linear weights; none on BatchNorm and biases")
     label_smoothing: float = _f(0.0, "label smoothing of the cross-entropy loss, in [0, 1)")
     seed: int = _f(0, "drives model init, file order, per-epoch shuffle and augmentation")
-    deterministic: bool = _f(False, "torch deterministic algorithms and ordered data: same seed + world size -> identical metrics.csv")
+    deterministic: bool = _f(
+        False, "torch deterministic algorithms and ordered data: same seed + world size -> identical metrics.csv"
+    )
     # model
-    small_stem: str = _f("auto", "3x3 stride-1 stem without max-pool: auto (images <= 64 px), on, off", choices=("auto", "on", "off"))
-    amp: str = _f("off", "mixed precision: off; bf16 (GPUs, and CPUs with AVX512-BF16 or AMX); fp16 (GPUs only, with a GradScaler)", choices=("off", "bf16", "fp16"))
+    small_stem: str = _f(
+        "auto", "3x3 stride-1 stem without max-pool: auto (images <= 64 px), on, off", choices=("auto", "on", "off")
+    )
+    amp: str = _f(
+        "off",
+        "mixed precision: off; bf16 (GPUs, and CPUs with AVX512-BF16 or AMX); fp16 (GPUs only, with a GradScaler)",
+        choices=("off", "bf16", "fp16"),
+    )
     compile: bool = _f(False, "torch.compile the model (first steps are slower while it compiles)")
     init_weights: str = _f("", "fine-tune from a local torchvision ResNet18 state_dict file; the head is replaced")
     # resources
     num_workers: int = _f(0, "Ray Train workers (DDP ranks); 0 = one per GPU, or 1 on a CPU-only cluster")
-    device: str = _f("auto", "where training runs: auto (cuda if the cluster has GPUs), cpu or cuda", choices=("auto", "cpu", "cuda"))
+    device: str = _f(
+        "auto", "where training runs: auto (cuda if the cluster has GPUs), cpu or cuda", choices=("auto", "cpu", "cuda")
+    )
     threads_per_worker: int = _f(0, "torch intra-op threads per CPU worker; 0 = the CPUs Ray gives it")
-    cpus_per_worker: int = _f(0, "CPUs reserved per train worker; 0 = half the cluster's CPUs / workers (the rest feeds Ray Data)")
-    augment_actors: int = _f(0, "augment actors per split (train, val); 0 = one per GPU train worker, or Ray Data tasks on CPU (their processes outlive the epoch; an actor pool restarts every epoch)")
-    augment_gpus: float = _f(0.0, "GPU per augment actor; 0 = a 0.25 share of a trainer's GPU; 1 = a dedicated GPU each")
+    cpus_per_worker: int = _f(
+        0, "CPUs reserved per train worker; 0 = half the cluster's CPUs / workers (the rest feeds Ray Data)"
+    )
+    augment_actors: int = _f(
+        0,
+        "augment actors per split (train, val); 0 = one per GPU train worker, or Ray Data tasks on CPU (their "
+        "processes outlive the epoch; an actor pool restarts every epoch)",
+    )
+    augment_gpus: float = _f(
+        0.0, "GPU per augment actor; 0 = a 0.25 share of a trainer's GPU; 1 = a dedicated GPU each"
+    )
     augment_batch_size: int = _f(256, "images per augment call (larger is faster on a GPU)")
     # output
     storage_path: str = _f("runs", "where run directories go (local path, or s3://, gs:// for multi-node)")
-    name: str = _f("", "run name; the run directory is STORAGE_PATH/NAME. Default: run-<timestamp>. Rerunning a name resumes it")
-    max_failures: int = _f(2, "times Ray Train restarts the workers from the last checkpoint after a worker dies; -1 = always")
-    strict: bool = _f(False, "stop with exit 2 if any image in the tree cannot be decoded (default: skip it and list it in bad_files.csv)")
+    name: str = _f(
+        "", "run name; the run directory is STORAGE_PATH/NAME. Default: run-<timestamp>. Rerunning a name resumes it"
+    )
+    max_failures: int = _f(
+        2, "times Ray Train restarts the workers from the last checkpoint after a worker dies; -1 = always"
+    )
+    strict: bool = _f(
+        False,
+        "stop with exit 2 if any image in the tree cannot be decoded (default: skip it and list it in bad_files.csv)",
+    )
     fresh: bool = _f(False, "start NAME over instead of resuming from its last checkpoint")
     stop_after: int = _f(0, "stop after this many epochs in this invocation (0 = run to --epochs); rerun to resume")
     quiet: bool = _f(False, "print only errors and the final summary")
     verbose: bool = _f(False, "also print Ray's own INFO logs and Ray Data's progress bars")
-    dashboard: bool = _f(False, "a plain local run starts Ray's dashboard too (http://127.0.0.1:8265); off by default: it adds about 5 s of start-up on a small machine. A cluster keeps its own")
+    dashboard: bool = _f(
+        False,
+        "a plain local run starts Ray's dashboard too (http://127.0.0.1:8265); off by default: it adds about 5 s "
+        "of start-up on a small machine. A cluster keeps its own",
+    )
     # augmentation (issue 3)
-    augment_schedule: str = _f("none", "strength of the train augmentation over epochs: none, linear-decay, cosine-decay, linear-ramp or cosine-ramp, optionally :LEVEL (the far end, 0..1, default 0), e.g. cosine-decay:0.3")
+    augment_schedule: str = _f(
+        "none",
+        "strength of the train augmentation over epochs: none, linear-decay, cosine-decay, linear-ramp or "
+        "cosine-ramp, optionally :LEVEL (the far end, 0..1, default 0), e.g. cosine-decay:0.3",
+    )
 
     def __post_init__(self):
         positive = ["epochs", "batch_size", "augment_batch_size"]
@@ -81,7 +128,9 @@ class TrainConfig:
                 raise ConfigError(f"--{field.replace('_', '-')} must be positive, got {getattr(self, field)}")
         for field in ("num_workers", "threads_per_worker", "cpus_per_worker", "augment_actors", "augment_gpus"):
             if getattr(self, field) < 0:
-                raise ConfigError(f"--{field.replace('_', '-')} must be 0 (automatic) or positive, got {getattr(self, field)}")
+                raise ConfigError(
+                    f"--{field.replace('_', '-')} must be 0 (automatic) or positive, got {getattr(self, field)}"
+                )
         if self.lr <= 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
         if not 0 <= self.label_smoothing < 1:
@@ -97,7 +146,10 @@ class TrainConfig:
         if self.quiet and self.verbose:
             raise ConfigError("--quiet and --verbose contradict each other; give one")
         if self.num_workers and self.batch_size < self.num_workers:
-            raise ConfigError(f"--batch-size {self.batch_size} is smaller than --num-workers {self.num_workers}; each worker needs at least one image per step")
+            raise ConfigError(
+                f"--batch-size {self.batch_size} is smaller than --num-workers {self.num_workers}; each worker "
+                "needs at least one image per step"
+            )
 
     @property
     def peak_lr(self) -> float:
@@ -120,10 +172,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + field.name.replace("_", "-")
         help_text = f"{field.metadata['help']} (default: {field.default})"
         if field.type in ("bool", bool):  # --no-X turns off what a --config file turned on
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=field.metadata["help"])
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=field.default, help=field.metadata["help"]
+            )
             continue
         kind = {"int": int, "float": float}.get(field.type if isinstance(field.type, str) else field.type.__name__, str)
-        parser.add_argument(flag, type=kind, default=field.default, choices=field.metadata.get("choices"), help=help_text)
+        parser.add_argument(
+            flag, type=kind, default=field.default, choices=field.metadata.get("choices"), help=help_text
+        )
 
 
 def from_args(args: argparse.Namespace) -> TrainConfig:
@@ -144,7 +200,9 @@ def load_config_file(path: str) -> dict:
     import yaml
 
     if not os.path.isfile(path):
-        raise ConfigError(f"--config {path}: no such file; give a YAML file of settings such as configs/cifar-local.yaml")
+        raise ConfigError(
+            f"--config {path}: no such file; give a YAML file of settings such as configs/cifar-local.yaml"
+        )
     try:
         with open(path) as f:
             data = yaml.safe_load(f)  # JSON is YAML too

@@ -88,7 +88,16 @@ class EpochProgress:
     together), so it shows global images and img/s.
     """
 
-    def __init__(self, total_images: int, epoch: int, epochs: int, *, world_size: int = 1, enabled: bool = True, interval_s: float = 1.0):
+    def __init__(
+        self,
+        total_images: int,
+        epoch: int,
+        epochs: int,
+        *,
+        world_size: int = 1,
+        enabled: bool = True,
+        interval_s: float = 1.0,
+    ):
         self.enabled = enabled
         if not enabled:
             return
@@ -101,7 +110,15 @@ class EpochProgress:
         else:
             from tqdm import tqdm
 
-            self._bar = tqdm(desc=desc, total=total_images, unit="img", unit_scale=True, dynamic_ncols=True, file=sys.stderr, leave=True)
+            self._bar = tqdm(
+                desc=desc,
+                total=total_images,
+                unit="img",
+                unit_scale=True,
+                dynamic_ncols=True,
+                file=sys.stderr,
+                leave=True,
+            )
 
     def _desc(self, loss) -> str:
         text = f"epoch {self.epoch + 1}/{self.epochs}"
@@ -116,7 +133,9 @@ class EpochProgress:
             return
         self._last = now
         if loss is not None:
-            self._bar.set_description(self._desc(float(loss)))  # float() of a device tensor: a host sync, once per interval
+            self._bar.set_description(
+                self._desc(float(loss))
+            )  # float() of a device tensor: a host sync, once per interval
         self._bar.update(self._pending)
         self._pending = 0
 
@@ -148,13 +167,29 @@ def summary_table(summary: dict, *, max_classes: int = 20) -> str:
         ("best validation accuracy", _fmt(summary.get("best_val_acc"))),
         ("validation top-5", _fmt(summary.get("val_top5")) if "val_top5" in summary else None),
         ("validation loss", _fmt(summary.get("val_loss"))),
-        ("train loss / accuracy", f"{_fmt(summary.get('train_loss'))} / {_fmt(summary.get('train_acc'))}" if "train_loss" in summary else None),
+        (
+            "train loss / accuracy",
+            f"{_fmt(summary.get('train_loss'))} / {_fmt(summary.get('train_acc'))}"
+            if "train_loss" in summary
+            else None,
+        ),
         ("train images/s", f"{summary['train_images_per_s']:,.1f}" if "train_images_per_s" in summary else None),
         ("waiting for data", _fmt(summary.get("data_wait_frac"), pct=True) if "data_wait_frac" in summary else None),
         ("wall time", f"{summary['wall_s']:,.1f} s" if "wall_s" in summary else None),
-        ("start-up (to first step)", f"{summary['startup_s']:,.1f} s" if summary.get("startup_s") is not None else None),
-        ("workers x device", f"{summary.get('world_size')} x {summary.get('device')}" if "world_size" in summary else None),
-        ("classes / train / val images", f"{summary.get('num_classes')} / {summary.get('train_images')} / {summary.get('val_images')}" if "num_classes" in summary else None),
+        (
+            "start-up (to first step)",
+            f"{summary['startup_s']:,.1f} s" if summary.get("startup_s") is not None else None,
+        ),
+        (
+            "workers x device",
+            f"{summary.get('world_size')} x {summary.get('device')}" if "world_size" in summary else None,
+        ),
+        (
+            "classes / train / val images",
+            f"{summary.get('num_classes')} / {summary.get('train_images')} / {summary.get('val_images')}"
+            if "num_classes" in summary
+            else None,
+        ),
     ]
     rows = [(k, v) for k, v in rows if v is not None]
     per_class = summary.get("per_class_val_acc") or {}

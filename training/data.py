@@ -261,12 +261,15 @@ class Decoder:
 
     def __init__(self, split: Split, bad_log=None):
         # read_binary_files gives paths without the URI scheme
-        self._meta = {p.split("://", 1)[-1]: (p, lab, key) for p, lab, key in zip(split.paths, split.labels, split.keys)}
+        self._meta = {
+            p.split("://", 1)[-1]: (p, lab, key)
+            for p, lab, key in zip(split.paths, split.labels, split.keys, strict=True)
+        }
         self._bad_log = bad_log
 
     def __call__(self, batch: dict) -> dict:
         images, labels, keys, bad = [], [], [], []
-        for path, data in zip(batch["path"], batch["bytes"]):
+        for path, data in zip(batch["path"], batch["bytes"], strict=True):
             full, label, key = self._meta[path]
             try:
                 images.append(decode_image(data))
@@ -277,7 +280,11 @@ class Decoder:
             keys.append(key)
         if bad and self._bad_log is not None:
             self._bad_log.add.remote(bad)  # fire and forget: the driver reads the log later
-        return {"image": stack_images(images), "label": np.array(labels, dtype=np.int64), "key": np.array(keys, dtype=np.int64)}
+        return {
+            "image": stack_images(images),
+            "label": np.array(labels, dtype=np.int64),
+            "key": np.array(keys, dtype=np.int64),
+        }
 
 
 def read_split(split: Split, *, seed: int, shuffle: bool, bad_log=None, num_cpus: float = 1.0):
@@ -320,7 +327,7 @@ def default_dataset_dir() -> Path:
 
     digits = load_digits()
     tmp = cache / f"digits.tmp{os.getpid()}"
-    for i, (img, target) in enumerate(zip(digits.images, digits.target)):
+    for i, (img, target) in enumerate(zip(digits.images, digits.target, strict=True)):
         side = "val" if in_validation(f"{i:04d}", 0.2) else "train"
         folder = tmp / side / str(target)
         folder.mkdir(parents=True, exist_ok=True)

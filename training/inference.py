@@ -30,14 +30,18 @@ class ModelFileError(ValueError):
 
 def load_model_file(path: str) -> dict:
     if not os.path.isfile(path):
-        raise ModelFileError(f"--model {path}: no such file; give the model.pt of a run directory (runs/<name>/model.pt)")
+        raise ModelFileError(
+            f"--model {path}: no such file; give the model.pt of a run directory (runs/<name>/model.pt)"
+        )
     try:
         info = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - pickle, zip and torch errors alike mean "not a model.pt"
         raise ModelFileError(f"--model {path}: not a model.pt written by jobs.train ({type(e).__name__})") from None
     missing = [k for k in MODEL_KEYS if not isinstance(info, dict) or k not in info]
     if missing:
-        raise ModelFileError(f"--model {path}: missing {missing}; give the model.pt of a run directory (runs/<name>/model.pt)")
+        raise ModelFileError(
+            f"--model {path}: missing {missing}; give the model.pt of a run directory (runs/<name>/model.pt)"
+        )
     if info["arch"] != "resnet18":
         raise ModelFileError(f"--model {path}: architecture {info['arch']!r}; only resnet18 is supported")
     return info
@@ -58,7 +62,11 @@ def list_inputs(root: str, class_names, split: str = "all", val_fraction: float 
             raise DataError(f"{root}: no such directory; pass --data with a folder of images")
         paths = [prefix + p for p, _ in _list_images(fs, base)]
     if not paths:
-        raise DataError(f"{root}: no images found" + (" in the validation split" if split == "val" else "") + "; point --data at a folder of images")
+        raise DataError(
+            f"{root}: no images found"
+            + (" in the validation split" if split == "val" else "")
+            + "; point --data at a folder of images"
+        )
     rel = [str(PurePosixPath(p.split("://", 1)[-1]).relative_to(base)) for p in paths]
     labels = [index.get(PurePosixPath(r).parent.name, -1) for r in rel]
     return paths, labels, rel
@@ -73,7 +81,7 @@ class _Decode:
 
     def __call__(self, batch: dict) -> dict:
         images, labels, rels = [], [], []
-        for path, data in zip(batch["path"], batch["bytes"]):
+        for path, data in zip(batch["path"], batch["bytes"], strict=True):
             try:
                 images.append(decode_image(data))
             except (ValueError, OSError):
@@ -81,7 +89,11 @@ class _Decode:
             rel, label = self._meta[path]
             rels.append(rel)
             labels.append(label)
-        return {"image": stack_images(images), "label": np.array(labels, dtype=np.int64), "path": np.array(rels, dtype=object)}
+        return {
+            "image": stack_images(images),
+            "label": np.array(labels, dtype=np.int64),
+            "path": np.array(rels, dtype=object),
+        }
 
 
 class Predictor:
@@ -107,12 +119,22 @@ class Predictor:
 
         n = len(batch["label"])
         if n == 0:
-            return {"path": batch["path"], "label": batch["label"], "pred": np.zeros(0, np.int64), "prob": np.zeros(0, np.float32)}
+            return {
+                "path": batch["path"],
+                "label": batch["label"],
+                "pred": np.zeros(0, np.int64),
+                "prob": np.zeros(0, np.float32),
+            }
         keys = torch.zeros(n, dtype=torch.int64)  # the eval ops draw nothing; keys are unused
         x = augment_batch(self.pipeline, batch["image"], keys, 0, self.device)  # uint8 (B, S, S, 3)
         probs = self.model(self.normalize(x)).float().softmax(1)
         prob, pred = probs.max(1)
-        return {"path": batch["path"], "label": batch["label"], "pred": pred.cpu().numpy(), "prob": prob.cpu().numpy()}  # .cpu(): a sync point
+        return {
+            "path": batch["path"],
+            "label": batch["label"],
+            "pred": pred.cpu().numpy(),
+            "prob": prob.cpu().numpy(),
+        }  # .cpu(): a sync point
 
 
 def _dataset(root: str, info: dict, split: str, val_fraction: float):
@@ -127,18 +149,35 @@ def _dataset(root: str, info: dict, split: str, val_fraction: float):
         splits = [tree.val] if split == "val" else [tree.train, tree.val]
         shards = [s for sp in splits for s in sp.shards]
         if list(tree.class_names) != list(info["class_names"]):
-            raise DataError(f"{root}: prepared with classes {list(tree.class_names)}, the model has {list(info['class_names'])}")
+            raise DataError(
+                f"{root}: prepared with classes {list(tree.class_names)}, the model has {list(info['class_names'])}"
+            )
 
-        expected = [str(PurePosixPath(p).relative_to(PurePosixPath(tree.train.source))) for sp in splits for p in sp.paths]
+        expected = [
+            str(PurePosixPath(p).relative_to(PurePosixPath(tree.train.source))) for sp in splits for p in sp.paths
+        ]
         ds = ray.data.read_parquet(shards).select_columns(["bytes", "label", "key", "path"])
-        return ds.map_batches(parquet.PreparedDecoder(tree.train.source, keep_path=True), batch_format="numpy", batch_size=64), expected
+        return ds.map_batches(
+            parquet.PreparedDecoder(tree.train.source, keep_path=True), batch_format="numpy", batch_size=64
+        ), expected
     paths, labels, rel = list_inputs(root, info["class_names"], split, val_fraction)
-    meta = {p.split("://", 1)[-1]: (r, lab) for p, r, lab in zip(paths, rel, labels)}
-    ds = ray.data.read_binary_files(paths, include_paths=True).map_batches(_Decode(meta), batch_format="numpy", batch_size=64)
+    meta = {p.split("://", 1)[-1]: (r, lab) for p, r, lab in zip(paths, rel, labels, strict=True)}
+    ds = ray.data.read_binary_files(paths, include_paths=True).map_batches(
+        _Decode(meta), batch_format="numpy", batch_size=64
+    )
     return ds, rel
 
 
-def predict(info: dict, root: str, *, split: str = "all", val_fraction: float = 0.2, batch_size: int = 256, actors: int = 1, device: str = "auto") -> tuple[list[dict], list[str]]:
+def predict(
+    info: dict,
+    root: str,
+    *,
+    split: str = "all",
+    val_fraction: float = 0.2,
+    batch_size: int = 256,
+    actors: int = 1,
+    device: str = "auto",
+) -> tuple[list[dict], list[str]]:
     """Score every image; returns (rows sorted by path, relative paths that could not be read)."""
     import ray
 
@@ -158,7 +197,7 @@ def predict(info: dict, root: str, *, split: str = "all", val_fraction: float = 
     for batch in ds.iter_batches(batch_format="numpy", batch_size=None):
         rows += [
             {"path": str(p), "label": int(lab), "pred": int(pr), "prob": float(pb)}
-            for p, lab, pr, pb in zip(batch["path"], batch["label"], batch["pred"], batch["prob"])
+            for p, lab, pr, pb in zip(batch["path"], batch["label"], batch["pred"], batch["prob"], strict=True)
         ]
     rows.sort(key=lambda r: r["path"])
     unread = sorted(set(expected) - {r["path"] for r in rows})
@@ -173,7 +212,9 @@ def write_predictions_csv(rows: list[dict], out: str, class_names) -> None:
     w = csv.writer(buf)
     w.writerow(["path", "predicted", "confidence", "label"])
     for r in rows:
-        w.writerow([r["path"], class_names[r["pred"]], f"{r['prob']:.6f}", class_names[r["label"]] if r["label"] >= 0 else ""])
+        w.writerow(
+            [r["path"], class_names[r["pred"]], f"{r['prob']:.6f}", class_names[r["label"]] if r["label"] >= 0 else ""]
+        )
     artifacts.write_bytes(out, buf.getvalue().encode())
 
 
@@ -211,5 +252,8 @@ def per_class_table(stats: list[dict]) -> str:
 
     width = max([5] + [len(s["class"]) for s in stats])
     lines = [f"{'class':<{width}}  {'images':>7}  {'precision':>9}  {'recall':>6}  {'f1':>5}"]
-    lines += [f"{s['class']:<{width}}  {s['images']:>7}  {f(s['precision']):>9}  {f(s['recall']):>6}  {f(s['f1']):>5}" for s in stats]
+    lines += [
+        f"{s['class']:<{width}}  {s['images']:>7}  {f(s['precision']):>9}  {f(s['recall']):>6}  {f(s['f1']):>5}"
+        for s in stats
+    ]
     return "\n".join(lines)

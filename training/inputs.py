@@ -26,7 +26,10 @@ def check_inputs(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree]:
     if cfg.device == "cpu":  # else the plan checks it, once it knows where training runs
         check_amp(cfg.amp, on_gpu=False)
     if cfg.init_weights and not os.path.isfile(cfg.init_weights):
-        raise ConfigError(f"--init-weights {cfg.init_weights}: no such file; give a torchvision ResNet18 state_dict saved with torch.save")
+        raise ConfigError(
+            f"--init-weights {cfg.init_weights}: no such file; give a torchvision ResNet18 state_dict saved with "
+            "torch.save"
+        )
     run_dir = artifacts.join(cfg.storage_path, cfg.name)
     if cfg.fresh and artifacts.exists(run_dir):
         artifacts.remove_tree(run_dir)  # Ray Train would otherwise resume from its checkpoints
@@ -34,5 +37,8 @@ def check_inputs(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree]:
         try:
             os.makedirs(os.path.join(cfg.storage_path, cfg.name), exist_ok=True)
         except OSError as e:
-            raise ConfigError(f"--storage-path {cfg.storage_path}: cannot create the run directory ({e.strerror}); choose a writable path") from None
+            raise ConfigError(
+                f"--storage-path {cfg.storage_path}: cannot create the run directory ({e.strerror}); choose a "
+                "writable path"
+            ) from None
     return cfg, tree

@@ -75,9 +75,11 @@ class Capacity:
 
     def note(self) -> str:
         if not self.bounded:
-            return ("an autoscaler runs but does not publish its limits: requests beyond the current "
-                    f"{self.cpus} CPU / {self.gpus} GPU wait for new nodes (pass --device cuda --num-workers N "
-                    "when the cluster starts without GPU nodes)")
+            return (
+                "an autoscaler runs but does not publish its limits: requests beyond the current "
+                f"{self.cpus} CPU / {self.gpus} GPU wait for new nodes (pass --device cuda --num-workers N "
+                "when the cluster starts without GPU nodes)"
+            )
         return ""
 
 
@@ -124,7 +126,10 @@ def check_storage(storage_path: str, capacity: Capacity, log=print) -> None:
             "use storage every node sees: s3://bucket/runs, gs://bucket/runs or a shared mount such as NFS"
         )
     if capacity.autoscaling:
-        log(f"warning: --storage-path {storage_path} is local; if the autoscaler adds machines, use s3://, gs:// or a shared mount")
+        log(
+            f"warning: --storage-path {storage_path} is local; if the autoscaler adds machines, use s3://, gs:// or "
+            "a shared mount"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,13 +180,16 @@ def plan_resources(cfg: TrainConfig, capacity: Capacity) -> ResourcePlan:
         needed = workers + (actors * augment_gpus if dedicated else 0)
         if needed > gpus and capacity.bounded:
             raise ConfigError(
-                f"--num-workers {workers}" + (f" + {actors} dedicated augment GPUs" if dedicated else "")
+                f"--num-workers {workers}"
+                + (f" + {actors} dedicated augment GPUs" if dedicated else "")
                 + f" need {needed:g} GPUs but the cluster has at most {gpus}; lower --num-workers"
             )
         if not dedicated:  # each GPU keeps room for the augment actors placed on it
             gpus_per_worker = 1.0 - augment_gpus * math.ceil(actors / max(workers, 1))
             if gpus_per_worker <= 0:
-                raise ConfigError(f"--augment-actors {actors} x {augment_gpus:g} GPU leave no GPU for {workers} train worker(s)")
+                raise ConfigError(
+                    f"--augment-actors {actors} x {augment_gpus:g} GPU leave no GPU for {workers} train worker(s)"
+                )
     cpus_per_worker = cfg.cpus_per_worker or max(1, cpus // 2 // workers)
     if workers * cpus_per_worker > cpus and capacity.bounded:
         raise ConfigError(
@@ -226,8 +234,15 @@ def process_started_at() -> float:
         return time.time()
 
 
-def run(cfg: TrainConfig, tree: ImageTree, preset: Preset, *, log=print, launched_at: float | None = None,
-        own_cluster: bool = False) -> dict:
+def run(
+    cfg: TrainConfig,
+    tree: ImageTree,
+    preset: Preset,
+    *,
+    log=print,
+    launched_at: float | None = None,
+    own_cluster: bool = False,
+) -> dict:
     """Train on a connected Ray cluster; returns the summary written to summary.json.
     `launched_at` (a time.time() value, e.g. process_started_at()) is when start-up began;
     summary.json's startup_s and wall_s count from it (default: now). `own_cluster`: the
@@ -247,8 +262,14 @@ def run(cfg: TrainConfig, tree: ImageTree, preset: Preset, *, log=print, launche
     log(f"plan: {plan.describe()}")
     artifacts.write_json(
         artifacts.join(run_dir, "config.json"),
-        {"config": cfg.to_dict(), "plan": dataclasses.asdict(plan), "preset": preset.to_dict(),
-         "class_names": list(tree.class_names), "git_commit": git_commit(), "data_root": tree.root},
+        {
+            "config": cfg.to_dict(),
+            "plan": dataclasses.asdict(plan),
+            "preset": preset.to_dict(),
+            "class_names": list(tree.class_names),
+            "git_commit": git_commit(),
+            "data_root": tree.root,
+        },
     )
 
     helpers = [ray.remote(num_cpus=0)(EpochClock).remote(), ray.remote(num_cpus=0)(BadFileLog).remote()]
@@ -265,7 +286,10 @@ def _fit(cfg, tree, preset, plan, clock, bad_log, *, run_dir, start, log, own_cl
     if bad:
         _write_bad_files(run_dir, bad)
         first = next(iter(sorted(bad.items())))
-        raise DataError(f"{len(bad)} unreadable image(s), e.g. {first[0]}: {first[1]}; see {artifacts.join(run_dir, 'bad_files.csv')}; drop --strict to skip them")
+        raise DataError(
+            f"{len(bad)} unreadable image(s), e.g. {first[0]}: {first[1]}; see "
+            f"{artifacts.join(run_dir, 'bad_files.csv')}; drop --strict to skip them"
+        )
     job = {
         "config": cfg.to_dict(),
         "class_names": list(tree.class_names),
@@ -282,7 +306,10 @@ def _fit(cfg, tree, preset, plan, clock, bad_log, *, run_dir, start, log, own_cl
         scaling_config=ray.train.ScalingConfig(
             num_workers=plan.num_workers,
             use_gpu=plan.use_gpu,
-            resources_per_worker={"CPU": plan.cpus_per_worker, **({"GPU": plan.gpus_per_worker} if plan.use_gpu else {})},
+            resources_per_worker={
+                "CPU": plan.cpus_per_worker,
+                **({"GPU": plan.gpus_per_worker} if plan.use_gpu else {}),
+            },
             placement_strategy=plan.placement,
         ),
         run_config=ray.train.RunConfig(
@@ -290,7 +317,9 @@ def _fit(cfg, tree, preset, plan, clock, bad_log, *, run_dir, start, log, own_cl
             storage_path=cfg.storage_path,
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1, checkpoint_score_attribute="val_acc", checkpoint_score_order="max"),
+            checkpoint_config=ray.train.CheckpointConfig(
+                num_to_keep=1, checkpoint_score_attribute="val_acc", checkpoint_score_order="max"
+            ),
         ),
         datasets=datasets,
         dataset_config=SplitValUnequally(plan.num_workers),
@@ -298,14 +327,19 @@ def _fit(cfg, tree, preset, plan, clock, bad_log, *, run_dir, start, log, own_cl
     try:
         result = trainer.fit()
     except (KeyboardInterrupt, SystemExit):  # Ray Train's SIGINT handler aborts the run, then sys.exit(0)
-        raise Interrupted(f"interrupted; the last checkpoint is in {run_dir}: rerun with the same --name to resume") from None
+        raise Interrupted(
+            f"interrupted; the last checkpoint is in {run_dir}: rerun with the same --name to resume"
+        ) from None
     except Exception as e:  # Ray wraps worker errors; keep the cause, drop the stack
         raise TrainingFailed(f"training failed: {type(e).__name__}: {e}") from e
     finally:
         bad = ray.get(bad_log.get.remote())
         if bad:
             _write_bad_files(run_dir, bad)
-            log(f"skipped {len(bad)} unreadable image(s), listed with reasons in {artifacts.join(run_dir, 'bad_files.csv')}")
+            log(
+                f"skipped {len(bad)} unreadable image(s), listed with reasons in "
+                f"{artifacts.join(run_dir, 'bad_files.csv')}"
+            )
     if result.error:
         raise TrainingFailed(f"training failed: {result.error}")
     if result.checkpoint is None:
@@ -314,13 +348,17 @@ def _fit(cfg, tree, preset, plan, clock, bad_log, *, run_dir, start, log, own_cl
         state = torch.load(os.path.join(d, CHECKPOINT_FILE), map_location="cpu", weights_only=True)
     artifacts.write_bytes(artifacts.join(run_dir, "model.pt"), _model_bytes(state["model"], tree, preset, cfg))
     artifacts.write_bytes(artifacts.join(run_dir, "curves.png"), plots.curves_png(state["history"]))
-    artifacts.write_bytes(artifacts.join(run_dir, "confusion.png"), plots.confusion_png(state["confusion"], list(tree.class_names)))
+    artifacts.write_bytes(
+        artifacts.join(run_dir, "confusion.png"), plots.confusion_png(state["confusion"], list(tree.class_names))
+    )
     if plots.write_tensorboard(run_dir, state["history"], state["timings"]):
         log(f"tensorboard: tensorboard --logdir {artifacts.join(run_dir, 'tensorboard')}")
     summary = summarize(state, start, plan, tree, bad)
     for problem in (c for c in summary["coverage"] if c["duplicated"] or c["missing"] > c["dropped_for_equal_split"]):
-        log(f"warning: epoch {problem['epoch']} trained on {problem['seen']} images, expected {problem['expected']} "
-            f"({problem['duplicated']} duplicated, {problem['missing']} missing)")
+        log(
+            f"warning: epoch {problem['epoch']} trained on {problem['seen']} images, expected {problem['expected']} "
+            f"({problem['duplicated']} duplicated, {problem['missing']} missing)"
+        )
     artifacts.write_json(artifacts.join(run_dir, "summary.json"), summary)
     return summary
 
@@ -337,7 +375,11 @@ def _model_bytes(state_dict, tree: ImageTree, preset: Preset, cfg: TrainConfig) 
             "class_names": list(tree.class_names),
             "image_size": preset.image_size,
             "small_stem": uses_small_stem(cfg.small_stem, preset.image_size),
-            "eval_transform": {"ops": json.loads(json.dumps(preset.eval)), "mean": list(preset.mean), "std": list(preset.std)},
+            "eval_transform": {
+                "ops": json.loads(json.dumps(preset.eval)),
+                "mean": list(preset.mean),
+                "std": list(preset.std),
+            },
             "config": cfg.to_dict(),
         },
         buf,
@@ -346,7 +388,9 @@ def _model_bytes(state_dict, tree: ImageTree, preset: Preset, cfg: TrainConfig) 
 
 
 def _write_bad_files(run_dir: str, bad: dict[str, str]) -> None:
-    artifacts.write_csv(artifacts.join(run_dir, "bad_files.csv"), [{"path": p, "reason": r} for p, r in sorted(bad.items())])
+    artifacts.write_csv(
+        artifacts.join(run_dir, "bad_files.csv"), [{"path": p, "reason": r} for p, r in sorted(bad.items())]
+    )
 
 
 def coverage(seen_per_epoch: list[list[dict]], tree: ImageTree, bad: dict[str, str]) -> list[dict]:
@@ -356,21 +400,23 @@ def coverage(seen_per_epoch: list[list[dict]], tree: ImageTree, bad: dict[str, s
     Equal splits may drop up to world_size - 1 rows; more missing, or any surplus, is
     reported (a restarted augment actor can redeliver a batch).
     """
-    good = [k for p, k in zip(tree.train.paths, tree.train.keys) if p not in bad]
+    good = [k for p, k in zip(tree.train.paths, tree.train.keys, strict=True) if p not in bad]
     expected_sum = sum(k % KEY_MOD for k in good) % KEY_MOD
     out = []
     for epoch, ranks in enumerate(seen_per_epoch, start=1):
         count = sum(r["count"] for r in ranks)
-        out.append({
-            "epoch": epoch,
-            "expected": len(good),
-            "seen": count,
-            "exactly_once": count == len(good) and sum(r["key_sum"] for r in ranks) % KEY_MOD == expected_sum,
-            "duplicated": max(0, count - len(good)),
-            "missing": max(0, len(good) - count),
-            "dropped_for_equal_split": len(ranks) - 1,
-            "per_rank": [r["count"] for r in ranks],
-        })
+        out.append(
+            {
+                "epoch": epoch,
+                "expected": len(good),
+                "seen": count,
+                "exactly_once": count == len(good) and sum(r["key_sum"] for r in ranks) % KEY_MOD == expected_sum,
+                "duplicated": max(0, count - len(good)),
+                "missing": max(0, len(good) - count),
+                "dropped_for_equal_split": len(ranks) - 1,
+                "per_rank": [r["count"] for r in ranks],
+            }
+        )
     return out
 
 
@@ -387,8 +433,12 @@ def summarize(state: dict, start: float, plan: ResourcePlan, tree: ImageTree, ba
         "best_val_acc": max(r["val_acc"] for r in history),
         "train_loss": last["train_loss"],
         "train_acc": last["train_acc"],
-        "train_images_per_s": round(sum(t["images_per_s"] * t["epoch_s"] for t in steady) / sum(t["epoch_s"] for t in steady), 1),
-        "data_wait_frac": round(sum(t["data_wait_frac"] * t["epoch_s"] for t in steady) / sum(t["epoch_s"] for t in steady), 4),
+        "train_images_per_s": round(
+            sum(t["images_per_s"] * t["epoch_s"] for t in steady) / sum(t["epoch_s"] for t in steady), 1
+        ),
+        "data_wait_frac": round(
+            sum(t["data_wait_frac"] * t["epoch_s"] for t in steady) / sum(t["epoch_s"] for t in steady), 4
+        ),
         "wall_s": round(time.time() - start, 1),
         # launch to the end of this invocation's first training step: imports, Ray, the trainer
         # and the data pipeline starting (a rerun that resumes counts its own)
@@ -399,7 +449,8 @@ def summarize(state: dict, start: float, plan: ResourcePlan, tree: ImageTree, ba
         "train_images": len(tree.train),
         "val_images": len(tree.val),
         "per_class_val_acc": {
-            name: round(row[i] / sum(row), 6) if sum(row) else None for i, (name, row) in enumerate(zip(tree.class_names, confusion))
+            name: round(row[i] / sum(row), 6) if sum(row) else None
+            for i, (name, row) in enumerate(zip(tree.class_names, confusion, strict=True))
         },
         "coverage": coverage(state["seen"], tree, bad),
         "bad_files": len(bad),

@@ -99,10 +99,28 @@ def _all_gather(obj) -> list:
 # --------------------------------------------------------------------------- epochs
 
 
-def train_epoch(model, batches, optimizer, scheduler, scaler, normalize, cfg: TrainConfig, device, *, epoch: int, rank: int, mix=None, bar=None) -> dict:
+def train_epoch(
+    model,
+    batches,
+    optimizer,
+    scheduler,
+    scaler,
+    normalize,
+    cfg: TrainConfig,
+    device,
+    *,
+    epoch: int,
+    rank: int,
+    mix=None,
+    bar=None,
+) -> dict:
     """One pass over this rank's shard; loss and accuracy summed over ranks."""
     model.train()
-    amp = torch.autocast(device.type, dtype=torch.bfloat16 if cfg.amp == "bf16" else torch.float16) if cfg.amp != "off" else contextlib.nullcontext()
+    amp = (
+        torch.autocast(device.type, dtype=torch.bfloat16 if cfg.amp == "bf16" else torch.float16)
+        if cfg.amp != "off"
+        else contextlib.nullcontext()
+    )
     sums = torch.zeros(2, device=device, dtype=torch.float64)  # loss*n, correct: stays on device, no per-step sync
     local_count = 0  # images this rank trained on (a host-side int: no device tensor per step)
     digest = torch.zeros(2, device=device, dtype=torch.int64)  # sum of keys, order hash (mod KEY_MOD)
@@ -116,7 +134,9 @@ def train_epoch(model, batches, optimizer, scheduler, scaler, normalize, cfg: Tr
             break
         x, y = normalize(batch["image"]), batch["label"]  # uint8 (B,H,W,3) -> float (B,3,H,W) channels_last
         target, smoothing = y, cfg.label_smoothing
-        if mix is not None:  # MixUp/CutMix where the labels are: soft targets, replayable from (seed, epoch, step, rank)
+        if (
+            mix is not None
+        ):  # MixUp/CutMix where the labels are: soft targets, replayable from (seed, epoch, step, rank)
             x, target = mix(x, y, mix_generator(cfg.seed, epoch, step, rank))
             smoothing = 0.0  # already folded into the soft targets
         step += 1
@@ -232,9 +252,16 @@ def train_loop(job: dict) -> None:
             state = torch.load(os.path.join(d, CHECKPOINT_FILE), map_location=device, weights_only=True)
     else:
         state = {"epoch": -1, "history": [], "timings": [], "seen": [], "resumed_at_epochs": [], "first_steps": []}
-    start_epoch, history, timings, seen_per_epoch = state["epoch"] + 1, state["history"], state["timings"], state["seen"]
+    start_epoch, history, timings, seen_per_epoch = (
+        state["epoch"] + 1,
+        state["history"],
+        state["timings"],
+        state["seen"],
+    )
     resumed_at = state["resumed_at_epochs"] + ([start_epoch + 1] if checkpoint else [])
-    first_steps = state.get("first_steps", [])  # time.time() when each attempt's first step ended (Ray Train restarts, reruns)
+    first_steps = state.get(
+        "first_steps", []
+    )  # time.time() when each attempt's first step ended (Ray Train restarts, reruns)
     last_epoch = cfg.epochs if not cfg.stop_after else min(cfg.epochs, start_epoch + cfg.stop_after)
     per_worker = cfg.batch_size // world
     train_shard = ray.train.get_dataset_shard("train")  # "val" at the first validation: with several
@@ -264,7 +291,10 @@ def train_loop(job: dict) -> None:
     if cfg.init_weights:
         skipped = load_init_weights(model, cfg.init_weights)
         if master:
-            _say(f"init weights from {cfg.init_weights}; fresh: {', '.join(sorted({k.rsplit('.', 1)[0] for k in skipped}))}")
+            _say(
+                f"init weights from {cfg.init_weights}; fresh: "
+                f"{', '.join(sorted({k.rsplit('.', 1)[0] for k in skipped}))}"
+            )
     init_digest = params_digest(model)
     model = ray.train.torch.prepare_model(model)
     if cfg.compile:
@@ -278,7 +308,11 @@ def train_loop(job: dict) -> None:
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16")
     normalize = Normalize(job["preset"]["mean"], job["preset"]["std"]).to(device)
     mix_cfg = job["preset"].get("mix")
-    mix = MixUpCutMix(num_classes=num_classes, **({"label_smoothing": cfg.label_smoothing} | mix_cfg)) if mix_cfg else None
+    mix = (
+        MixUpCutMix(num_classes=num_classes, **({"label_smoothing": cfg.label_smoothing} | mix_cfg))
+        if mix_cfg
+        else None
+    )
     ranks = _all_gather({"rank": rank, "node_id": ray.get_runtime_context().get_node_id(), "init_digest": init_digest})
     if checkpoint:
         bare.load_state_dict(state["model"])
@@ -293,11 +327,26 @@ def train_loop(job: dict) -> None:
     for epoch in range(start_epoch, last_epoch):
         batches = first_epoch_batches if epoch == start_epoch else epoch_batches(epoch)
         bar = EpochProgress(job["train_size"], epoch, cfg.epochs, world_size=world, enabled=master and job["progress"])
-        stats = train_epoch(model, batches, optimizer, scheduler, scaler, normalize, cfg, device, epoch=epoch, rank=rank, mix=mix, bar=bar)
+        stats = train_epoch(
+            model,
+            batches,
+            optimizer,
+            scheduler,
+            scaler,
+            normalize,
+            cfg,
+            device,
+            epoch=epoch,
+            rank=rank,
+            mix=mix,
+            bar=bar,
+        )
         bar.close(stats)
         if val_shard is None:  # every rank asks at once: a barrier
             val_shard = ray.train.get_dataset_shard("val")
-        stats |= evaluate(bare, val_shard.iter_torch_batches(batch_size=per_worker, device=device), normalize, num_classes, device)
+        stats |= evaluate(
+            bare, val_shard.iter_torch_batches(batch_size=per_worker, device=device), normalize, num_classes, device
+        )
         seen_per_epoch.append(stats.pop("seen"))
         epoch_first_step_at = stats.pop("first_step_at")
         if epoch == start_epoch and epoch_first_step_at is not None:
@@ -305,7 +354,12 @@ def train_loop(job: dict) -> None:
         confusion = stats.pop("confusion")
         row = {"epoch": epoch + 1, "lr": round(scheduler.get_last_lr()[0], 8)}
         row |= {k: round(v, 6) if isinstance(v, float) else v for k, v in stats.items() if k not in TIMING_COLUMNS}
-        timing = {"epoch": epoch + 1, "epoch_s": round(stats["epoch_s"], 3), "images_per_s": round(stats["train_images"] / stats["epoch_s"], 1), "data_wait_frac": round(stats["data_wait_frac"], 4)}
+        timing = {
+            "epoch": epoch + 1,
+            "epoch_s": round(stats["epoch_s"], 3),
+            "images_per_s": round(stats["train_images"] / stats["epoch_s"], 1),
+            "data_wait_frac": round(stats["data_wait_frac"], 4),
+        }
         history.append(row)
         timings.append(timing)
         if master:
@@ -313,21 +367,25 @@ def train_loop(job: dict) -> None:
             artifacts.write_csv(artifacts.join(run_dir, "timings.csv"), timings)
             if not cfg.quiet:
                 _say(format_row(row | timing, cfg.epochs))
-        state = {
-            "model": bare.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict(),
-            "rng": {"cpu": torch.get_rng_state()},
-            "epoch": epoch,
-            "history": history,
-            "timings": timings,
-            "confusion": confusion,
-            "seen": seen_per_epoch,  # per epoch, per rank: images trained on and their key sum
-            "resumed_at_epochs": resumed_at,  # epochs a restart or a rerun continued from
-            "ranks": ranks,
-            "first_steps": first_steps,
-        } if master else None
+        state = (
+            {
+                "model": bare.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "scaler": scaler.state_dict(),
+                "rng": {"cpu": torch.get_rng_state()},
+                "epoch": epoch,
+                "history": history,
+                "timings": timings,
+                "confusion": confusion,
+                "seen": seen_per_epoch,  # per epoch, per rank: images trained on and their key sum
+                "resumed_at_epochs": resumed_at,  # epochs a restart or a rerun continued from
+                "ranks": ranks,
+                "first_steps": first_steps,
+            }
+            if master
+            else None
+        )
         report(row | timing, state, epoch)
 
 

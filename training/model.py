@@ -14,6 +14,7 @@ def uses_small_stem(setting: str, image_size: int) -> bool:
 def resnet18(num_classes: int, *, small_stem: bool) -> torch.nn.Module:
     """Random init from torch's global RNG: seed it first so every rank builds the same weights."""
     import torchvision  # here, not at the top: its import pulls torch._dynamo (~2 s), which the driver never needs
+
     model = torchvision.models.resnet18(weights=None, num_classes=num_classes)
     if small_stem:
         # CIFAR-style stem: 3x3 stride-1 conv, no max-pool; 32 px keeps a 4x4 final feature map
@@ -34,6 +35,9 @@ def load_init_weights(model: torch.nn.Module, path: str) -> list[str]:
     own = model.state_dict()
     matched = {k: v for k, v in state.items() if k in own and not k.startswith("fc.") and own[k].shape == v.shape}
     if not any(k.startswith("layer") for k in matched):
-        raise ValueError(f"{path}: no ResNet18 weights found (expected torchvision resnet18 state_dict keys like 'layer1.0.conv1.weight')")
-    model.load_state_dict(matched, strict=False)
+        raise ValueError(
+            f"{path}: no ResNet18 weights found (expected torchvision resnet18 state_dict keys like "
+            "'layer1.0.conv1.weight')"
+        )
+    model.load_state_dict(matched, strict=True)
     return sorted(k for k in own if k not in matched)

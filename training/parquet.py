@@ -69,7 +69,16 @@ def _read_all(fs, paths: list[str], threads: int) -> list[bytes]:
         return list(pool.map(read, paths))
 
 
-def prepare_tree(root: str, out: str, *, val_fraction: float = 0.2, shard_mb: float = 128.0, seed: int = 0, threads: int = 16, log=print) -> dict:
+def prepare_tree(
+    root: str,
+    out: str,
+    *,
+    val_fraction: float = 0.2,
+    shard_mb: float = 128.0,
+    seed: int = 0,
+    threads: int = 16,
+    log=print,
+) -> dict:
     """Convert the image tree `root` into Parquet shards under `out`; returns the manifest.
 
     Raises DataError for an unusable tree (as training would) or an `out` that already holds
@@ -106,14 +115,19 @@ def prepare_tree(root: str, out: str, *, val_fraction: float = 0.2, shard_mb: fl
             paths = [split.paths[i] for i in rows]
             data = _read_all(src_fs, paths, threads)
             sizes = [_image_size(b) for b in data]
-            table = pa.table({
-                "bytes": pa.array(data, type=pa.binary()),
-                "label": pa.array([split.labels[i] for i in rows], type=pa.int64()),
-                "key": pa.array([split.keys[i] for i in rows], type=pa.int64()),
-                "height": pa.array([h for h, _ in sizes], type=pa.int32()),
-                "width": pa.array([w for _, w in sizes], type=pa.int32()),
-                "path": pa.array([str(PurePosixPath(p.split("://", 1)[-1]).relative_to(src_base)) for p in paths], type=pa.string()),
-            })
+            table = pa.table(
+                {
+                    "bytes": pa.array(data, type=pa.binary()),
+                    "label": pa.array([split.labels[i] for i in rows], type=pa.int64()),
+                    "key": pa.array([split.keys[i] for i in rows], type=pa.int64()),
+                    "height": pa.array([h for h, _ in sizes], type=pa.int32()),
+                    "width": pa.array([w for _, w in sizes], type=pa.int32()),
+                    "path": pa.array(
+                        [str(PurePosixPath(p.split("://", 1)[-1]).relative_to(src_base)) for p in paths],
+                        type=pa.string(),
+                    ),
+                }
+            )
             shard = f"{name}/part-{s:05d}.parquet"
             # row groups of 256 images: Ray Data can split a shard between readers
             pq.write_table(table, f"{base}/{shard}", filesystem=fs, row_group_size=256)
@@ -130,7 +144,10 @@ def read_manifest(root: str) -> dict:
     with fs.open_input_stream(f"{base}/{MANIFEST}") as f:
         manifest = json.loads(f.read())
     if manifest.get("format") != FORMAT:
-        raise DataError(f"{root}/{MANIFEST}: format {manifest.get('format')!r}, expected {FORMAT!r}; prepare it again with python -m jobs.prepare")
+        raise DataError(
+            f"{root}/{MANIFEST}: format {manifest.get('format')!r}, expected {FORMAT!r}; prepare it again with "
+            "python -m jobs.prepare"
+        )
     return manifest
 
 
@@ -153,10 +170,22 @@ def scan_prepared(root: str) -> ImageTree:
             labels += t.column("label").to_pylist()
             keys += t.column("key").to_pylist()
         if len(paths) != meta["images"]:
-            raise DataError(f"{root}: {name} shards hold {len(paths)} images, the manifest says {meta['images']}; prepare it again")
-        splits[name] = PreparedSplit(tuple(paths), tuple(labels), tuple(keys), meta["bytes"], shards=shards, source=source)
-    layout = f"{manifest['layout']}" + (f" by val_fraction {manifest['val_fraction']}" if manifest["layout"] == "hash" else "")
-    return ImageTree(root=root, layout=f"{layout}, prepared", class_names=tuple(manifest["class_names"]), train=splits["train"], val=splits["val"])
+            raise DataError(
+                f"{root}: {name} shards hold {len(paths)} images, the manifest says {meta['images']}; prepare it again"
+            )
+        splits[name] = PreparedSplit(
+            tuple(paths), tuple(labels), tuple(keys), meta["bytes"], shards=shards, source=source
+        )
+    layout = f"{manifest['layout']}" + (
+        f" by val_fraction {manifest['val_fraction']}" if manifest["layout"] == "hash" else ""
+    )
+    return ImageTree(
+        root=root,
+        layout=f"{layout}, prepared",
+        class_names=tuple(manifest["class_names"]),
+        train=splits["train"],
+        val=splits["val"],
+    )
 
 
 class PreparedDecoder:
@@ -179,7 +208,11 @@ class PreparedDecoder:
             keep.append(i)
         if bad and self._bad_log is not None:
             self._bad_log.add.remote(bad)
-        out = {"image": stack_images(images), "label": np.asarray(batch["label"], dtype=np.int64)[keep], "key": np.asarray(batch["key"], dtype=np.int64)[keep]}
+        out = {
+            "image": stack_images(images),
+            "label": np.asarray(batch["label"], dtype=np.int64)[keep],
+            "key": np.asarray(batch["key"], dtype=np.int64)[keep],
+        }
         if self._keep_path:  # relative to the source tree (jobs.predict names files by it)
             out["path"] = np.asarray(batch["path"], dtype=object)[keep]
         return out
@@ -196,4 +229,6 @@ def read_prepared_split(split: PreparedSplit, *, seed: int, shuffle: bool, bad_l
     if shuffle:
         shards = [shards[i] for i in np.random.default_rng(seed).permutation(len(shards))]
     ds = ray.data.read_parquet(shards, num_cpus=num_cpus).select_columns(["bytes", "label", "key", "path"])
-    return ds.map_batches(PreparedDecoder(split.source, bad_log), batch_format="numpy", batch_size=64, num_cpus=num_cpus)
+    return ds.map_batches(
+        PreparedDecoder(split.source, bad_log), batch_format="numpy", batch_size=64, num_cpus=num_cpus
+    )

@@ -57,7 +57,15 @@ def confusion_png(confusion: list[list[int]], class_names: list[str]) -> bytes:
         for i in range(n):
             for j in range(n):
                 if counts[i, j]:
-                    ax.text(j, i, str(counts[i, j]), ha="center", va="center", fontsize=7, color="white" if share[i, j] > 0.5 else "black")
+                    ax.text(
+                        j,
+                        i,
+                        str(counts[i, j]),
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                        color="white" if share[i, j] > 0.5 else "black",
+                    )
     ax.set(xlabel="predicted", ylabel="true", title="validation confusion matrix")
     return _figure_bytes(fig)
 
@@ -93,7 +101,7 @@ def write_tensorboard(run_dir: str, history: list[dict], timings: list[dict] | N
                 if key == "epoch" or not isinstance(value, (int, float)):
                     continue
                 prefix = next((p for p in groups if key.startswith(p)), None)
-                tag = groups[prefix] + key[len(prefix):] if prefix else f"run/{key}"
+                tag = groups[prefix] + key[len(prefix) :] if prefix else f"run/{key}"
                 writer.add_scalar(tag, value, global_step=epoch)
         writer.close()
         out = artifacts.join(run_dir, "tensorboard")
