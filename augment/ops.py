@@ -530,7 +530,7 @@ def check_params(op_cls: type[Op], params: dict) -> None:
 class Normalize(torch.nn.Module):
     """uint8 (B, H, W, 3) -> float (B, 3, H, W), (x/255 - mean) / std, channels_last.
 
-    Runs where the model runs (DESIGN.md: uint8 travels between stages). The permute of an
+    Runs where the model runs (docs/design.md: uint8 travels between stages). The permute of an
     NHWC batch *is* the channels_last layout, so no copy is made besides the cast.
     """
 

@@ -56,7 +56,7 @@ class AugmentStage:
             device = "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
         self.device = torch.device(device)
         spec = preset_from_dict(preset)
-        # the strength schedule is a training-time knob; evaluation stays fixed (DESIGN.md)
+        # the strength schedule is a training-time knob; evaluation stays fixed (docs/design.md)
         ops = spec.train if train else spec.eval
         self.pipeline = Pipeline(ops, seed=seed, schedule=schedule if train else "none", epochs=epochs).to(self.device)
         self.clock = clock

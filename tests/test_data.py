@@ -1,4 +1,4 @@
-"""The tree contract: class map, splits, filtering, and bad input (DESIGN.md, "Contracts")."""
+"""The tree contract: class map, splits, filtering, and bad input (docs/design.md, "Contracts")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Image tree -> labelled Ray Datasets.
 
-The one place that knows the on-disk layout (DESIGN.md, "Contracts"):
+The one place that knows the on-disk layout (docs/design.md, "Contracts"):
 
     DIR/train/<class>/...  +  DIR/val/<class>/...      explicit split
     DIR/<class>/...                                    hash split by relative path

@@ -159,7 +159,7 @@ class ResourcePlan:
 
 
 def plan_resources(cfg: TrainConfig, capacity: Capacity) -> ResourcePlan:
-    """Split the cluster between train workers and Ray Data (DESIGN.md: leave CPUs for ingest).
+    """Split the cluster between train workers and Ray Data (docs/design.md: leave CPUs for ingest).
 
     On GPUs the augment actors share the trainers' GPUs (each takes a quarter of one, the
     trainer the rest) unless --augment-gpus says otherwise; a whole GPU per actor only pays
