@@ -14,7 +14,7 @@ ARGS   ?=
 venv: $(STAMP)
 
 # torch and torchvision are installed first, as an exact pair, with plain pip: on the build
-# machines pip takes them from local package files (README, "Quickstart"). The rest follows from pyproject.
+# machines pip takes them from local package files. The rest follows from pyproject.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
