@@ -36,7 +36,8 @@ def _mix(z: torch.Tensor) -> torch.Tensor:
     return z ^ _srl(z, 31)
 
 
-def _py_mix(z: int) -> int:
+def mix64(z: int) -> int:
+    """SplitMix64's finaliser on a Python int (mod 2**64): the pure-Python twin of the tensor mixer."""
     z &= _M64
     z = ((z ^ (z >> 30)) * _C1) & _M64
     z = ((z ^ (z >> 27)) * _C2) & _M64
@@ -45,7 +46,7 @@ def _py_mix(z: int) -> int:
 
 def salt(seed: int, epoch: int, stream: int) -> int:
     """A 64-bit value that differs for every (seed, epoch, stream)."""
-    return _py_mix(_py_mix(_py_mix(seed) + epoch) + stream)
+    return mix64(mix64(mix64(seed) + epoch) + stream)
 
 
 class KeyedRng:
@@ -67,13 +68,21 @@ class KeyedRng:
         z = _mix(self.keys[:, None] + base + counters[None, :])
         return _srl(z, 40).to(torch.float32) * (1.0 / (1 << 24))
 
-    def batch_seed(self, stream: int) -> int:
-        """One 63-bit seed for ops that draw from torch's global RNG (Kornia's)."""
-        total = int(self.keys.sum().item()) if self.keys.numel() else 0  # host sync, once a batch
-        return _py_mix(salt(self.seed, self.epoch, stream) ^ (total & _M64)) >> 1
+    def seeds(self, stream: int, n: int = 1) -> torch.Tensor:
+        """(B, n) int64 seeds in [0, 2**63), one row per image, for code that draws from torch's
+        RNG (Kornia's samplers): a second round of the mixer, so they are independent of
+        `uniform(stream, n)`."""
+        base = _signed(salt(self.seed, self.epoch, stream))
+        counters = torch.arange(n, device=self.keys.device, dtype=torch.int64) * _signed(_GOLDEN)
+        return _srl(_mix(_mix(self.keys[:, None] + base + counters[None, :])), 1)
 
 
 def reference_uniform(key: int, seed: int, epoch: int, stream: int, i: int) -> float:
     """Pure-Python twin of KeyedRng.uniform(stream)[row with `key`, i]."""
-    z = _py_mix(key + salt(seed, epoch, stream) + i * _GOLDEN)
+    z = mix64(key + salt(seed, epoch, stream) + i * _GOLDEN)
     return (z >> 40) / (1 << 24)
+
+
+def reference_seed(key: int, seed: int, epoch: int, stream: int, i: int) -> int:
+    """Pure-Python twin of KeyedRng.seeds(stream)[row with `key`, i]."""
+    return mix64(mix64(key + salt(seed, epoch, stream) + i * _GOLDEN)) >> 1
