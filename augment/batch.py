@@ -49,7 +49,7 @@ def augment_batch(pipeline: Pipeline, images, keys: torch.Tensor, epoch: int, de
     the same either way. A GPU gets the whole batch in one copy.
     """
     fixed = isinstance(images, np.ndarray) and images.dtype == np.uint8 and images.ndim == 4
-    if device.type == "cpu" and pipeline.chunkable and not fixed:
+    if device.type == "cpu" and not fixed:
         step = pipeline.cpu_chunk
         return torch.cat(
             [pipeline(*to_canvas(images[i : i + step]), keys[i : i + step], epoch) for i in range(0, len(images), step)]

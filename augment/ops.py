@@ -12,19 +12,22 @@ Two kinds of op:
 * geometry ops take the decoded batch, a uint8 canvas (B, Hmax, Wmax, 3) holding images
   of possibly different sizes `sizes` (B, 2) = (h, w) in its top-left corners, and
   return one float batch (B, 3, S, S) in [0, 1], laid out channels_last;
-* pixel ops take and return that float batch.
+* pixel ops take and return that float batch: ours, and any of Kornia's 2D augmentations
+  by name (`KorniaOp`, augment/kornia_ops.py).
 
-Semantics follow torchvision's transforms of the same names; the tests compare them.
+Semantics follow torchvision's transforms of the same names; the tests compare them. Every
+op draws each image's parameters from the image's own key, so an image's augmentation does
+not depend on the batch it lands in. Kornia is imported only by the ops that use it.
 """
 
 from __future__ import annotations
 
 import math
 
-import kornia
 import torch
 import torch.nn.functional as F
 
+from augment.kornia_ops import KeyedKornia, build_keyed
 from augment.rng import KeyedRng
 
 OPS: dict[str, type["Op"]] = {}
@@ -39,9 +42,6 @@ class Op(torch.nn.Module):
     name = ""
     geometry = False  # True: canvas + sizes in, uniform float batch out
     scalable: tuple[str, ...] = ()  # parameters that a strength schedule may scale
-    # True: every image's parameters come from its own key (independent of its batch).
-    # False: the op draws from torch's global RNG seeded once per batch (Kornia's ops).
-    keyed = True
 
     def __init__(self):
         super().__init__()
@@ -106,19 +106,26 @@ class RandomCrop(Op):
 
     def sample(self, rng, sizes):
         th, tw = self.size
-        # pad_if_needed: an image smaller than the crop is padded up to it (both sides).
-        ph = (sizes[:, 0] + 2 * self.padding).clamp(min=th)
-        pw = (sizes[:, 1] + 2 * self.padding).clamp(min=tw)
+        # torchvision pads `padding` on every side, then, where the result is still smaller than
+        # the crop (pad_if_needed), the shortfall on *both* sides of that dimension, so a small
+        # image can land anywhere in a window twice the shortfall wide
+        h, w = sizes[:, 0] + 2 * self.padding, sizes[:, 1] + 2 * self.padding
+        extra_h, extra_w = (th - h).clamp(min=0), (tw - w).clamp(min=0)
         u = rng.uniform(self.stream, 2)
-        top = (u[:, 0] * (ph - th + 1).float()).long()
-        left = (u[:, 1] * (pw - tw + 1).float()).long()
-        # back to image coordinates: subtract the padding in front of the image
-        pad_top = self.padding + ((th - (sizes[:, 0] + 2 * self.padding)).clamp(min=0))
-        pad_left = self.padding + ((tw - (sizes[:, 1] + 2 * self.padding)).clamp(min=0))
-        return {"top": top - pad_top, "left": left - pad_left}
+        top = (u[:, 0] * (h + 2 * extra_h - th + 1).float()).long()  # get_params: randint(0, H - th + 1)
+        left = (u[:, 1] * (w + 2 * extra_w - tw + 1).float()).long()
+        # back to image coordinates: subtract all the padding in front of the image
+        return {"top": top - self.padding - extra_h, "left": left - self.padding - extra_w}
 
     def apply(self, canvas, params, sizes=None):
         return _to_float_nchw(gather_crop(canvas, sizes, params["top"], params["left"], self.size, self.fill))
+
+
+def _center_offset(n: torch.Tensor, crop: int) -> torch.Tensor:
+    """torchvision's center_crop along one dimension, as the offset of the window in the image.
+    A larger image: int(round((n - crop) / 2.0)), half-to-even like torch.round. A smaller one
+    is padded with (crop - n) // 2 in front first, so its offset is minus that."""
+    return torch.where(n >= crop, torch.round((n - crop).double() / 2.0).long(), -((crop - n) // 2))
 
 
 @register
@@ -134,10 +141,7 @@ class CenterCrop(Op):
 
     def sample(self, rng, sizes):
         th, tw = self.size
-        # torchvision: int(round((h - th) / 2.0)); Python's round is half-to-even, as is torch.round
-        top = torch.round((sizes[:, 0] - th).double() / 2.0).long()
-        left = torch.round((sizes[:, 1] - tw).double() / 2.0).long()
-        return {"top": top, "left": left}
+        return {"top": _center_offset(sizes[:, 0], th), "left": _center_offset(sizes[:, 1], tw)}
 
     def apply(self, canvas, params, sizes=None):
         return _to_float_nchw(gather_crop(canvas, sizes, params["top"], params["left"], self.size))
@@ -213,8 +217,10 @@ class ColorJitter(Op):
         for step in range(order.shape[1]):
             op = order[:, step].view(-1, 1, 1, 1)  # which adjustment each image makes now
             f = factors.gather(1, order[:, step : step + 1]).view(-1, 1, 1, 1)
-            if self.hue > 0:
-                x = torch.where(op == 3, kornia.enhance.adjust_hue(x, f.view(-1) * (2 * math.pi)), x)
+            if self.hue > 0:  # Kornia's adjust_hue takes a factor per image (torchvision's one per call)
+                from kornia.enhance import adjust_hue
+
+                x = torch.where(op == 3, adjust_hue(x, f.view(-1) * (2 * math.pi)), x)
                 f = torch.where(op == 3, 1.0, f)  # the blend below is then the identity for these
             # Brightness, contrast and saturation are each a blend f*x + (1-f)*m, with m = 0, the
             # mean grey level, or the grey image: m for every image at once from 0/1 selectors,
@@ -450,36 +456,30 @@ class _KorniaPolicy(Op):
     Kornia picks one candidate operation per call for the whole batch; torchvision's
     TrivialAugmentWide / RandAugment pick per image. So each image draws its operation(s)
     from its own key, the images are grouped by operation, and each group goes through a
-    Kornia policy holding that single candidate (magnitudes are Kornia's, drawn per image
-    from torch's global RNG seeded with KeyedRng.batch_seed). The loop is over the ~12-15
+    Kornia policy holding that single candidate, with each image's magnitude drawn by Kornia
+    from the image's own seed (augment/kornia_ops.py). The loop is over the ~12-15
     candidates, not over images; on a GPU each group costs a host sync (`nonzero`).
     """
 
-    keyed = False
     rounds = 1
 
     def _candidates(self, policies, make):
-        self.candidates = torch.nn.ModuleList(make([policy]) for policy in policies)
+        self.candidates = torch.nn.ModuleList(KeyedKornia(make([p]), f"{self.name}: {p[0][0]}") for p in policies)
 
     def sample(self, rng, sizes):
         u = rng.uniform(self.stream, 1 + self.rounds)
         choice = (u[:, 1:] * len(self.candidates)).long().clamp_(max=len(self.candidates) - 1)  # (B, rounds)
-        return {"choice": torch.where((u[:, :1] < self.p), choice, -1), "seed": rng.batch_seed(self.stream)}
+        return {"choice": torch.where((u[:, :1] < self.p), choice, -1), "seeds": rng.seeds(self.stream, self.rounds)}
 
     def apply(self, x, params, sizes=None):
-        devices = (
-            [x.device.index if x.device.index is not None else torch.cuda.current_device()]
-            if x.device.type == "cuda"
-            else []
-        )
-        with torch.random.fork_rng(devices=devices):  # leave the caller's global RNG as it was
-            torch.manual_seed(params["seed"])
-            for r in range(self.rounds):
-                choice = params["choice"][:, r]
-                for k, policy in enumerate(self.candidates):
-                    idx = (choice == k).nonzero()[:, 0]  # host sync on a GPU, one per candidate
-                    if idx.numel():
-                        x = x.index_copy(0, idx, policy(x.index_select(0, idx)).clamp(0.0, 1.0).to(x.dtype))
+        seeds = params["seeds"].tolist()  # host sync on a GPU, once a batch: Kornia samples on the CPU
+        for r in range(self.rounds):
+            choice = params["choice"][:, r]
+            for k, policy in enumerate(self.candidates):
+                idx = (choice == k).nonzero()[:, 0]  # host sync on a GPU, one per candidate
+                if idx.numel():
+                    out = policy(x.index_select(0, idx), [seeds[i][r] for i in idx.tolist()])
+                    x = x.index_copy(0, idx, out.to(x.dtype))
         return x
 
 
@@ -511,10 +511,29 @@ class RandAugment(_KorniaPolicy):
         from kornia.augmentation.auto import RandAugment as KRA
         from kornia.augmentation.auto.rand_augment.rand_augment import default_policy
 
-        if not (int(n) >= 1 and 0 <= int(m) <= 30):
-            raise ValueError(f"rand_augment: need n >= 1 and 0 <= m <= 30, got n={n} m={m}")
+        if not (int(n) >= 1 and 0 < int(m) < 30):  # Kornia's RandAugment takes 0 < m < 30
+            raise ValueError(f"rand_augment: need n >= 1 and 0 < m < 30, got n={n} m={m}")
         self.p, self.rounds, self.m = float(p), int(n), int(m)
         self._candidates(default_policy, lambda policy: KRA(n=1, m=self.m, policy=policy))
+
+
+class KorniaOp(Op):
+    """Any of Kornia's 2D augmentations by name, `kornia.RandomGaussianBlur: {kernel_size: [5, 5],
+    sigma: [0.1, 2.0], p: 0.3}`, with Kornia's own keyword arguments, on the fixed-size float
+    batch after the first op. Each image's parameters come from its own key (augment/kornia_ops.py).
+    `size` is the batch's (H, W): the op is tried on it when built, so a bad argument is found then."""
+
+    name = "kornia"  # not registered: any `kornia.<Name>` in a preset builds one
+
+    def __init__(self, kornia_name: str, params: dict, *, size):
+        super().__init__()
+        self.kornia = build_keyed(kornia_name, params, (3, *_as_pair(size)))
+
+    def sample(self, rng, sizes):
+        return {"seeds": rng.seeds(self.stream)[:, 0]}
+
+    def apply(self, x, params, sizes=None):
+        return self.kornia(x, params["seeds"].tolist())  # host sync on a GPU, once a batch
 
 
 def check_params(op_cls: type[Op], params: dict) -> None:

@@ -14,7 +14,9 @@ normalisation the trainer applies on its own device. Each spec is a one-key mapp
       - center_crop: {size: 32}
 
 The first op of each list is a geometry op (it fixes the output size); the rest act on
-that fixed-size float batch. `Pipeline` turns a list into one module, once.
+that fixed-size float batch: ours, or any of Kornia's 2D augmentations by name with
+Kornia's own arguments, `- kornia.RandomGaussianBlur: {kernel_size: [5, 5], sigma: [0.1, 2.0]}`
+(augment/kornia_ops.py). `Pipeline` turns a list into one module, once.
 
 An optional top-level `mix: {mixup_alpha: 0.2, cutmix_alpha: 1.0, prob: 1.0}` turns on
 MixUp/CutMix, which the trainer applies where the labels are (augment/mix.py).
@@ -29,8 +31,9 @@ from pathlib import Path
 import torch
 
 from augment.errors import PresetError, check_preset_name  # PresetError: raised here, importable from here
+from augment.kornia_ops import check_kornia_params, is_kornia
 from augment.mix import check_mix
-from augment.ops import OPS, check_params
+from augment.ops import OPS, KorniaOp, check_params
 from augment.rng import KeyedRng
 from augment.schedule import parse_schedule, strength
 
@@ -107,14 +110,17 @@ def _check_specs(specs, where: str) -> tuple:
         if not isinstance(spec, dict) or len(spec) != 1:
             raise PresetError(f"{where}[{i}]: each op is a one-key mapping {{op_name: {{params}}}}, got {spec!r}")
         ((name, params),) = spec.items()
-        if name not in OPS:
-            raise PresetError(f"{where}[{i}]: unknown op {name!r}; valid ops: {sorted(OPS)}")
+        if name not in OPS and not is_kornia(name):
+            raise PresetError(
+                f"{where}[{i}]: unknown op {name!r}; valid ops: {sorted(OPS)}, or a Kornia augmentation by "
+                "name (kornia.RandomGaussianBlur, ...)"
+            )
         params = dict(params or {})
         try:
-            check_params(OPS[name], params)
+            check_kornia_params(name, params) if is_kornia(name) else check_params(OPS[name], params)
         except ValueError as e:
             raise PresetError(f"{where}[{i}]: {e}") from None
-        if OPS[name].geometry != (i == 0):
+        if (name in OPS and OPS[name].geometry) != (i == 0):
             first = sorted(n for n, c in OPS.items() if c.geometry)
             raise PresetError(
                 f"{where}[{i}]: {name!r} cannot come {'first' if i == 0 else 'here'}; the first op, and only the "
@@ -192,14 +198,11 @@ class Pipeline(torch.nn.Module):
         ops = []
         for stream, spec in enumerate(specs, start=1):
             ((name, params),) = spec.items()
-            op = OPS[name](**params)
+            op = KorniaOp(name, params, size=ops[0].size) if is_kornia(name) else OPS[name](**params)
             op.stream = stream
             ops.append(op)
         self.ops = torch.nn.ModuleList(ops)
         self.out_hw = self.ops[0].size
-        # Kornia's policies seed the global RNG from the whole batch's keys, so chunking would
-        # change their draws; pipelines with one run unchunked.
-        self.chunkable = all(op.keyed for op in ops)
 
     @property
     def cpu_chunk(self) -> int:
@@ -227,7 +230,7 @@ class Pipeline(torch.nn.Module):
     def forward(self, canvas: torch.Tensor, sizes: torch.Tensor, keys: torch.Tensor, epoch: int) -> torch.Tensor:
         """canvas: uint8 (B, Hmax, Wmax, 3); sizes: int64 (B, 2); keys: int64 (B,)."""
         self._set_strength(epoch)
-        if canvas.device.type != "cpu" or not self.chunkable:
+        if canvas.device.type != "cpu":
             return self._run(canvas, sizes, keys, epoch).contiguous()
         b, (oh, ow), chunk = canvas.shape[0], self.out_hw, self.cpu_chunk
         out = torch.empty((b, oh, ow, 3), dtype=torch.uint8)

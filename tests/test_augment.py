@@ -14,7 +14,7 @@ from augment.batch import to_canvas
 from augment.errors import BUILTIN_PRESETS
 from augment.ops import OPS, Normalize
 from augment.presets import PRESETS, Pipeline, PresetError, load_preset, preset_from_dict
-from augment.rng import KeyedRng, reference_uniform
+from augment.rng import KeyedRng, reference_seed, reference_uniform
 from augment.stage import AugmentStage
 
 B = 64
@@ -99,9 +99,10 @@ def test_same_seed_epoch_key_gives_same_output_other_epoch_differs(name):
         assert not torch.equal(a, _run(name, params, epoch=2))
 
 
-@pytest.mark.parametrize("name", sorted(n for n in OP_CASES if n not in RANDOM_FREE and OPS[n].keyed))
+@pytest.mark.parametrize("name", sorted(n for n in OP_CASES if n not in RANDOM_FREE))
 def test_an_images_augmentation_does_not_depend_on_its_batch(name):
-    """Image i gets the same result alone, in a batch, or in another order."""
+    """Image i gets the same result alone, in a batch, or in another order: every op, Kornia's
+    policies included (tests/test_augment_kornia.py does the same for Kornia's ops by name)."""
     params = {"p": 0.5} if name == "horizontal_flip" else OP_CASES[name][0]
     keys = _keys()
     x = _batch() if OPS[name].geometry else _float_batch()
@@ -115,10 +116,13 @@ def test_an_images_augmentation_does_not_depend_on_its_batch(name):
 
 def test_keyed_rng_matches_pure_python_reference():
     keys = torch.tensor([0, 1, 12345, 2**62 + 17, 2**63 - 1])
-    u = KeyedRng(keys, seed=11, epoch=4).uniform(stream=9, n=3)
+    rng = KeyedRng(keys, seed=11, epoch=4)
+    u, seeds = rng.uniform(stream=9, n=3), rng.seeds(stream=9, n=3)
     for row, k in enumerate(keys.tolist()):
         for i in range(3):
             assert u[row, i].item() == pytest.approx(reference_uniform(k, 11, 4, 9, i), abs=0)
+            assert seeds[row, i].item() == reference_seed(k, 11, 4, 9, i)
+    assert (seeds >= 0).all() and len(set(seeds.flatten().tolist())) == seeds.numel()
 
 
 def test_random_crop_pads_with_zeros_and_stays_inside_the_padded_image():

@@ -180,3 +180,68 @@ def test_random_erasing_boxes_have_torchvisions_distribution():
         "top": lambda b: b[:, 0],
     }.items():
         assert ks_2samp(f(box).numpy(), f(ref).numpy()).pvalue > 0.01, name
+
+
+# --------------------------------------------------------------------------- images smaller than the crop
+
+
+def _small(h, w, seed=0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+@pytest.mark.parametrize(
+    "hw,size,padding",
+    [((20, 20), (32, 32), 0), ((21, 26), (32, 30), 0), ((20, 23), (32, 32), 2), ((36, 18), (32, 31), 1)],
+    ids=["even-shortfall", "odd-shortfall", "padding-then-shortfall", "one-dimension-short"],
+)
+def test_random_crop_of_a_small_image_lands_where_torchvisions_can(hw, size, padding):
+    """torchvision's RandomCrop(pad_if_needed=True) pads the shortfall on both sides, so a small
+    image can land at shortfall + 1 places per dimension: ours reaches exactly the same outputs."""
+    from torchvision.transforms import RandomCrop
+
+    n = 3000
+    img = _small(*hw)
+    op = OPS["random_crop"](size=size, padding=padding)
+    canvas = torch.from_numpy(img)[None].expand(n, *img.shape)
+    out = op(canvas, KeyedRng(_keys(n), 0, 0), torch.tensor(hw).expand(n, 2))
+    ours = {bytes(v) for v in out.mul(255).round().to(torch.uint8).flatten(1).numpy()}
+    tv = RandomCrop(size, padding=padding or None, pad_if_needed=True)
+    torch.manual_seed(0)
+    chw = torch.from_numpy(img).permute(2, 0, 1)
+    theirs = {bytes(tv(chw).flatten().numpy()) for _ in range(n)}
+    (h, w), (th, tw) = (hw[0] + 2 * padding, hw[1] + 2 * padding), size
+    places = (abs(th - h) + 1) * (abs(tw - w) + 1)  # a short dimension has shortfall + 1 places, a long one h - th + 1
+    assert ours == theirs and len(ours) == places
+
+
+def test_center_crop_of_small_images_matches_torchvision():
+    """Odd and even shortfalls in each dimension, one dimension short, and an exact fit."""
+    import torchvision.transforms.v2.functional as TF
+
+    sizes = [(20, 20), (21, 19), (31, 40), (40, 27), (32, 30), (33, 29)]
+    images = [_small(h, w, seed=i) for i, (h, w) in enumerate(sizes)]
+    canvas, hw = to_canvas(_ragged(images))
+    out = OPS["center_crop"](size=(32, 30))(canvas, KeyedRng(_keys(len(images)), 0, 0), hw)
+    for img, got in zip(images, out, strict=True):
+        ref = TF.center_crop(torch.from_numpy(img).permute(2, 0, 1), [32, 30]).float() / 255
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("method", ["loop", "matmul"])
+def test_resampling_ops_upsample_small_images_like_torchvision(method):
+    """resize_center_crop and random_resized_crop never pad: a small image is upsampled, as in torchvision."""
+    import torchvision.transforms.v2.functional as TF
+
+    images = [_small(20, 30, 1), _small(17, 13, 2), _small(9, 40, 3)]
+    canvas, hw = to_canvas(_ragged(images))
+    rng = KeyedRng(_keys(len(images)), 0, 0)
+    out = OPS["resize_center_crop"](resize=64, size=56, method=method)(canvas, rng, hw)
+    rrc = OPS["random_resized_crop"](size=48, method=method)
+    params = rrc.sample(rng, hw)
+    boxes = rrc.apply(canvas, params, hw)
+    for img, got, box, cropped in zip(images, out, params["box"].tolist(), boxes, strict=True):
+        t = torch.from_numpy(img).permute(2, 0, 1)
+        ref = TF.center_crop(TF.resize(t, [64], antialias=True), [56, 56]).float() / 255
+        assert (got - ref).abs().max() <= 1 / 255 + 1e-6
+        ref = TF.resized_crop(t, *box, [48, 48], antialias=True).float() / 255
+        assert (cropped - ref).abs().max() <= 1 / 255 + 1e-6
