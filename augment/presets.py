@@ -146,8 +146,11 @@ def preset_from_dict(data: dict, where: str = "preset") -> Preset:
         std=tuple(float(v) for v in data.get("std", IMAGENET_STD)),
         mix=check_mix(data["mix"]) if data.get("mix") is not None else None,
     )
-    Pipeline(preset.train, seed=0)  # constructor errors (bad values) surface now
-    Pipeline(preset.eval, seed=0)
+    for split in ("train", "eval"):  # constructor errors (bad values; Kornia's own, from its probe) surface now
+        try:
+            Pipeline(getattr(preset, split), seed=0)
+        except (TypeError, ValueError) as e:
+            raise PresetError(f"{where}: {split}{e}") from None
     return preset
 
 
@@ -198,7 +201,10 @@ class Pipeline(torch.nn.Module):
         ops = []
         for stream, spec in enumerate(specs, start=1):
             ((name, params),) = spec.items()
-            op = KorniaOp(name, params, size=ops[0].size) if is_kornia(name) else OPS[name](**params)
+            try:
+                op = KorniaOp(name, params, size=ops[0].size) if is_kornia(name) else OPS[name](**params)
+            except (TypeError, ValueError) as e:
+                raise PresetError(f"[{stream - 1}]: {e}") from None
             op.stream = stream
             ops.append(op)
         self.ops = torch.nn.ModuleList(ops)
