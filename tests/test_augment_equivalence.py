@@ -151,10 +151,10 @@ def test_color_jitter_pixels_match_torchvision_for_given_factors(photos):
     import torchvision.transforms.v2.functional as TF
 
     x = torch.stack([torch.from_numpy(p[:64, :64]).permute(2, 0, 1) for p in photos]).float() / 255
-    op = OPS["color_jitter"](brightness=0.4, contrast=0.4, saturation=0.4)
+    op = OPS["color_jitter"](brightness=0.4, contrast=0.4, saturation=0.4, hue=0.2)  # hue: Kornia's adjust_hue
     p = op.sample(KeyedRng(_keys(len(x)), 0, 0), None)
     out = op.apply(x.contiguous(memory_format=torch.channels_last), p)
-    fns = [TF.adjust_brightness, TF.adjust_contrast, TF.adjust_saturation]
+    fns = [TF.adjust_brightness, TF.adjust_contrast, TF.adjust_saturation, TF.adjust_hue]
     for img, f, order, got in zip(x, p["factors"], p["order"], out, strict=True):
         ref = img
         for k in order.tolist():
