@@ -103,6 +103,14 @@ def test_validation_scores_every_image_once(two_worker_run):
 
 
 def test_deterministic_runs_repeat_and_resume_continues(ray_cluster, data, tmp_path):
+    # the cifar preset plus two of Kornia's ops by name: they run in Ray Data's tasks and stay reproducible
+    preset = tmp_path / "cifar-kornia.yaml"
+    preset.write_text(
+        "train:\n  - random_crop: {size: 32, padding: 4}\n  - horizontal_flip: {p: 0.5}\n"
+        "  - kornia.RandomGaussianBlur: {kernel_size: [3, 3], sigma: [0.1, 1.5], p: 0.5}\n"
+        "  - kornia.RandomAffine: {degrees: 10, translate: [0.1, 0.1], p: 0.5}\n"
+        "eval:\n  - center_crop: {size: 32}\n"
+    )
     common = dict(
         data=str(data),
         epochs=2,
@@ -111,6 +119,7 @@ def test_deterministic_runs_repeat_and_resume_continues(ray_cluster, data, tmp_p
         deterministic=True,
         storage_path=str(tmp_path),
         val_fraction=0.25,
+        preset=str(preset),
     )
     coordinators_before = _split_coordinators()
     _run(name="a", **common)
@@ -119,6 +128,8 @@ def test_deterministic_runs_repeat_and_resume_continues(ray_cluster, data, tmp_p
     _run(name="b", **common)
     a, b = (tmp_path / "a" / "metrics.csv").read_text(), (tmp_path / "b" / "metrics.csv").read_text()
     assert a == b, "same seed and world size must give identical metrics"
+    train_ops = json.loads((tmp_path / "a" / "config.json").read_text())["preset"]["train"]
+    assert [next(iter(op)) for op in train_ops][2:] == ["kornia.RandomGaussianBlur", "kornia.RandomAffine"]
 
     first, _ = _run(name="c", stop_after=1, **common)
     assert first["epochs"] == 1
