@@ -177,7 +177,7 @@ class KeyedKornia(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, label: str):
         super().__init__()
         self.module, self.label = module, label
-        self.mode = "stack"  # or "group" / "one": see probe()
+        self.modes: dict[tuple, str] = {}  # (C, H, W) -> "stack", "group" or "one": see probe()
         self._per_image: dict[tuple, frozenset] = {}  # (C, H, W) -> paths of the per-image leaves
         _sample_on_cpu(module)
 
@@ -219,23 +219,23 @@ class KeyedKornia(torch.nn.Module):
 
         return self.module(x, params=_map(leaf, trees)).clamp(0.0, 1.0)
 
-    def _groups(self, trees: list, chw: tuple) -> list[list[int]]:
+    def _groups(self, trees: list, chw: tuple, mode: str) -> list[list[int]]:
         """Images whose per-call leaves are equal and whose per-image leaves stack: one Kornia call
         each. In mode "group", small integer per-image leaves (kernel sizes, bits) must match too."""
         rows = self.per_image_paths(chw)
         groups: dict = {}
         for i, tree in enumerate(trees):
             key = tuple(
-                (p, _fingerprint(v) if p not in rows or (self.mode == "group" and _small_int(v)) else v.shape[1:])
+                (p, _fingerprint(v) if p not in rows or (mode == "group" and _small_int(v)) else v.shape[1:])
                 for p, v in _leaves(tree)
             )
             groups.setdefault(key, []).append(i)
         return list(groups.values())
 
-    def _run(self, x: torch.Tensor, trees: list) -> torch.Tensor:
-        if self.mode == "one":
+    def _run(self, x: torch.Tensor, trees: list, mode: str) -> torch.Tensor:
+        if mode == "one":
             return torch.cat([self._call(x[i : i + 1], [t]) for i, t in enumerate(trees)])
-        groups = self._groups(trees, tuple(x.shape[1:]))
+        groups = self._groups(trees, tuple(x.shape[1:]), mode)
         if len(groups) == 1:
             return self._call(x, trees)
         out = torch.empty_like(x)
@@ -246,41 +246,47 @@ class KeyedKornia(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, seeds: list[int]) -> torch.Tensor:
         """x float (B, C, H, W) in [0, 1] -> the same shape, clamped to [0, 1]."""
-        return self._run(x, self.sample(seeds, tuple(x.shape[1:])))
+        chw = tuple(x.shape[1:])
+        if chw not in self.modes:  # a size not probed yet (a policy's candidates are probed here)
+            self.probe(chw)
+        return self._run(x, self.sample(seeds, chw), self.modes[chw])
 
     def probe(self, chw: tuple, n: int = 8) -> None:
-        """Run once on a small random batch of shape chw, every image transformed. Kornia's errors
-        for a bad argument surface when the preset loads, not in a Ray task; the op must keep the
-        batch's shape and apply without drawing random numbers of its own; and the mode is the
-        first of stack / group / one whose batched result reproduces the one-image results."""
+        """Run on a small random batch of shape chw, every image transformed, once per process
+        for each op and size. Kornia's errors for a bad argument surface when the preset loads,
+        not in a Ray task; the op must keep the batch's shape and apply without drawing random
+        numbers of its own; and the mode is the first of stack / group / one whose batched
+        result reproduces the one-image results."""
+        if (self.label, chw) in _PROBED:
+            self.modes[chw] = _PROBED[self.label, chw]
+            return
         x = torch.rand((n, *chw), generator=torch.Generator().manual_seed(0))
         trees = [_map(_always, [t]) for t in self.sample(list(range(1, n + 1)), chw)]
         try:
             with torch.random.fork_rng(devices=[]):
-                alone = []
-                for draw in (1, 2):
-                    torch.manual_seed(draw)
-                    alone.append([self._call(x[i : i + 1], [t]) for i, t in enumerate(trees)])
-                shapes = {tuple(a.shape[1:]) for a in alone[0]}
-                if shapes != {chw}:
+                alone = torch.cat([self._call(x[i : i + 1], [t]) for i, t in enumerate(trees)])
+                if alone.shape != x.shape:
                     raise ValueError(
-                        f"returns {sorted(shapes - {chw})} images from {chw} ones; ops after the first keep the size"
+                        f"returns {tuple(alone.shape[1:])} images from {chw} ones; ops after the first keep the size"
                     )
-                alone = [torch.cat(a) for a in alone]
-                if not torch.equal(*alone):
+                torch.manual_seed(1)  # another global RNG state must not change the result
+                if not torch.equal(self._call(x[:1], trees[:1]), alone[:1]):
                     raise ValueError(
                         "draws random numbers while it applies, so its result cannot follow the image's key"
                     )
-                self.mode = next(m for m in ("stack", "group", "one") if self._reproduces(m, x, trees, alone[0]))
+                mode = next(m for m in ("stack", "group", "one") if self._reproduces(m, x, trees, alone))
         except Exception as e:  # Kornia's own message names what is wrong with the arguments
             raise ValueError(f"{self.label} fails on a {n} x {chw} batch: {type(e).__name__}: {e}") from None
+        self.modes[chw] = _PROBED[self.label, chw] = mode
 
     def _reproduces(self, mode: str, x: torch.Tensor, trees: list, alone: torch.Tensor) -> bool:
-        self.mode = mode
         try:
-            return torch.allclose(self._run(x, trees), alone, rtol=0.0, atol=1e-4)
+            return torch.allclose(self._run(x, trees, mode), alone, rtol=0.0, atol=1e-4)
         except Exception:  # stacked parameters Kornia cannot take: the next mode
             return mode == "one"
+
+
+_PROBED: dict[tuple[str, tuple], str] = {}  # (label, chw) -> mode, per process
 
 
 def _small_int(v) -> bool:

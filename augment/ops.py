@@ -474,8 +474,9 @@ class _KorniaPolicy(Op):
 
     rounds = 1
 
-    def _candidates(self, policies, make):
-        self.candidates = torch.nn.ModuleList(KeyedKornia(make([p]), f"{self.name}: {p[0][0]}") for p in policies)
+    def _candidates(self, policies, make, label: str):
+        """One Kornia policy per candidate; `label` names the settings that build them (the probe's cache key)."""
+        self.candidates = torch.nn.ModuleList(KeyedKornia(make([p]), f"{label}: {p}") for p in policies)
 
     def sample(self, rng, sizes):
         u = rng.uniform(self.stream, 1 + self.rounds)
@@ -507,7 +508,7 @@ class TrivialAugment(_KorniaPolicy):
         from kornia.augmentation.auto.trivial_augment.trivial_augment import default_policy
 
         self.p = float(p)
-        self._candidates(default_policy, lambda policy: KTA(policy=policy))
+        self._candidates(default_policy, lambda policy: KTA(policy=policy), "trivial_augment")
 
 
 @register
@@ -525,7 +526,7 @@ class RandAugment(_KorniaPolicy):
         if not (int(n) >= 1 and 0 < int(m) < 30):  # Kornia's RandAugment takes 0 < m < 30
             raise ValueError(f"rand_augment: need n >= 1 and 0 < m < 30, got n={n} m={m}")
         self.p, self.rounds, self.m = float(p), int(n), int(m)
-        self._candidates(default_policy, lambda policy: KRA(n=1, m=self.m, policy=policy))
+        self._candidates(default_policy, lambda policy: KRA(n=1, m=self.m, policy=policy), f"rand_augment(m={self.m})")
 
 
 class KorniaOp(Op):

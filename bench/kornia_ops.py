@@ -12,6 +12,9 @@ Three variants of each op run on the same batch, alternating within every round:
 * kornia batch: Kornia's module called plainly, one draw for the whole batch from the
   global RNG: Kornia's own cost, for reference (its draws depend on the batch).
 
+A second table times the sampling alone for some of Kornia's ops by name: Kornia's sampler
+once per image (what keyed draws cost) against one call for the whole batch, in µs an image.
+
 On a CPU every variant runs on chunks of the batch as the pipeline does (CPU_CHUNK_PIXELS
 in augment/presets.py), on a GPU on the whole batch. Geometry ops get a uint8 canvas (ours,
 as in the stage) and the same images as a float batch (Kornia), so Kornia's columns leave
@@ -216,6 +219,8 @@ class Variants:
         self.x = _float(self.canvas)
         self.kornia = case.kornia_fn().to(device)
         self.keyed = KeyedKornia(self.kornia, case.name).to(device)
+        if case.geometry:  # Kornia's sized ops change the size, which a preset refuses and the probe checks
+            self.keyed.modes[tuple(self.x.shape[1:])] = "stack"
 
     def _rng(self, epoch):
         from augment.rng import KeyedRng
@@ -300,6 +305,42 @@ def run(device: str, rounds: int, min_s: float, only: list[str] | None) -> list[
     return rows
 
 
+SAMPLED = {  # Kornia ops by name whose sampling the second table times
+    "kornia.RandomHorizontalFlip": {"p": 0.5},
+    "kornia.RandomGaussianBlur": {"kernel_size": [5, 5], "sigma": [0.1, 2.0], "p": 0.5},
+    "kornia.RandomMotionBlur": {"kernel_size": [3, 7], "angle": 35.0, "direction": 0.5, "p": 0.5},
+    "kornia.RandomPerspective": {"distortion_scale": 0.3, "p": 0.5},
+    "kornia.RandomAffine": {"degrees": 15.0, "translate": [0.1, 0.1], "scale": [0.9, 1.1], "p": 0.5},
+    "kornia.ColorJitter": {"brightness": 0.2, "contrast": 0.2, "saturation": 0.2, "hue": 0.1},
+    "kornia.RandomElasticTransform": {"p": 0.5},
+}
+
+
+def sampling(rounds: int, n: int = 256, chw=(3, 224, 224)) -> list[dict]:
+    """µs per image: Kornia's sampler once per image from its seed, against once for the batch."""
+    from augment.kornia_ops import build_keyed
+
+    rows = []
+    for name, params in SAMPLED.items():
+        keyed = build_keyed(name, params, chw)
+        keyed.sample(list(range(8)), chw)  # warm-up
+        per_image, per_batch = [], []
+        for _ in range(rounds):
+            t = time.perf_counter()
+            keyed.sample(list(range(n)), chw)
+            per_image.append(round((time.perf_counter() - t) / n * 1e6, 1))
+            t = time.perf_counter()
+            keyed.module.forward_parameters(torch.Size((n, *chw)))
+            per_batch.append(round((time.perf_counter() - t) / n * 1e6, 1))
+        rows.append({"op": name, "keyed_us": per_image, "batch_us": per_batch})
+        print(
+            f"| {name} | {statistics.median(per_image):g} ({', '.join(map(str, per_image))}) "
+            f"| {statistics.median(per_batch):g} |",
+            flush=True,
+        )
+    return rows
+
+
 def _line(row: dict) -> str:
     def rounds(k, fmt):
         return f"{statistics.median(row[k]):{fmt}} ({', '.join(f'{v:{fmt}}' for v in row[k])})"
@@ -334,9 +375,12 @@ def main(argv=None) -> list[dict]:
     )
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     rows = run(args.device, args.rounds, args.min_seconds, args.ops)
+    print("\n| Kornia op | sampled per image, µs an image (rounds) | one batch call, µs an image |")
+    print("| --- | ---: | ---: |")
+    sampled = sampling(args.rounds)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": args.device, "threads": args.threads, "rows": rows}, f, indent=1)
+            json.dump({"device": args.device, "threads": args.threads, "rows": rows, "sampling": sampled}, f, indent=1)
     return rows
 
 

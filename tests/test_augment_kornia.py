@@ -120,12 +120,12 @@ def test_the_probe_picks_the_cheapest_way_that_keeps_each_image_its_own():
         ).train,
         seed=0,
     )
-    assert [op.kornia.mode for op in pipe.ops[2:]] == ["group", "one"]
+    assert [op.kornia.modes[3, 32, 32] for op in pipe.ops[2:]] == ["group", "one"]
     blur = Pipeline(
         preset_from_dict(_preset({"kornia.RandomGaussianBlur": KORNIA_CASES["kornia.RandomGaussianBlur"]})).train,
         seed=0,
     )
-    assert blur.ops[2].kornia.mode == "stack"
+    assert blur.ops[2].kornia.modes[3, 32, 32] == "stack"
 
 
 BAD = {
