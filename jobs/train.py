@@ -101,9 +101,9 @@ def connect(verbose: bool = False, dashboard: bool = False) -> bool:
 
 
 class _Preload(threading.Thread):
-    """Imports torch, Kornia and Ray Train and loads a built-in preset (`preset` is None
-    until then) while the main thread starts Ray: on a small machine they take about 3 s
-    each, and neither needs the other."""
+    """Imports torch and Ray Train and loads a built-in preset (`preset` is None until
+    then) while the main thread starts Ray: on a small machine they take about 3 s each, and
+    neither needs the other. (Kornia is imported only by a preset that uses it.)"""
 
     def __init__(self, preset_name: str, preset=None):
         super().__init__(daemon=True, name="preload")
@@ -137,9 +137,10 @@ def main(argv=None) -> int:
     except (DataError, ConfigError, PresetError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    # Two threads import at once below. Safe: the preload thread's torch and Kornia import no
-    # Ray module, and Ray Data (main thread, below) imports neither torch nor Ray Train; the
-    # preload thread's Ray Train waits for the main thread's Ray Data, never the reverse.
+    # Two threads import at once below. Safe: the preload thread's torch imports no Ray module
+    # (a preset file, and Kornia if it uses it, loaded above), and Ray Data (main thread,
+    # below) imports neither torch nor Ray Train; the preload thread's Ray Train waits for
+    # the main thread's Ray Data, never the reverse.
     preload = _Preload(cfg.preset, preset)
     preload.start()
     log = (lambda *a: None) if cfg.quiet else (lambda *a: print(*a, flush=True))
