@@ -115,6 +115,8 @@ def _check_specs(specs, where: str) -> tuple:
                 f"{where}[{i}]: unknown op {name!r}; valid ops: {sorted(OPS)}, or a Kornia augmentation by "
                 "name (kornia.RandomGaussianBlur, ...)"
             )
+        if params is not None and not isinstance(params, dict):
+            raise PresetError(f"{where}[{i}]: the parameters of {name!r} are a mapping like {{p: 0.5}}, got {params!r}")
         params = dict(params or {})
         try:
             check_kornia_params(name, params) if is_kornia(name) else check_params(OPS[name], params)

@@ -147,6 +147,7 @@ BAD = {
     ),
     "missing argument": ("kornia.RandomMotionBlur: {kernel_size: 3}", "missing 2 required positional arguments"),
     "batch-level draw": ("kornia.RandomAffine: {degrees: 10, same_on_batch: true}", "['same_on_batch'] not supported"),
+    "parameters not a mapping": ("kornia.RandomInvert: 0.5", "are a mapping like {p: 0.5}, got 0.5"),
     "first op": (None, "the first op, and only the first, is a geometry op"),
 }
 
