@@ -61,127 +61,116 @@ def _box(src: torch.Tensor) -> tuple[int, int, int, int]:
 class Case:
     """One op: how ours and Kornia's are built and fed, and how each compares with torchvision."""
 
-    def __init__(self, name, ours, kornia, *, canvas, geometry=False, tv=None, tv_kornia=None):
+    def __init__(self, name, ours, kornia, canvas, tv, tv_kornia=None, *, geometry=False):
         self.name, self.ours_spec, self.kornia_fn, self.canvas = name, ours, kornia, canvas
-        self.geometry, self.tv, self.tv_kornia = geometry, tv, tv_kornia
+        self.tv, self.tv_kornia, self.geometry = tv, tv_kornia, geometry
+
+
+# torchvision's transform for one image (CHW) given ours' parameters (`p`, the image's row) or
+# Kornia's (`t`, the image's parameter tree)
+
+
+def _TF():
+    import torchvision.transforms.v2.functional as TF
+
+    return TF
 
 
 def _tv_jitter(img, factors, order):
-    import torchvision.transforms.v2.functional as TF
-
+    TF = _TF()
     fns = [TF.adjust_brightness, TF.adjust_contrast, TF.adjust_saturation, TF.adjust_hue]
     for k in order:
         img = fns[k](img, float(factors[k]))
     return img
 
 
-def cases(device: str) -> list[Case]:
+def _tv_flip(img, p):
+    return _TF().horizontal_flip(img) if p["flip"] else img
+
+
+def _tvk_flip(img, t):
+    return _TF().horizontal_flip(img) if t["batch_prob"] > 0.5 else img
+
+
+def _tv_jit(img, p):
+    return _tv_jitter(img, p["factors"].tolist(), p["order"].tolist())
+
+
+def _tvk_jit(img, t):
+    return _tv_jitter(
+        img, [t[f"{k}_factor"].item() for k in ("brightness", "contrast", "saturation", "hue")], t["order"].tolist()
+    )
+
+
+def _tv_crop(img, p):  # ours: top/left in image coordinates; v2's crop zero-pads outside the image
+    return _TF().crop(img, p["top"], p["left"], 32, 32)
+
+
+def _tvk_crop(img, t):  # Kornia's: a box in the image padded by 4
+    return _TF().crop(_TF().pad(img, [4]), *_box(t["src"]))
+
+
+def _tv_rrc(img, p):
+    return _TF().resized_crop(img, *p["box"].tolist(), [224, 224], antialias=True)
+
+
+def _tvk_rrc(img, t):
+    return _TF().resized_crop(img, *_box(t["src"]), [224, 224], antialias=True)
+
+
+def _tv_erase(img, p):
+    return _TF().erase(img, *p["box"].tolist(), torch.tensor(0.0)) if p["apply"] else img
+
+
+def _tvk_erase(img, t):
+    x, y, w, h = (int(t[k].item()) for k in ("xs", "ys", "widths", "heights"))
+    return _TF().erase(img, y, x, h, w, torch.tensor(0.0)) if t["batch_prob"] > 0.5 else img
+
+
+def _tv_eval(img, p=None):
+    return _TF().center_crop(_TF().resize(img, [256], antialias=True), [224, 224])
+
+
+_JIT = {"brightness": 0.2, "contrast": 0.2, "saturation": 0.2}
+_EVAL = [("Resize", {"size": 256, "side": "short", "antialias": True}), ("CenterCrop", {"size": 224})]
+_SMALL, _PHOTO, _224 = (256, 32, 32), (16, 375, 500), (32, 224, 224)  # images: n, h, w
+_FLIP, _JITTER = (_tv_flip, _tvk_flip), (_tv_jit, _tvk_jit)
+# row name, ours (op, params), Kornia's (a class of kornia.augmentation and its arguments, or a
+# list of them in sequence), images, torchvision given ours' parameters and given Kornia's
+CASES = [
+    ("horizontal_flip", ("horizontal_flip", {"p": 0.5}), ("RandomHorizontalFlip", {}), _SMALL, *_FLIP),
+    ("color_jitter", ("color_jitter", _JIT), ("ColorJitter", _JIT), _SMALL, *_JITTER),
+    ("color_jitter +hue", ("color_jitter", {**_JIT, "hue": 0.1}), ("ColorJitter", {**_JIT, "hue": 0.1}),
+     _SMALL, *_JITTER),
+    ("random_erasing", ("random_erasing", {"p": 0.5}), ("RandomErasing", {}), _SMALL, _tv_erase, _tvk_erase),
+    ("random_crop", ("random_crop", {"size": 32, "padding": 4}), ("RandomCrop", {"size": (32, 32), "padding": 4}),
+     _SMALL, _tv_crop, _tvk_crop),
+    ("random_resized_crop", ("random_resized_crop", {"size": 224}), ("RandomResizedCrop", {"size": (224, 224)}),
+     _PHOTO, _tv_rrc, _tvk_rrc),
+    ("resize_center_crop", ("resize_center_crop", {"resize": 256, "size": 224}), _EVAL, _PHOTO, _tv_eval, None),
+    ("horizontal_flip 224", ("horizontal_flip", {"p": 0.5}), ("RandomHorizontalFlip", {}), _224, *_FLIP),
+    ("color_jitter 224", ("color_jitter", _JIT), ("ColorJitter", _JIT), _224, *_JITTER),
+]  # fmt: skip
+
+
+def _kornia(spec):
     import kornia.augmentation as K
-    import torchvision.transforms.v2.functional as TF
 
-    small, photo = _photos(256, 32, 32), _photos(16, 375, 500)
-    jitter = {"brightness": 0.2, "contrast": 0.2, "saturation": 0.2}
+    if isinstance(spec, list):
+        return K.AugmentationSequential(*(_kornia(s) for s in spec))
+    return getattr(K, spec[0])(**spec[1])
 
-    def tv_flip(img, p, _):
-        return TF.horizontal_flip(img) if p["flip"] else img
 
-    def tvk_flip(img, t):
-        return TF.horizontal_flip(img) if t["batch_prob"] > 0.5 else img
+def cases() -> list[Case]:
+    from augment.ops import OPS
 
-    def tv_jit(img, p, _):
-        return _tv_jitter(img, p["factors"].tolist(), p["order"].tolist())
-
-    def tvk_jit(img, t):
-        f = [t[f"{k}_factor"].item() for k in ("brightness", "contrast", "saturation", "hue")]
-        return _tv_jitter(img, f, t["order"].tolist())
-
-    def tv_crop(img, p, hw):  # ours: top/left in image coordinates, padding 4
-        return TF.crop(img, p["top"], p["left"], 32, 32)  # v2's crop zero-pads outside the image
-
-    def tvk_crop(img, t):
-        top, left, h, w = _box(t["src"])
-        return TF.crop(TF.pad(img, [4]), top, left, h, w)
-
-    def tv_rrc(img, p, _):
-        return TF.resized_crop(img, *p["box"].tolist(), [224, 224], antialias=True)
-
-    def tvk_rrc(img, t):
-        return TF.resized_crop(img, *_box(t["src"]), [224, 224], antialias=True)
-
-    def tv_erase(img, p, _):
-        top, left, h, w = p["box"].tolist()
-        return TF.erase(img, top, left, h, w, torch.tensor(0.0)) if p["apply"] else img
-
-    def tvk_erase(img, t):
-        x, y, w, h = (int(t[k].item()) for k in ("xs", "ys", "widths", "heights"))
-        return TF.erase(img, y, x, h, w, torch.tensor(0.0)) if t["batch_prob"] > 0.5 else img
-
-    def tv_eval(img, p, _):
-        return TF.center_crop(TF.resize(img, [256], antialias=True), [224, 224])
-
-    flip, jit = {"tv": tv_flip, "tv_kornia": tvk_flip}, {"tv": tv_jit, "tv_kornia": tvk_jit}
-    photo224 = _photos(32, 224, 224)
-    return [
-        Case(
-            "horizontal_flip",
-            {"horizontal_flip": {"p": 0.5}},
-            lambda: K.RandomHorizontalFlip(p=0.5),
-            canvas=small,
-            **flip,
-        ),
-        Case("color_jitter", {"color_jitter": jitter}, lambda: K.ColorJitter(**jitter, p=1.0), canvas=small, **jit),
-        Case(
-            "color_jitter +hue",
-            {"color_jitter": {**jitter, "hue": 0.1}},
-            lambda: K.ColorJitter(**jitter, hue=0.1, p=1.0),
-            canvas=small,
-            **jit,
-        ),
-        Case(
-            "random_erasing",
-            {"random_erasing": {"p": 0.5}},
-            lambda: K.RandomErasing(p=0.5),
-            canvas=small,
-            tv=tv_erase,
-            tv_kornia=tvk_erase,
-        ),
-        Case(
-            "random_crop",
-            {"random_crop": {"size": 32, "padding": 4}},
-            lambda: K.RandomCrop((32, 32), padding=4, p=1.0),
-            canvas=small,
-            geometry=True,
-            tv=tv_crop,
-            tv_kornia=tvk_crop,
-        ),
-        Case(
-            "random_resized_crop",
-            {"random_resized_crop": {"size": 224}},
-            lambda: K.RandomResizedCrop((224, 224), p=1.0),
-            canvas=photo,
-            geometry=True,
-            tv=tv_rrc,
-            tv_kornia=tvk_rrc,
-        ),
-        Case(
-            "resize_center_crop",
-            {"resize_center_crop": {"resize": 256, "size": 224}},
-            lambda: K.AugmentationSequential(K.Resize(256, side="short", antialias=True), K.CenterCrop(224)),
-            canvas=photo,
-            geometry=True,
-            tv=tv_eval,
-        ),
-        Case(
-            "horizontal_flip 224",
-            {"horizontal_flip": {"p": 0.5}},
-            lambda: K.RandomHorizontalFlip(p=0.5),
-            canvas=photo224,
-            **flip,
-        ),
-        Case(
-            "color_jitter 224", {"color_jitter": jitter}, lambda: K.ColorJitter(**jitter, p=1.0), canvas=photo224, **jit
-        ),
-    ]
+    out = []
+    for name, (op, params), kornia, nhw, tv, tv_kornia in CASES:
+        ours = {op: params}
+        out.append(
+            Case(name, ours, lambda k=kornia: _kornia(k), _photos(*nhw), tv, tv_kornia, geometry=OPS[op].geometry)
+        )
+    return out
 
 
 def _sync(device: str) -> None:
@@ -266,14 +255,14 @@ class Variants:
         p = self.op.sample(rng, self.sizes)
         out = self.op.apply(self.canvas if self.op.geometry else self.x, p, self.sizes).cpu()[:n]
         refs = [
-            self._reference(i, lambda img, i=i: self.case.tv(img, {k: v[i] for k, v in p.items()}, None))
+            self._reference(i, lambda img, i=i: self.case.tv(img, {k: v[i] for k, v in p.items()}))
             for i in range(len(out))
         ]
         row = {"ours_vs_tv": _levels(out, torch.stack(refs))}
         seeds = rng.seeds(1)[:, 0].tolist()[:n]
         kout = torch.cat([self.keyed(self.x[i : i + 1], [s]) for i, s in enumerate(seeds)]).cpu()
         if self.case.tv_kornia is None:  # deterministic: no parameters to translate
-            krefs = [self._reference(i, lambda img: self.case.tv(img, None, None)) for i in range(len(kout))]
+            krefs = [self._reference(i, self.case.tv) for i in range(len(kout))]
         else:
             trees = self.keyed.sample(seeds, tuple(self.x.shape[1:]))
             krefs = [self._reference(i, lambda img, t=t: self.case.tv_kornia(img, t)) for i, t in enumerate(trees)]
@@ -283,7 +272,7 @@ class Variants:
 
 def run(device: str, rounds: int, min_s: float, only: list[str] | None) -> list[dict]:
     rows = []
-    for case in cases(device):
+    for case in cases():
         if only and case.name not in only:
             continue
         v = Variants(case, device)
