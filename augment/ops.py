@@ -27,6 +27,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from augment.decode import SHRINK_FACTORS
 from augment.kornia_ops import KeyedKornia, build_keyed
 from augment.rng import KeyedRng
 
@@ -59,6 +60,17 @@ class Op(torch.nn.Module):
         return {}
 
     def apply(self, x, params, sizes=None):
+        raise NotImplementedError
+
+    def max_shrink(self, params) -> torch.Tensor | None:
+        """Per image, the largest factor in augment.decode.SHRINK_FACTORS by which a decoder may
+        shrink the image before `apply` (with `shrink_params`) and lose nothing of the output's
+        resolution; None: the op needs the image at full size."""
+        return None
+
+    def shrink_params(self, params: dict, factors: torch.Tensor) -> dict:
+        """`params` (drawn for the full-size image) in the coordinates of the image decoded at
+        1/factors of its size."""
         raise NotImplementedError
 
     def forward(self, x, rng: KeyedRng, sizes: torch.Tensor | None = None):
@@ -374,6 +386,29 @@ class RandomResizedCrop(Op):
 
     def apply(self, canvas, params, sizes=None):
         return resample_boxes(canvas, params["box"], params["resized"], params["offset"], self.size, self.method)
+
+    def max_shrink(self, params):
+        # the crop box, shrunk by s, must stay at least the output size on both sides: the
+        # resize that follows then still only shrinks (antialiased), never enlarges
+        box, (oh, ow) = params["box"], self.size
+        factors = torch.ones(len(box), dtype=torch.int64, device=box.device)
+        for s in SHRINK_FACTORS[1:]:
+            factors = torch.where((box[:, 2] >= s * oh) & (box[:, 3] >= s * ow), s, factors)
+        return factors
+
+    def shrink_params(self, params, factors):
+        # libjpeg's scaled IDCT maps pixel i of the small image to pixels [s*i, s*(i+1)) of the
+        # full one: each edge of the box goes to the nearest small-pixel edge (at most s/2 full
+        # pixels off). The box keeps at least floor(h / s) >= the output's rows, so the resize
+        # still only shrinks.
+        top, left, h, w = params["box"].unbind(1)
+        half = torch.div(factors, 2, rounding_mode="floor")
+
+        def edge(x):
+            return torch.div(x + half, factors, rounding_mode="floor")
+
+        t0, l0, t1, l1 = edge(top), edge(left), edge(top + h), edge(left + w)
+        return params | {"box": torch.stack([t0, l0, t1 - t0, l1 - l0], 1)}
 
 
 @register

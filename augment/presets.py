@@ -224,9 +224,25 @@ class Pipeline(torch.nn.Module):
                 op.set_strength(s)
             self._strength = s
 
-    def _run(self, canvas, sizes, keys, epoch) -> torch.Tensor:
+    @torch.no_grad()
+    def geometry(self, sizes: torch.Tensor, keys: torch.Tensor, epoch: int) -> dict:
+        """The first (geometry) op's parameters for images of `sizes` (their full size, e.g.
+        from the file headers): what `augment` applies, and what tells a decoder how far it may
+        shrink each image (the op's max_shrink)."""
+        self._set_strength(epoch)
+        return self.ops[0].sample(KeyedRng(keys, self.seed, epoch), sizes)
+
+    @torch.no_grad()
+    def augment(self, canvas, sizes, keys, epoch: int, geometry: dict) -> torch.Tensor:
+        """`forward` for one chunk whose geometry parameters are given (by `geometry`, then
+        perhaps the op's shrink_params for images decoded at a reduced size): uint8 (B, S, S, 3)."""
+        self._set_strength(epoch)
+        return self._run(canvas, sizes, keys, epoch, geometry).contiguous()
+
+    def _run(self, canvas, sizes, keys, epoch, geometry=None) -> torch.Tensor:
         rng = KeyedRng(keys, self.seed, epoch)
-        x = self.ops[0](canvas, rng, sizes)  # (B, 3, S, S) float in [0, 1]
+        first = self.ops[0]
+        x = first(canvas, rng, sizes) if geometry is None else first.apply(canvas, geometry, sizes)  # (B, 3, S, S)
         if x.device.type == "cpu":  # planar: the pixel ops' broadcasts run ~2.5x faster on it there
             x = x.contiguous()
         for op in self.ops[1:]:

@@ -19,24 +19,21 @@ def read_examples(split, *, classes: int, per_class: int) -> tuple[list[np.ndarr
     decoded images, labels and keys, read the way training reads them (any pyarrow filesystem)."""
     import pyarrow.fs as pafs
 
-    from training.data import decode_image
+    from augment.decode import decode_image
 
     chosen: dict[int, list[int]] = {}
-    for i in sorted(range(len(split)), key=lambda i: split.paths[i]):
-        label = split.labels[i]
+    paths = split.paths
+    for i in sorted(range(len(split)), key=lambda i: paths[i]):
+        label = int(split.labels[i])
         if label < classes and len(chosen.setdefault(label, [])) < per_class:
             chosen[label].append(i)
     picks = [i for label in sorted(chosen) for i in chosen[label]]
     images = []
     for i in picks:
-        fs, path = (
-            pafs.FileSystem.from_uri(split.paths[i])
-            if "://" in split.paths[i]
-            else (pafs.LocalFileSystem(), split.paths[i])
-        )
+        fs, path = pafs.FileSystem.from_uri(paths[i]) if "://" in paths[i] else (pafs.LocalFileSystem(), paths[i])
         with fs.open_input_file(path) as f:
             images.append(decode_image(f.read()))
-    return images, [split.labels[i] for i in picks], [split.keys[i] for i in picks]
+    return images, [int(split.labels[i]) for i in picks], [int(split.keys[i]) for i in picks]
 
 
 def augment_views(

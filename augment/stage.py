@@ -1,9 +1,14 @@
 """The augment stage: a callable class for `Dataset.map_batches` with an actor pool.
 
 Each actor builds its pipeline once in `__init__`, on `cuda` when Ray gave it a GPU and
-on the CPU otherwise, and then augments whole batches:
+on the CPU otherwise, and then augments whole batches, decoded or still encoded:
 
-    {image: uint8 (B, H, W, 3) or ragged, label, key}  ->  {image: uint8 (B, S, S, 3), label}
+    {image: uint8 (B, H, W, 3) or ragged, label, key}  ->  {image: uint8 (B, S, S, 3), label, key}
+    {bytes, path, label, key}                          ->  the same, decoded in the same call
+                                                           (augment/batch.py, decode_augment)
+
+A file that fails to decode is dropped from its batch on its own and reported, with its
+path, to the run's bad-file log.
 
 The epoch, which the augmentation depends on, comes from a tiny `EpochClock` actor that
 rank 0 of the trainer advances before each epoch starts (Ray Data's split coordinator
@@ -46,6 +51,8 @@ class AugmentStage:
         device: str = "auto",
         schedule: str = "none",
         epochs: int = 1,
+        shrink: bool = False,
+        bad_log=None,
     ):
         import ray
         import torch
@@ -60,39 +67,54 @@ class AugmentStage:
         ops = spec.train if train else spec.eval
         self.pipeline = Pipeline(ops, seed=seed, schedule=schedule if train else "none", epochs=epochs).to(self.device)
         self.clock = clock
+        self.shrink = shrink and train  # evaluation decodes at full size (torchvision parity)
+        self.bad_log = bad_log
 
     def __call__(self, batch: dict) -> dict:
         import ray
         import torch
 
-        from augment.batch import augment_batch
+        from augment.batch import augment_batch, decode_augment
 
         epoch = ray.get(self.clock.get.remote()) if self.clock is not None else 0
-        out = augment_batch(self.pipeline, batch["image"], torch.as_tensor(np.array(batch["key"])), epoch, self.device)
+        keys = torch.as_tensor(np.array(batch["key"]))
+        if "bytes" in batch:
+            out, kept, bad = decode_augment(self.pipeline, batch["bytes"], keys, epoch, self.device, shrink=self.shrink)
+            if bad and self.bad_log is not None:  # fire and forget: the driver reads the log later
+                self.bad_log.add.remote([(str(batch["path"][i]), reason) for i, reason in bad])
+            label, key = np.asarray(batch["label"])[kept], np.asarray(batch["key"])[kept]
+        else:
+            out = augment_batch(self.pipeline, batch["image"], keys, epoch, self.device)
+            label, key = batch["label"], batch["key"]
         # key travels on so the trainer can count which images each rank saw
-        return {
-            "image": out.cpu().numpy(),
-            "label": batch["label"],
-            "key": batch["key"],
-        }  # .cpu() is a sync point on GPU
+        return {"image": out.cpu().numpy(), "label": label, "key": key}  # .cpu() is a sync point on GPU
 
 
 _STAGES: dict[str, AugmentStage] = {}  # per worker process: built once, reused by every task
 
 
 def augment_task(
-    batch: dict, *, preset: dict, train: bool, seed: int, clock=None, schedule: str = "none", epochs: int = 1
+    batch: dict,
+    *,
+    preset: dict,
+    train: bool,
+    seed: int,
+    clock=None,
+    schedule: str = "none",
+    epochs: int = 1,
+    shrink: bool = False,
+    bad_log=None,
 ) -> dict:
     """map_batches *function* form of AugmentStage for Ray Data tasks (CPU): the worker
     processes outlive the epoch, so nothing is rebuilt when the next epoch starts, while an
     actor pool is started afresh for each epoch's execution."""
     import json
 
-    key = json.dumps([preset, train, seed, schedule, epochs], sort_keys=True)
+    key = json.dumps([preset, train, seed, schedule, epochs, shrink], sort_keys=True)
     stage = _STAGES.get(key)
     if stage is None:
         stage = _STAGES[key] = AugmentStage(
-            preset, train=train, seed=seed, device="cpu", schedule=schedule, epochs=epochs
+            preset, train=train, seed=seed, device="cpu", schedule=schedule, epochs=epochs, shrink=shrink
         )
-    stage.clock = clock
+    stage.clock, stage.bad_log = clock, bad_log
     return stage(batch)

@@ -42,33 +42,23 @@ def main(argv=None) -> int:
     from jobs.train import connect
     from training import artifacts, inference, plots
     from training.data import DataError
-    from training.parquet import is_prepared
 
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.model)), "eval")
     try:
         info = inference.load_model_file(args.model)
         val_fraction = float(info.get("config", {}).get("val_fraction", 0.2))
-        if not is_prepared(args.data):
-            _, labels, _ = inference.list_inputs(args.data, info["class_names"], args.split, val_fraction)
-            if all(lab < 0 for lab in labels):
-                raise DataError(
-                    f"{args.data}: no image sits in a directory named after one of the model's classes "
-                    f"{list(info['class_names'])[:10]}; evaluation needs labels "
-                    "(use jobs.predict for unlabelled images)"
-                )
+        splits = inference.input_splits(args.data, info, args.split, val_fraction)
+        if all((s.labels < 0).all() for s in splits):
+            raise DataError(
+                f"{args.data}: no image sits in a directory named after one of the model's classes "
+                f"{list(info['class_names'])[:10]}; evaluation needs labels "
+                "(use jobs.predict for unlabelled images)"
+            )
     except (inference.ModelFileError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     connect()
-    rows, unread = inference.predict(
-        info,
-        args.data,
-        split=args.split,
-        val_fraction=val_fraction,
-        batch_size=args.batch_size,
-        actors=args.actors,
-        device=args.device,
-    )
+    rows, unread = inference.predict(info, splits, batch_size=args.batch_size, actors=args.actors, device=args.device)
     names = list(info["class_names"])
     confusion = inference.confusion_matrix(rows, len(names))
     stats = inference.per_class(confusion, names)

@@ -58,16 +58,12 @@ def main(argv=None) -> int:
         return 2
     try:
         info = inference.load_model_file(args.model)
-        inference.list_inputs(args.data, info["class_names"]) if not _prepared(
-            args.data
-        ) else None  # bad --data: exit 2 before Ray starts
+        splits = inference.input_splits(args.data, info)  # bad --data: exit 2 before Ray starts
     except (inference.ModelFileError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     connect()
-    rows, unread = inference.predict(
-        info, args.data, batch_size=args.batch_size, actors=args.actors, device=args.device
-    )
+    rows, unread = inference.predict(info, splits, batch_size=args.batch_size, actors=args.actors, device=args.device)
     inference.write_predictions_csv(rows, args.out, info["class_names"])
     print(f"wrote {args.out}: {len(rows)} predictions")
     if unread:
@@ -76,12 +72,6 @@ def main(argv=None) -> int:
     if labelled:
         print(f"accuracy {correct / labelled:.4f} ({correct}/{labelled} labelled images)")
     return 0
-
-
-def _prepared(root: str) -> bool:
-    from training.parquet import is_prepared
-
-    return is_prepared(root)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,11 @@ from PIL import Image
 from scipy.stats import ks_2samp
 
 from augment.batch import to_canvas
+from augment.decode import decode_image
 from augment.ops import OPS
 from augment.presets import PRESETS, Pipeline
 from augment.rng import KeyedRng
 from bench.augment import synthetic_photo
-from training.data import decode_image
 
 N = 4000  # draws per distribution test
 SIZES = [(300, 400), (375, 500), (500, 333), (333, 500), (480, 640)]

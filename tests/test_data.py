@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from augment.decode import decode_image
 from tests.conftest import write_tree
-from training.data import DataError, Decoder, decode_image, in_validation, scan_tree, stable_hash
+from training.data import DataError, in_validation, label_of, scan_tree, stable_hash
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -105,7 +106,7 @@ def test_cli_bad_input_exits_2_with_one_line(args, message):
     assert len(lines) == 1 and message in lines[0], out.stderr
 
 
-def test_decoder_labels_keys_and_modes(tree, tmp_path):
+def test_decode_modes_and_labels_from_the_path(tree, tmp_path):
     from PIL import Image
 
     gray = tmp_path / "g.png"
@@ -115,11 +116,9 @@ def test_decoder_labels_keys_and_modes(tree, tmp_path):
     assert decode_image(gray.read_bytes()).shape == (5, 7, 3)
     assert (decode_image(rgba.read_bytes()) == 255).all()  # transparent -> white background
     t = scan_tree(str(tree), 0.0)
-    batch = {
-        "path": np.array(t.train.paths[:4]),
-        "bytes": np.array([Path(p).read_bytes() for p in t.train.paths[:4]], dtype=object),
-    }
-    out = Decoder(t.train)(batch)
-    assert out["image"].shape == (4, 32, 32, 3) and out["image"].dtype == np.uint8
-    assert list(out["label"]) == list(t.train.labels[:4])
-    assert list(out["key"]) == [stable_hash(str(Path(p).relative_to(tree))) for p in t.train.paths[:4]]
+    index = {name: i for i, name in enumerate(t.class_names)}
+    # what a read task derives from each row's own path equals the scan's columns
+    assert [label_of(r, index, t.train.label_part) for r in t.train.rel_paths] == list(t.train.labels)
+    assert [stable_hash(r) for r in t.train.rel_paths] == list(t.train.keys)
+    assert label_of("train/dog/x/1.png", index, 1) == index["dog"] and label_of("dog.png", index, 0) == -1
+    assert label_of("a/b/cat/1.png", index, -2) == index["cat"] and label_of("1.png", index, -2) == -1

@@ -202,10 +202,10 @@ def test_a_killed_train_worker_resumes_from_the_last_checkpoint(ray_cluster, fau
 
 def _running_augment_pids(mode: str) -> list[int]:
     if mode == "actors":
-        return _alive_actor_pids("MapWorker(MapBatches(Decoder)->MapBatches(AugmentStage))")
-    # a task worker's process title names the task while it runs
+        return _alive_actor_pids("MapWorker(MapBatches(AugmentStage))")
+    # a task worker's process title names the task while it runs (the read fused with the augment call)
     out = subprocess.run(
-        ["pgrep", "-f", r"^ray::MapBatches\(Decoder\)->MapBatches\(augment_task\)"], capture_output=True, text=True
+        ["pgrep", "-f", r"^ray::ReadReadImages->MapBatches\(augment_task\)"], capture_output=True, text=True
     )
     return [int(p) for p in out.stdout.split()]
 

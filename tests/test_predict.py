@@ -64,10 +64,10 @@ def test_predict_writes_one_row_per_image_and_the_accuracy_of_the_csv(ray_cluste
 def test_predict_matches_the_model_applied_by_hand(model_and_tree):
     """The saved eval transform and weights, applied without Ray, give the CSV's classes."""
     from augment.batch import augment_batch
+    from augment.decode import decode_image
     from augment.ops import Normalize
     from augment.presets import Pipeline
     from training import inference
-    from training.data import decode_image
 
     model_path, data = model_and_tree
     info = inference.load_model_file(str(model_path))

@@ -9,8 +9,9 @@ import pyarrow.parquet as pq
 
 from jobs.prepare import main
 from tests.conftest import write_tree
-from training.data import read_split, scan_tree
-from training.parquet import MANIFEST, is_prepared, read_prepared_split, scan_prepared
+from training.data import scan_tree
+from training.ingest import read_split
+from training.parquet import MANIFEST, is_prepared, scan_prepared
 
 
 def _rows(ds) -> dict:
@@ -49,8 +50,8 @@ def test_prepared_shards_read_back_as_the_tree(ray_cluster, tmp_path, capsys):
 
     # the train split (the val split goes through the same reader): same rows, same pixels;
     # the broken file, wherever it landed, is dropped by both readers
-    from_tree = _rows(read_split(tree.train, seed=0, shuffle=True))
-    from_parquet = _rows(read_prepared_split(prepared.train, seed=0, shuffle=True))
+    from_tree = _rows(read_split(tree.train, tree.class_names, seed=0, shuffle=True, decode=True))
+    from_parquet = _rows(read_split(prepared.train, prepared.class_names, seed=0, shuffle=True, decode=True))
     assert from_tree.keys() == from_parquet.keys() and len(from_tree) >= len(tree.train) - 1
     for key, (label, image) in from_tree.items():
         assert from_parquet[key][0] == label

@@ -92,7 +92,16 @@ class TrainConfig:
     augment_gpus: float = _f(
         0.0, "GPU per augment actor; 0 = a 0.25 share of a trainer's GPU; 1 = a dedicated GPU each"
     )
-    augment_batch_size: int = _f(256, "images per augment call (larger is faster on a GPU)")
+    augment_batch_size: int = _f(
+        256, "images per augment call, and at most per read task on CPUs (larger is faster on a GPU)"
+    )
+    decode: str = _f(
+        "auto",
+        "where images are decoded: auto (by device, preset and file size; the plan line says which), read (Ray "
+        "Data's read tasks, full size), augment (the augment call: nvjpeg on a GPU, JPEGs at the smallest scale "
+        "their crop allows on CPUs), augment-full (the augment call, always full size)",
+        choices=("auto", "read", "augment", "augment-full"),
+    )
     # output
     storage_path: str = _f("runs", "where run directories go (local path, or s3://, gs:// for multi-node)")
     name: str = _f(

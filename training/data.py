@@ -1,4 +1,4 @@
-"""Image tree -> labelled Ray Datasets.
+"""Image tree -> the files of each split, with their labels and keys.
 
 The one place that knows the on-disk layout (docs/design.md, "Contracts"):
 
@@ -6,12 +6,12 @@ The one place that knows the on-disk layout (docs/design.md, "Contracts"):
     DIR/<class>/...                                    hash split by relative path
 
 Scanning happens on the driver, before Ray starts work, so every problem with the
-tree is reported as a `DataError` (exit 2) naming the path and the fix. Reading and
-decoding happen in Ray Data: files -> Arrow blocks with columns
+tree is reported as a `DataError` (exit 2) naming the path and the fix. A split is held
+as columns (numpy arrays, a few tens of bytes per file): an ImageNet-size tree of 1.28 M
+files stays small on the driver. Ray Data reads the files (training/ingest.py); each row's
+label and key are derived from its own path there, so no task carries this table.
 
-    image  uint8 HWC (a fixed-shape tensor column when a block's images agree in
-           size, variable-shaped otherwise)
-    label  int64, position of the class name in the sorted class list
+    label  position of the class name in the sorted class list
     key    int64, stable hash of the path relative to DIR; seeds per-image augmentation
 """
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import os
 from pathlib import Path, PurePosixPath
 
@@ -43,17 +42,62 @@ def in_validation(rel_path: str, val_fraction: float) -> bool:
     return stable_hash(rel_path) / 2**63 < val_fraction
 
 
-@dataclasses.dataclass(frozen=True)
-class Split:
-    """One side of the split: files and their labels, all relative to the tree's root."""
+def label_of(rel_path: str, class_index: dict, part: int) -> int:
+    """The label of a file from its own relative path: the position of its `part`-th path
+    component (the class directory) among the class names; -1 if that is not a class."""
+    parts = rel_path.split("/")
+    is_dir = part < len(parts) - 1 if part >= 0 else -len(parts) <= part < -1  # never the file's own name
+    return class_index.get(parts[part], -1) if is_dir else -1
 
-    paths: tuple[str, ...]  # absolute paths or URIs, as Ray Data will read them
-    labels: tuple[int, ...]
-    keys: tuple[int, ...]  # stable_hash of the path relative to the root
-    total_bytes: int  # encoded bytes on storage
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Split:
+    """One side of the split: its files as columns, one entry per file."""
+
+    root: str  # the tree's root as Ray Data reads it: an absolute path or a URI (s3://bucket/photos)
+    rel_paths: np.ndarray  # str (object array), relative to root: "cat/001.jpg", "train/cat/001.jpg"
+    labels: np.ndarray  # int32: the class's position in the sorted class names
+    keys: np.ndarray  # int64: stable_hash of the relative path
+    sizes: np.ndarray  # int64: encoded bytes on storage
+    label_part: int = 0  # which component of a relative path is the class directory (1 below train/, val/)
 
     def __len__(self) -> int:
-        return len(self.paths)
+        return len(self.rel_paths)
+
+    @property
+    def paths(self) -> list[str]:
+        """Every file's absolute path or URI (built on demand: the split keeps relative paths)."""
+        return [f"{self.root}/{r}" for r in self.rel_paths]
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.sizes.sum())
+
+    @property
+    def mean_file_bytes(self) -> float:
+        return self.total_bytes / max(1, len(self))
+
+    def subset(self, mask: np.ndarray) -> "Split":
+        """The files where `mask` is true."""
+        columns = ("rel_paths", "labels", "keys", "sizes")
+        return dataclasses.replace(self, **{c: getattr(self, c)[mask] for c in columns})
+
+
+def make_split(root: str, rel_paths, labels, sizes, *, label_part: int = 0, keys=None) -> Split:
+    """A Split from relative paths, labels and file sizes; keys are the paths' stable hashes
+    unless given."""
+    rel = np.empty(len(rel_paths), dtype=object)
+    rel[:] = list(rel_paths)
+    if keys is None:
+        keys = np.fromiter((stable_hash(r) for r in rel), dtype=np.int64, count=len(rel))
+    return Split(
+        root,
+        rel,
+        np.asarray(labels, dtype=np.int32),
+        np.asarray(keys, dtype=np.int64),
+        np.asarray(sizes, dtype=np.int64),
+        label_part,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +119,7 @@ class ImageTree:
         )
 
 
-def _filesystem(root: str):
+def filesystem(root: str):
     """(pyarrow filesystem, path inside it, prefix that turns such a path into a URI)."""
     import pyarrow.fs as pafs
 
@@ -86,7 +130,7 @@ def _filesystem(root: str):
     return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(root)), ""
 
 
-def _list_images(fs, directory: str) -> list[tuple[str, int]]:
+def list_images(fs, directory: str) -> list[tuple[str, int]]:
     """(path, size) of every image below `directory`, hidden files and folders skipped."""
     import pyarrow.fs as pafs
 
@@ -121,14 +165,11 @@ def _is_dir(fs, path: str) -> bool:
 
 
 def scan_tree(root: str, val_fraction: float = 0.2) -> ImageTree:
-    """Find classes and files and split them. Raises DataError for anything unusable."""
+    """Find classes and files and split them. Raises DataError for anything unusable.
+    (training.inputs.scan_data also takes a jobs.prepare directory.)"""
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"--val-fraction must be in [0, 1), got {val_fraction}")
-    from training import parquet  # local import: parquet imports this module
-
-    if parquet.is_prepared(root):  # the Parquet form written by `python -m jobs.prepare`
-        return parquet.scan_prepared(root)
-    fs, base, uri_prefix = _filesystem(root)
+    fs, base, uri_prefix = filesystem(root)
     if not _is_dir(fs, base):
         raise DataError(f"{root}: no such directory; pass --data with a folder laid out as <class>/<image>")
 
@@ -145,21 +186,6 @@ def scan_tree(root: str, val_fraction: float = 0.2) -> ImageTree:
             f"{train_root}: only one class directory ({class_names[0]!r}); a classifier needs "
             "at least 2 classes, one sub-directory each"
         )
-    class_index = {name: i for i, name in enumerate(class_names)}
-
-    def collect(split_root: str, keep) -> Split:
-        paths, labels, keys, total = [], [], [], 0
-        for path, size in _list_images(fs, split_root):
-            cls = PurePosixPath(path).relative_to(split_root).parts[0]
-            rel = str(PurePosixPath(path).relative_to(base))
-            if cls not in class_index or not keep(rel):
-                continue  # files directly under the root have no class
-            paths.append(uri_prefix + path)
-            labels.append(class_index[cls])
-            keys.append(stable_hash(rel))
-            total += size
-        return Split(tuple(paths), tuple(labels), tuple(keys), total)
-
     if layout == "train/val":
         val_root = f"{base}/val"
         unknown = sorted(set(_class_dirs(fs, val_root)) - set(class_names))
@@ -168,11 +194,12 @@ def scan_tree(root: str, val_fraction: float = 0.2) -> ImageTree:
                 f"{val_root}: validation classes {unknown} are not among the training classes "
                 f"{list(class_names)}; rename them or add them under {train_root}"
             )
-        train = collect(train_root, lambda rel: True)
-        val = collect(val_root, lambda rel: True)
+        train = _collect(fs, base, "train", class_names, uri_prefix)
+        val = _collect(fs, base, "val", class_names, uri_prefix)
     else:
-        train = collect(base, lambda rel: not in_validation(rel, val_fraction))
-        val = collect(base, lambda rel: in_validation(rel, val_fraction))
+        both = _collect(fs, base, "", class_names, uri_prefix)
+        in_val = both.keys / 2**63 < val_fraction  # in_validation, for every file at once
+        train, val = both.subset(~in_val), both.subset(in_val)
 
     if len(train) == 0:
         raise DataError(
@@ -182,48 +209,20 @@ def scan_tree(root: str, val_fraction: float = 0.2) -> ImageTree:
     return ImageTree(root=root, layout=layout, class_names=tuple(class_names), train=train, val=val)
 
 
-# --------------------------------------------------------------------------- decoding
-
-
-def decode_image(data: bytes) -> np.ndarray:
-    """Encoded bytes -> uint8 HWC RGB. Grayscale, RGBA, palette, CMYK and 16-bit become RGB;
-    an animated image gives its first frame. Raises BadImage, with the reason, for anything
-    that is not a whole, sane image."""
-    import warnings
-
-    from PIL import Image
-
-    if not data:
-        raise BadImage("empty file (0 bytes)")
-    try:
-        with warnings.catch_warnings():
-            # Pillow only warns between MAX_IMAGE_PIXELS and twice that; either way we refuse
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as img:
-                return _to_rgb(img)
-    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as e:
-        raise BadImage(f"decompression bomb: {e}") from None
-    except Image.UnidentifiedImageError:
-        raise BadImage("not an image Pillow can read (wrong extension or corrupt header)") from None
-    except (OSError, SyntaxError, ValueError) as e:  # truncated data, broken chunks, bad palettes
-        raise BadImage(f"corrupt image: {e}") from None
-
-
-def _to_rgb(img) -> np.ndarray:
-    from PIL import Image
-
-    if img.mode in ("I;16", "I;16B", "I;16L", "I"):
-        arr = np.asarray(img, dtype=np.float32)
-        scale = 255.0 / 65535.0 if arr.max() > 255 else 1.0
-        gray = np.clip(arr * scale + 0.5, 0, 255).astype(np.uint8)
-        return np.repeat(gray[:, :, None], 3, axis=2)
-    if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
-        img = Image.alpha_composite(Image.new("RGBA", img.size, (255, 255, 255, 255)), img.convert("RGBA"))
-    return np.asarray(img.convert("RGB"))
-
-
-class BadImage(ValueError):
-    """A file in the tree that cannot be used as an image; the message is the reason."""
+def _collect(fs, base: str, side: str, class_names, uri_prefix: str) -> Split:
+    """The files below base/side, class directory by class directory (so the listing's
+    temporary objects never outnumber one class's files)."""
+    rel_paths, labels, sizes = [], [], []
+    prefix = f"{side}/" if side else ""
+    for label, name in enumerate(class_names):
+        directory = f"{base}/{prefix}{name}"
+        if not _is_dir(fs, directory):
+            continue  # a class with no directory on this side (train/val layout)
+        for path, size in list_images(fs, directory):
+            rel_paths.append(prefix + name + "/" + str(PurePosixPath(path).relative_to(directory)))
+            labels.append(label)
+            sizes.append(size)
+    return make_split(uri_prefix + base, rel_paths, labels, sizes, label_part=1 if side else 0)
 
 
 class BadFileLog:
@@ -239,73 +238,6 @@ class BadFileLog:
 
     def get(self) -> dict[str, str]:
         return dict(self.bad)
-
-
-def stack_images(images: list[np.ndarray]) -> np.ndarray:
-    """One (N, H, W, 3) array when the sizes agree, else an object array of HWC arrays."""
-    if not images:
-        return np.zeros((0, 1, 1, 3), dtype=np.uint8)
-    if all(im.shape == images[0].shape for im in images):
-        return np.stack(images)
-    out = np.empty(len(images), dtype=object)
-    out[:] = images
-    return out
-
-
-class Decoder:
-    """map_batches function: {bytes, path} -> {image, label, key}.
-
-    A file that fails to decode is dropped on its own (its good neighbours in the block
-    stay) and reported to `bad_log`: Ray Data's max_errored_blocks would drop whole blocks.
-    """
-
-    def __init__(self, split: Split, bad_log=None):
-        # read_binary_files gives paths without the URI scheme
-        self._meta = {
-            p.split("://", 1)[-1]: (p, lab, key)
-            for p, lab, key in zip(split.paths, split.labels, split.keys, strict=True)
-        }
-        self._bad_log = bad_log
-
-    def __call__(self, batch: dict) -> dict:
-        images, labels, keys, bad = [], [], [], []
-        for path, data in zip(batch["path"], batch["bytes"], strict=True):
-            full, label, key = self._meta[path]
-            try:
-                images.append(decode_image(data))
-            except BadImage as e:
-                bad.append((full, str(e)))
-                continue
-            labels.append(label)
-            keys.append(key)
-        if bad and self._bad_log is not None:
-            self._bad_log.add.remote(bad)  # fire and forget: the driver reads the log later
-        return {
-            "image": stack_images(images),
-            "label": np.array(labels, dtype=np.int64),
-            "key": np.array(keys, dtype=np.int64),
-        }
-
-
-def read_split(split: Split, *, seed: int, shuffle: bool, bad_log=None, num_cpus: float = 1.0):
-    """Ray Dataset of decoded images for one split.
-
-    Files are read in an order shuffled once by `seed` so that blocks mix classes (epoch 0
-    takes them in that order); later epochs reshuffle in the trainer's local shuffle buffer.
-    `num_cpus` is what each read and decode task reserves: below 1 when trainers hold most
-    of a small machine's CPUs.
-    """
-    import ray.data
-
-    from training.parquet import PreparedSplit, read_prepared_split
-
-    if isinstance(split, PreparedSplit):
-        return read_prepared_split(split, seed=seed, shuffle=shuffle, bad_log=bad_log, num_cpus=num_cpus)
-    paths = list(split.paths)
-    if shuffle:
-        paths = [paths[i] for i in np.random.default_rng(seed).permutation(len(paths))]
-    ds = ray.data.read_binary_files(paths, include_paths=True, num_cpus=num_cpus)
-    return ds.map_batches(Decoder(split, bad_log), batch_format="numpy", batch_size=64, num_cpus=num_cpus)
 
 
 # --------------------------------------------------------------------------- default data

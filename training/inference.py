@@ -1,12 +1,14 @@
-"""Batch inference with a saved model.pt: Ray Data reads and decodes the images, actors
-apply the saved eval transform and the model to whole batches.
+"""Batch inference with a saved model.pt: Ray Data reads and decodes the images (full size,
+in the read tasks), actors apply the saved eval transform and the model to whole batches.
 
     info = load_model_file("runs/photos/model.pt")          # ModelFileError: exit 2
     rows = predict(info, "~/photos", split="all")           # [{path, label, pred, prob}], by path
     write_predictions_csv(rows, "predictions.csv", info["class_names"])
 
 A file's label is the position, in the model's class names, of its directory's name
-(DIR/<class>/img or DIR/val/<class>/img); -1 when that directory is not a class.
+(DIR/<class>/img or DIR/val/<class>/img); -1 when that directory is not a class. Each read
+task derives it from the file's own path (training/ingest.py), so no task carries a table
+of the files.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from pathlib import PurePosixPath
 import numpy as np
 import torch
 
-from training.data import DataError, _filesystem, _list_images, decode_image, scan_tree, stack_images
+from training.data import DataError, Split, filesystem, label_of, list_images, make_split, scan_tree
+from training.parquet import is_prepared, scan_prepared
 
 MODEL_KEYS = ("arch", "state_dict", "class_names", "image_size", "small_stem", "eval_transform")
 
@@ -47,53 +50,42 @@ def load_model_file(path: str) -> dict:
     return info
 
 
-def list_inputs(root: str, class_names, split: str = "all", val_fraction: float = 0.2):
-    """(paths, labels, rel_paths) of the images to predict. split="val": the validation split
-    training used (DIR/val, or the hash split by val_fraction); "all": every image below DIR."""
-    index = {name: i for i, name in enumerate(class_names)}
-    fs, base, prefix = _filesystem(root)
+def list_inputs(root: str, class_names, split: str = "all", val_fraction: float = 0.2) -> Split:
+    """The images to predict, as a Split whose labels are the model's classes of their
+    directories (-1: not a class). split="val": the validation split training used (DIR/val,
+    or the hash split by val_fraction); "all": every image below DIR."""
+    fs, base, prefix = filesystem(root)
     if split == "val":
-        tree = scan_tree(root, val_fraction)
-        paths = list(tree.val.paths)
+        val = scan_tree(root, val_fraction).val
+        rel, sizes = list(val.rel_paths), val.sizes
     else:
         import pyarrow.fs as pafs
 
         if fs.get_file_info(base).type != pafs.FileType.Directory:
             raise DataError(f"{root}: no such directory; pass --data with a folder of images")
-        paths = [prefix + p for p, _ in _list_images(fs, base)]
-    if not paths:
+        listed = list_images(fs, base)
+        rel, sizes = [str(PurePosixPath(p).relative_to(base)) for p, _ in listed], [n for _, n in listed]
+    if not rel:
         raise DataError(
             f"{root}: no images found"
             + (" in the validation split" if split == "val" else "")
             + "; point --data at a folder of images"
         )
-    rel = [str(PurePosixPath(p.split("://", 1)[-1]).relative_to(base)) for p in paths]
-    labels = [index.get(PurePosixPath(r).parent.name, -1) for r in rel]
-    return paths, labels, rel
+    index = {name: i for i, name in enumerate(class_names)}
+    return make_split(prefix + base, rel, [label_of(r, index, -2) for r in rel], sizes, label_part=-2)
 
 
-class _Decode:
-    """{bytes, path} -> {image, label, path}; an unreadable file is dropped (the driver
-    names the files that did not come back)."""
-
-    def __init__(self, meta: dict):
-        self._meta = meta  # path without scheme -> (relative path, label)
-
-    def __call__(self, batch: dict) -> dict:
-        images, labels, rels = [], [], []
-        for path, data in zip(batch["path"], batch["bytes"], strict=True):
-            try:
-                images.append(decode_image(data))
-            except (ValueError, OSError):
-                continue
-            rel, label = self._meta[path]
-            rels.append(rel)
-            labels.append(label)
-        return {
-            "image": stack_images(images),
-            "label": np.array(labels, dtype=np.int64),
-            "path": np.array(rels, dtype=object),
-        }
+def input_splits(root: str, info: dict, split: str = "all", val_fraction: float = 0.2) -> list[Split]:
+    """The Splits to score: the listed files of an image tree, or a prepared directory's
+    splits (DataError if it was prepared with other classes than the model's)."""
+    if not is_prepared(root):
+        return [list_inputs(root, info["class_names"], split, val_fraction)]
+    tree = scan_prepared(root)
+    if list(tree.class_names) != list(info["class_names"]):
+        raise DataError(
+            f"{root}: prepared with classes {list(tree.class_names)}, the model has {list(info['class_names'])}"
+        )
+    return [tree.val] if split == "val" else [tree.train, tree.val]
 
 
 class Predictor:
@@ -137,54 +129,17 @@ class Predictor:
         }  # .cpu(): a sync point
 
 
-def _dataset(root: str, info: dict, split: str, val_fraction: float):
-    """Ray Dataset {image, label, path} from an image tree or a prepared (Parquet) directory,
-    and the relative paths expected back."""
+def scoring_dataset(info: dict, splits: list[Split], *, batch_size: int = 256, actors: int = 1, device: str = "cpu"):
+    """Ray Dataset {path (relative), label, pred, prob} of every image of `splits`, lazily."""
     import ray.data
 
-    from training import parquet
+    from training.ingest import read_split
 
-    if parquet.is_prepared(root):
-        tree = parquet.scan_prepared(root)
-        splits = [tree.val] if split == "val" else [tree.train, tree.val]
-        shards = [s for sp in splits for s in sp.shards]
-        if list(tree.class_names) != list(info["class_names"]):
-            raise DataError(
-                f"{root}: prepared with classes {list(tree.class_names)}, the model has {list(info['class_names'])}"
-            )
-
-        expected = [
-            str(PurePosixPath(p).relative_to(PurePosixPath(tree.train.source))) for sp in splits for p in sp.paths
-        ]
-        ds = ray.data.read_parquet(shards).select_columns(["bytes", "label", "key", "path"])
-        return ds.map_batches(
-            parquet.PreparedDecoder(tree.train.source, keep_path=True), batch_format="numpy", batch_size=64
-        ), expected
-    paths, labels, rel = list_inputs(root, info["class_names"], split, val_fraction)
-    meta = {p.split("://", 1)[-1]: (r, lab) for p, r, lab in zip(paths, rel, labels, strict=True)}
-    ds = ray.data.read_binary_files(paths, include_paths=True).map_batches(
-        _Decode(meta), batch_format="numpy", batch_size=64
-    )
-    return ds, rel
-
-
-def predict(
-    info: dict,
-    root: str,
-    *,
-    split: str = "all",
-    val_fraction: float = 0.2,
-    batch_size: int = 256,
-    actors: int = 1,
-    device: str = "auto",
-) -> tuple[list[dict], list[str]]:
-    """Score every image; returns (rows sorted by path, relative paths that could not be read)."""
-    import ray
-
-    if device == "auto":
-        device = "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
-    ds, expected = _dataset(root, info, split, val_fraction)
-    ds = ds.map_batches(
+    parts = [
+        read_split(s, info["class_names"], decode=True, relative_paths=True, rows_per_task=batch_size) for s in splits
+    ]
+    ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
+    return ds.map_batches(
         Predictor,
         fn_constructor_kwargs={"info": info, "device": device},
         batch_format="numpy",
@@ -193,6 +148,18 @@ def predict(
         num_gpus=1 if device == "cuda" else 0,
         num_cpus=1,
     )
+
+
+def predict(
+    info: dict, splits: list[Split], *, batch_size: int = 256, actors: int = 1, device: str = "auto"
+) -> tuple[list[dict], list[str]]:
+    """Score every image of `splits` (input_splits); returns (rows sorted by path, relative
+    paths that could not be read)."""
+    import ray
+
+    if device == "auto":
+        device = "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+    ds = scoring_dataset(info, splits, batch_size=batch_size, actors=actors, device=device)
     rows = []
     for batch in ds.iter_batches(batch_format="numpy", batch_size=None):
         rows += [
@@ -200,7 +167,7 @@ def predict(
             for p, lab, pr, pb in zip(batch["path"], batch["label"], batch["pred"], batch["prob"], strict=True)
         ]
     rows.sort(key=lambda r: r["path"])
-    unread = sorted(set(expected) - {r["path"] for r in rows})
+    unread = sorted(set(r for s in splits for r in s.rel_paths) - {r["path"] for r in rows})
     return rows, unread
 
 

@@ -1,6 +1,25 @@
 """The trainer's input: Ray Datasets that read, decode and augment each split, and how
 they are split between the ranks.
 
+    files or shards --(read task: a new order every epoch)--> {bytes, path, label, key}
+        --(augment stage: decode + augment in one call)--> {image uint8 (B, S, S, 3), label, key}
+
+Where decoding happens (`choose_decode`, printed in the plan line; docs/design.md,
+"Decoding"): on a GPU, in the augment actor (nvjpeg); on CPUs, in the augment call too,
+each JPEG at the smallest scale its crop allows, when the train preset crops photos
+(random_resized_crop) and the files are large enough for that to pay; otherwise (tiny
+images such as 32 px PNGs) in the read task, at full size.
+
+The file order is drawn from (seed, epoch) when each epoch's execution starts, in the
+process that runs it: the same on every machine and for a run resumed at epoch k as for
+one that ran straight through. (Ray Data's own per-execution reshuffling keys its seed on
+a counter of executions, which restarts when a run resumes.) The local shuffle buffer of
+the train loop mixes rows across read tasks on top.
+
+Constant per-task cost: the split's file table goes to the object store once; a read
+task carries only its own files, and a row's label and key come from its own path (or a
+prepared shard's columns), so no map function or actor argument grows with the dataset.
+
 Light on purpose (no torch at import): Ray Train's controller and dataset manager and, with
 more than one worker, Ray Data's split coordinators unpickle what this module defines, and
 each is a process of its own; importing torch there would cost seconds of start-up apiece
@@ -9,31 +28,293 @@ on a small machine.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
+
+import numpy as np
 import ray
 import ray.data
 import ray.train
+from ray.data.block import BlockAccessor, BlockMetadata
+from ray.data.datasource import Datasource, ReadTask
 
+from augment.decode import SHRINKING_OPS, BadImage, decode_image, stack_images
 from augment.stage import AugmentStage, augment_task
-from training.data import read_split
+from training.data import Split, filesystem, label_of, stable_hash
+
+ROWS_PER_TASK = 256  # at most this many files per read task (one augment call each on CPUs)
+MIN_ROWS_PER_TASK = 16  # below this, per-task overhead dominates
+TASK_BYTES = 64 * 2**20  # encoded bytes per read task at most (camera photos: a few files each)
+# CPU, auto: decode in the augment call (JPEGs at reduced size) when the train preset crops
+# photos and the files average at least this; below it the images are small, a reduced-size
+# decode rarely applies, and the read task decodes them (docs/benchmarks.md, "Ingest").
+SHRINK_MIN_FILE_BYTES = 32 * 1024
 
 
-def build_datasets(cfg, tree, preset, plan, clock, bad_log=None) -> dict:
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    where: str  # "read": in the read task, full size; "augment": in the augment call
+    shrink: bool  # the CPU train path decodes each JPEG at the smallest scale its crop allows
+    why: str
+
+    def describe(self) -> str:
+        how = "JPEGs at reduced size" if self.shrink else "full size"
+        return f"decode in the {self.where} stage, {how} ({self.why})"
+
+
+def choose_decode(setting: str, split: Split, train_preset: tuple, use_gpu: bool) -> DecodePlan:
+    """Where and how images are decoded: `setting` is --decode (auto, read, augment,
+    augment-full); auto picks by device, preset and the split's mean file size."""
+    if setting == "read":
+        return DecodePlan("read", False, "--decode read")
+    if setting in ("augment", "augment-full"):
+        shrink = setting == "augment" and not use_gpu
+        return DecodePlan("augment", shrink, f"--decode {setting}" + (", nvjpeg on the GPU" if use_gpu else ""))
+    if use_gpu:
+        return DecodePlan("augment", False, "GPU: nvjpeg in the augment actor")
+    mean_kb = split.mean_file_bytes / 1024
+    crops = next(iter(train_preset[0])) in SHRINKING_OPS
+    if crops and mean_kb >= SHRINK_MIN_FILE_BYTES / 1024:
+        return DecodePlan("augment", True, f"CPU, files average {mean_kb:.0f} KB")
+    small = f"files average {mean_kb:.0f} KB" if crops else f"the preset's crop is {next(iter(train_preset[0]))}"
+    return DecodePlan("read", False, f"CPU, {small}")
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
+    """The order of a split's units in one epoch: a permutation drawn from (seed, epoch)
+    (numpy's PCG64 with a SeedSequence: the same numbers on every machine)."""
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+class SplitSource(Datasource):
+    """One split's files (or a prepared split's row groups) as a Ray Data source, read in a
+    new order every epoch. Rows: {bytes, path, label, key}, or {image, label, key, path} when
+    the read task decodes.
+
+    The epoch comes from the run's EpochClock when each execution starts (rank 0 advances it
+    before asking for the epoch's data); without a clock, or with shuffle off, the order is
+    epoch 0's / the split's own.
+    """
+
+    def __init__(
+        self,
+        split: Split,
+        class_names,
+        *,
+        seed: int = 0,
+        shuffle: bool = False,
+        clock=None,
+        decode: bool = False,
+        bad_log=None,
+        relative_paths: bool = False,
+        label_part: int | None = None,
+        rows_per_task: int = ROWS_PER_TASK,
+    ):
+        super().__init__()
+        self._prepared = getattr(split, "row_groups", None) is not None
+        if self._prepared:
+            units = split.row_groups
+        else:
+            import pyarrow as pa
+
+            units = pa.array(list(split.rel_paths), type=pa.string())
+        self._units = ray.put(units)  # the per-file table: once in the object store, not in any task
+        self._n, self._rows, self._bytes = len(units), len(split), split.total_bytes
+        self._read = dict(
+            root=split.root,
+            shards=tuple(getattr(split, "shards", ())),
+            class_names=tuple(class_names),
+            label_part=split.label_part if label_part is None else label_part,
+            decode=decode,
+            bad_log=bad_log,
+            relative_paths=relative_paths,
+        )
+        self._seed, self._shuffle, self._clock = seed, shuffle, clock
+        self._rows_per_task = rows_per_task
+
+    def get_name(self) -> str:
+        return "ReadImages" if not self._prepared else "ReadPreparedImages"
+
+    def estimate_inmemory_data_size(self) -> int:
+        return self._bytes
+
+    def get_read_tasks(self, parallelism: int, per_task_row_limit=None, data_context=None) -> list[ReadTask]:
+        epoch = ray.get(self._clock.get.remote()) if self._shuffle and self._clock is not None else 0
+        units = ray.get(self._units)
+        order = epoch_order(self._n, self._seed, epoch) if self._shuffle else np.arange(self._n)
+        mean_rows = self._rows / max(1, self._n)  # rows per unit: 1 for files, ~256 for row groups
+        mean_bytes = self._bytes / max(1, self._rows)
+        rows = min(self._rows_per_task, max(MIN_ROWS_PER_TASK, math.ceil(self._rows / max(1, parallelism))))
+        rows = max(1, min(rows, int(TASK_BYTES // max(1.0, mean_bytes))))
+        per_task = max(1, round(rows / mean_rows))
+        tasks = []
+        for start in range(0, self._n, per_task):
+            chosen = order[start : start + per_task]
+            if self._prepared:
+                fn = functools.partial(
+                    _read_row_groups, units[chosen], self._shuffle, (self._seed, epoch, start), **self._read
+                )
+                n_rows = int(units[chosen, 2].sum())
+            else:
+                fn = functools.partial(_read_files, units.take(chosen), **self._read)
+                n_rows = len(chosen)
+            meta = BlockMetadata(
+                num_rows=n_rows, size_bytes=int(n_rows * mean_bytes), input_files=None, exec_stats=None
+            )
+            tasks.append(ReadTask(fn, meta, per_task_row_limit=per_task_row_limit))
+        return tasks
+
+
+def _read_files(rel_paths, *, root, shards, class_names, label_part, decode, bad_log, relative_paths):
+    """A read task: its files' bytes, path, label and key (label and key from each path)."""
+    rel = rel_paths.to_pylist()
+    fs, base, prefix = filesystem(root)
+    full = [f"{base}/{r}" for r in rel]
+    if prefix:  # object storage: latency-bound, so threads
+        from concurrent.futures import ThreadPoolExecutor
+
+        def read(path):
+            with fs.open_input_stream(path) as f:
+                return f.read()
+
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            datas = list(pool.map(read, full))
+    else:
+        datas = []
+        for path in full:
+            with open(path, "rb") as f:
+                datas.append(f.read())
+    index = {name: i for i, name in enumerate(class_names)}
+    columns = {
+        "bytes": datas,
+        "path": rel if relative_paths else [prefix + p for p in full],
+        "label": np.array([label_of(r, index, label_part) for r in rel], dtype=np.int64),
+        "key": np.array([stable_hash(r) for r in rel], dtype=np.int64),
+    }
+    yield _block(columns, decode, bad_log)
+
+
+def _read_row_groups(
+    groups, shuffle, order_seed, *, root, shards, class_names, label_part, decode, bad_log, relative_paths
+):
+    """A read task of a prepared split: its row groups, their rows in an order drawn from
+    (seed, epoch, task) so that consecutive epochs pair different neighbours."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tables = []
+    for shard, group, _ in groups:
+        fs, path, _ = filesystem(shards[shard])
+        with fs.open_input_file(path) as f:
+            tables.append(pq.ParquetFile(f).read_row_group(int(group), columns=["bytes", "path", "label", "key"]))
+    table = pa.concat_tables(tables)
+    if shuffle:
+        table = table.take(np.random.default_rng(list(order_seed)).permutation(table.num_rows))
+    rel = table.column("path").to_pylist()
+    columns = {
+        "bytes": table.column("bytes").to_pylist(),
+        "path": rel if relative_paths else [f"{root}/{r}" for r in rel],
+        "label": table.column("label").to_numpy(),
+        "key": table.column("key").to_numpy(),
+    }
+    yield _block(columns, decode, bad_log)
+
+
+def _block(columns: dict, decode: bool | str, bad_log):
+    """The Arrow block of a read task: the encoded files, or (decode) the decoded images of
+    those that decode, the rest reported to the bad-file log; "check" keeps only the keys."""
+    import pyarrow as pa
+
+    if not decode:
+        return pa.table(
+            {"bytes": pa.array(columns["bytes"], type=pa.binary())} | {k: columns[k] for k in ("path", "label", "key")}
+        )
+    images, keep, bad = [], [], []
+    for i, data in enumerate(columns["bytes"]):
+        try:
+            images.append(decode_image(data))
+            keep.append(i)
+        except BadImage as e:
+            bad.append((str(columns["path"][i]), str(e)))
+    if bad and bad_log is not None:
+        bad_log.add.remote(bad)  # fire and forget: the driver reads the log later
+    if decode == "check":
+        return pa.table({"key": np.asarray(columns["key"])[keep]})
+    out = {
+        "image": stack_images(images),
+        "label": np.asarray(columns["label"])[keep],
+        "key": np.asarray(columns["key"])[keep],
+    }
+    out["path"] = np.asarray(columns["path"], dtype=object)[keep]
+    return BlockAccessor.batch_to_block(out)
+
+
+def read_split(
+    split: Split,
+    class_names,
+    *,
+    seed: int = 0,
+    shuffle: bool = False,
+    clock=None,
+    decode=False,
+    bad_log=None,
+    num_cpus: float = 1.0,
+    rows_per_task: int = ROWS_PER_TASK,
+    **source_args,
+):
+    """Ray Dataset of one split's rows (see SplitSource), read by tasks of `num_cpus`."""
+    source = SplitSource(
+        split,
+        class_names,
+        seed=seed,
+        shuffle=shuffle,
+        clock=clock,
+        decode=decode,
+        bad_log=bad_log,
+        rows_per_task=rows_per_task,
+        **source_args,
+    )
+    return ray.data.read_datasource(source, num_cpus=num_cpus)
+
+
+def check_decodes(split: Split, class_names, *, bad_log, num_cpus: float) -> int:
+    """--strict: decode every file of the split once, now; the bad ones go to bad_log.
+    Returns the number that decoded."""
+    ds = read_split(split, class_names, decode="check", bad_log=bad_log, num_cpus=num_cpus)
+    return sum(len(b["key"]) for b in ds.iter_batches(batch_size=None, batch_format="numpy"))
+
+
+def build_datasets(cfg, tree, preset, plan, clock, bad_log=None, decode: DecodePlan | None = None) -> dict:
     """{"train", "val"}: read -> decode -> augment, lazily; each epoch streams them anew.
 
     Where the augmentation runs (plan.augment_gpus, plan.augment_actors):
-    - GPU: an actor pool per split; each actor keeps its pipeline on its GPU share.
-    - CPU, the default: Ray Data tasks. Ray starts a fresh actor pool for every epoch's
-      execution (3-5 s of process start and imports on a small machine, each epoch); task
-      worker processes stay alive between epochs and keep their pipeline (augment_task).
+    - GPU: an actor pool per split; each actor keeps its pipeline on its GPU share and
+      decodes the JPEGs of a batch with nvjpeg.
+    - CPU, the default: Ray Data tasks, fused with the read (one task reads, decodes and
+      augments its files). Ray starts a fresh actor pool for every epoch's execution (3-5 s
+      of process start and imports on a small machine, each epoch); task worker processes
+      stay alive between epochs and keep their pipeline (augment_task).
     - CPU with --augment-actors N: an actor pool of N, as on a GPU.
-    Nothing is decoded up front: the first training step waits only for the first batch.
+    Nothing is decoded up front (but with --strict): the first step waits for the first batch.
     """
+    decode = decode or choose_decode(cfg.decode, tree.train, preset.train, plan.use_gpu)
     out = {}
     for split_name, split in (("train", tree.train), ("val", tree.val)):
         train = split_name == "train"
-        ds = read_split(split, seed=cfg.seed, shuffle=train, bad_log=bad_log, num_cpus=plan.augment_cpus)
-        if cfg.strict:
-            ds.count()  # --strict: decode every file once now, so a bad one stops the run before training
+        if cfg.strict:  # decode every file once now, so a bad one stops the run before training
+            check_decodes(split, tree.class_names, bad_log=bad_log, num_cpus=plan.augment_cpus)
+        ds = read_split(
+            split,
+            tree.class_names,
+            seed=cfg.seed,
+            shuffle=train,
+            clock=clock if train else None,
+            decode=decode.where == "read",
+            bad_log=bad_log,
+            num_cpus=plan.augment_cpus,
+            rows_per_task=cfg.augment_batch_size,
+        )
         kwargs = {
             "preset": preset.to_dict(),
             "train": train,
@@ -41,17 +322,23 @@ def build_datasets(cfg, tree, preset, plan, clock, bad_log=None) -> dict:
             "clock": clock if train else None,
             "schedule": cfg.augment_schedule,  # the stage applies it to train only
             "epochs": cfg.epochs,
+            "shrink": decode.shrink and train,
+            "bad_log": bad_log,
         }
-        common = {"batch_format": "numpy", "batch_size": cfg.augment_batch_size, "num_cpus": plan.augment_cpus}
         if plan.augment_tasks:
-            out[split_name] = ds.map_batches(augment_task, fn_kwargs=kwargs, **common)
+            # batch_size None: one call per read task's block, so Ray Data fuses read and augment
+            out[split_name] = ds.map_batches(
+                augment_task, fn_kwargs=kwargs, batch_format="numpy", batch_size=None, num_cpus=plan.augment_cpus
+            )
         else:
             out[split_name] = ds.map_batches(
                 AugmentStage,
                 fn_constructor_kwargs=kwargs,
                 compute=ray.data.ActorPoolStrategy(size=plan.augment_actors),
                 num_gpus=plan.augment_gpus,
-                **common,
+                batch_format="numpy",
+                batch_size=cfg.augment_batch_size,
+                num_cpus=plan.augment_cpus,
             )
     return out
 

@@ -11,6 +11,15 @@ from augment.schedule import parse_schedule
 from training import artifacts
 from training.config import ConfigError, TrainConfig, check_amp
 from training.data import ImageTree, default_dataset_dir, scan_tree
+from training.parquet import is_prepared, scan_prepared
+
+
+def scan_data(root: str, val_fraction: float = 0.2) -> ImageTree:
+    """An image tree, or the Parquet shards `python -m jobs.prepare` wrote (its split is the
+    one fixed when preparing). DataError for anything unusable."""
+    if is_prepared(root):
+        return scan_prepared(root)
+    return scan_tree(root, val_fraction)
 
 
 def check_inputs(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree]:
@@ -18,7 +27,7 @@ def check_inputs(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree]:
     ConfigError (exit 2) for anything wrong. The preset is checked by augment.presets.load_preset."""
     cfg = cfg.with_defaults_resolved()
     root = cfg.data or str(default_dataset_dir())
-    tree = scan_tree(root, cfg.val_fraction)
+    tree = scan_data(root, cfg.val_fraction)
     try:  # a bad schedule name is found before Ray starts
         parse_schedule(cfg.augment_schedule)
     except ValueError as e:

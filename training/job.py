@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import ray
 import ray.train
 import torch
@@ -30,7 +31,7 @@ from augment.stage import EpochClock
 from training import artifacts, plots
 from training.config import ConfigError, TrainConfig, check_amp
 from training.data import BadFileLog, DataError, ImageTree
-from training.ingest import SplitValUnequally, build_datasets
+from training.ingest import SplitValUnequally, build_datasets, choose_decode
 from training.inputs import check_inputs
 from training.loop import CHECKPOINT_FILE, KEY_MOD, train_loop
 from training.model import uses_small_stem
@@ -258,13 +259,14 @@ def run(
         log(f"note: {capacity.note()}")
     if cfg.batch_size < plan.num_workers:
         raise ConfigError(f"--batch-size {cfg.batch_size} is smaller than the {plan.num_workers} workers; raise it")
+    decode = choose_decode(cfg.decode, tree.train, preset.train, plan.use_gpu)
     log(f"data: {tree.describe()}")
-    log(f"plan: {plan.describe()}")
+    log(f"plan: {plan.describe()}; {decode.describe()}")
     artifacts.write_json(
         artifacts.join(run_dir, "config.json"),
         {
             "config": cfg.to_dict(),
-            "plan": dataclasses.asdict(plan),
+            "plan": dataclasses.asdict(plan) | {"decode": dataclasses.asdict(decode)},
             "preset": preset.to_dict(),
             "class_names": list(tree.class_names),
             "git_commit": git_commit(),
@@ -274,14 +276,25 @@ def run(
 
     helpers = [ray.remote(num_cpus=0)(EpochClock).remote(), ray.remote(num_cpus=0)(BadFileLog).remote()]
     try:
-        return _fit(cfg, tree, preset, plan, *helpers, run_dir=run_dir, start=start, log=log, own_cluster=own_cluster)
+        return _fit(
+            cfg,
+            tree,
+            preset,
+            plan,
+            *helpers,
+            decode=decode,
+            run_dir=run_dir,
+            start=start,
+            log=log,
+            own_cluster=own_cluster,
+        )
     finally:
         for actor in helpers:  # nothing of this run may hold cluster resources afterwards
             ray.kill(actor)
 
 
-def _fit(cfg, tree, preset, plan, clock, bad_log, *, run_dir, start, log, own_cluster) -> dict:
-    datasets = build_datasets(cfg, tree, preset, plan, clock, bad_log)
+def _fit(cfg, tree, preset, plan, clock, bad_log, *, decode, run_dir, start, log, own_cluster) -> dict:
+    datasets = build_datasets(cfg, tree, preset, plan, clock, bad_log, decode)
     bad = ray.get(bad_log.get.remote()) if cfg.strict else {}  # --strict decoded every file above
     if bad:
         _write_bad_files(run_dir, bad)
@@ -400,8 +413,10 @@ def coverage(seen_per_epoch: list[list[dict]], tree: ImageTree, bad: dict[str, s
     Equal splits may drop up to world_size - 1 rows; more missing, or any surplus, is
     reported (a restarted augment actor can redeliver a batch).
     """
-    good = [k for p, k in zip(tree.train.paths, tree.train.keys, strict=True) if p not in bad]
-    expected_sum = sum(k % KEY_MOD for k in good) % KEY_MOD
+    split = tree.train
+    bad_rel = [p[len(split.root) + 1 :] for p in bad if p.startswith(split.root + "/")]
+    good = split.keys[~np.isin(split.rel_paths, bad_rel)] if bad_rel else split.keys
+    expected_sum = int((good % KEY_MOD).sum() % KEY_MOD)
     out = []
     for epoch, ranks in enumerate(seen_per_epoch, start=1):
         count = sum(r["count"] for r in ranks)

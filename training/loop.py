@@ -270,8 +270,8 @@ def train_loop(job: dict) -> None:
     def epoch_batches(epoch: int):
         if master:  # before this rank asks for the epoch's data: the split barrier holds the others
             ray.get(job["clock"].set.remote(epoch))
-        # Epoch 0 takes the files in the seed's random permutation (read_split), so a local
-        # shuffle adds little there, and Ray Data's would hold back the first batch until
+        # Every epoch reads the files in a permutation of its own (training/ingest.py), so at
+        # epoch 0 a local shuffle adds little, and Ray Data's would hold back the first batch until
         # batch + 1.5 x buffer rows had arrived; block prefetch would wait for the second
         # block. Without both, the first step starts on the first block.
         first = epoch == 0

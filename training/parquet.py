@@ -11,7 +11,8 @@ hundred shards of ~128 MB read at full bandwidth. `python -m jobs.prepare DIR OU
 The split, the labels and the keys are those `training.data.scan_tree` gives for DIR, so
 training on OUT sees the same images with the same labels, and (augmentation being keyed by
 `key`) the same augmentations. Train rows are stored in an order shuffled once, so that
-every shard mixes classes; validation rows in path order.
+every shard mixes classes; validation rows in path order. Shards are written in row groups
+of 256 images: the unit that training reads in a new order every epoch (training/ingest.py).
 """
 
 from __future__ import annotations
@@ -25,26 +26,30 @@ from pathlib import PurePosixPath
 
 import numpy as np
 
-from training.data import DataError, ImageTree, Split, _filesystem, scan_tree, stack_images
+from training.data import DataError, ImageTree, Split, filesystem, make_split, scan_tree
 
 MANIFEST = "_prepared.json"
 FORMAT = "ray-gpu-augment/prepared/1"
 SPLITS = ("train", "val")
 
 
-@dataclasses.dataclass(frozen=True)
+ROW_GROUP = 256  # images per Parquet row group
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class PreparedSplit(Split):
-    """A Split whose images live in Parquet shards (paths name the original files)."""
+    """A Split whose images live in Parquet shards; `root` is the tree jobs.prepare read, so
+    `paths` name the original files."""
 
     shards: tuple[str, ...] = ()  # shard URIs, in the order they were written
-    source: str = ""  # the tree jobs.prepare read; paths are below it
+    row_groups: np.ndarray | None = None  # int64 (n, 3): shard index, row group, rows; read in a new order every epoch
 
 
 def is_prepared(root: str) -> bool:
     """Is `root` the output of jobs.prepare (has its manifest)?"""
     import pyarrow.fs as pafs
 
-    fs, base, _ = _filesystem(root)
+    fs, base, _ = filesystem(root)
     return fs.get_file_info(f"{base}/{MANIFEST}").type == pafs.FileType.File
 
 
@@ -89,8 +94,8 @@ def prepare_tree(
     import pyarrow.parquet as pq
 
     tree = scan_tree(root, val_fraction)
-    src_fs, src_base, _ = _filesystem(root)
-    fs, base, prefix = _filesystem(out)
+    src_fs, src_base, _ = filesystem(root)
+    fs, base, prefix = filesystem(out)
     info = fs.get_file_info(base)
     if info.type == pafs.FileType.File:
         raise DataError(f"{out}: is a file; give a directory for the prepared shards")
@@ -110,16 +115,16 @@ def prepare_tree(
         order = np.random.default_rng(seed).permutation(len(split)) if name == "train" else np.arange(len(split))
         fs.create_dir(f"{base}/{name}", recursive=True)
         n_shards = max(1, math.ceil(split.total_bytes / shard_bytes)) if len(split) else 0
-        shards = []
+        shards, split_paths = [], split.paths
         for s, rows in enumerate(np.array_split(order, n_shards) if n_shards else []):
-            paths = [split.paths[i] for i in rows]
+            paths = [split_paths[i] for i in rows]
             data = _read_all(src_fs, paths, threads)
             sizes = [_image_size(b) for b in data]
             table = pa.table(
                 {
                     "bytes": pa.array(data, type=pa.binary()),
-                    "label": pa.array([split.labels[i] for i in rows], type=pa.int64()),
-                    "key": pa.array([split.keys[i] for i in rows], type=pa.int64()),
+                    "label": pa.array(split.labels[rows], type=pa.int64()),
+                    "key": pa.array(split.keys[rows], type=pa.int64()),
                     "height": pa.array([h for h, _ in sizes], type=pa.int32()),
                     "width": pa.array([w for _, w in sizes], type=pa.int32()),
                     "path": pa.array(
@@ -129,8 +134,8 @@ def prepare_tree(
                 }
             )
             shard = f"{name}/part-{s:05d}.parquet"
-            # row groups of 256 images: Ray Data can split a shard between readers
-            pq.write_table(table, f"{base}/{shard}", filesystem=fs, row_group_size=256)
+            # row groups: the units training reads in a new order every epoch (training/ingest.py)
+            pq.write_table(table, f"{base}/{shard}", filesystem=fs, row_group_size=ROW_GROUP)
             shards.append(shard)
             log(f"{name}: wrote {prefix}{base}/{shard} ({len(rows)} images)")
         manifest["splits"][name] = {"images": len(split), "bytes": split.total_bytes, "shards": shards}
@@ -140,7 +145,7 @@ def prepare_tree(
 
 
 def read_manifest(root: str) -> dict:
-    fs, base, _ = _filesystem(root)
+    fs, base, _ = filesystem(root)
     with fs.open_input_stream(f"{base}/{MANIFEST}") as f:
         manifest = json.loads(f.read())
     if manifest.get("format") != FORMAT:
@@ -152,29 +157,36 @@ def read_manifest(root: str) -> dict:
 
 
 def scan_prepared(root: str) -> ImageTree:
-    """The ImageTree of a prepared directory: labels and keys read from the shards' small
-    columns (not the image bytes). The split is the one fixed by jobs.prepare."""
+    """The ImageTree of a prepared directory: paths, labels and keys read from the shards'
+    small columns (not the image bytes), and each shard's row groups from its footer. The
+    split is the one fixed by jobs.prepare."""
     import pyarrow.parquet as pq
 
     manifest = read_manifest(root)
-    fs, base, prefix = _filesystem(root)
+    fs, base, prefix = filesystem(root)
     source = manifest["source"].rstrip("/")
     splits = {}
     for name in SPLITS:
         meta = manifest["splits"][name]
-        shards = tuple(f"{prefix}{base}/{s}" for s in meta["shards"])
-        paths, labels, keys = [], [], []
-        for shard in meta["shards"]:
-            t = pq.read_table(f"{base}/{shard}", columns=["path", "label", "key"], filesystem=fs)
-            paths += [f"{source}/{p}" for p in t.column("path").to_pylist()]
-            labels += t.column("label").to_pylist()
-            keys += t.column("key").to_pylist()
-        if len(paths) != meta["images"]:
+        rel, labels, keys, sizes, groups = [], [], [], [], []
+        for s, shard in enumerate(meta["shards"]):
+            with fs.open_input_file(f"{base}/{shard}") as f:
+                pf = pq.ParquetFile(f)
+                t = pf.read(columns=["path", "label", "key"])
+                groups += [(s, g, pf.metadata.row_group(g).num_rows) for g in range(pf.num_row_groups)]
+            rel += t.column("path").to_pylist()
+            labels.append(t.column("label").to_numpy())
+            keys.append(t.column("key").to_numpy())
+        if len(rel) != meta["images"]:
             raise DataError(
-                f"{root}: {name} shards hold {len(paths)} images, the manifest says {meta['images']}; prepare it again"
+                f"{root}: {name} shards hold {len(rel)} images, the manifest says {meta['images']}; prepare it again"
             )
+        sizes = np.full(len(rel), meta["bytes"] // max(1, len(rel)), dtype=np.int64)  # the manifest keeps the total
+        split = make_split(source, rel, _cat(labels), sizes, keys=_cat(keys))
         splits[name] = PreparedSplit(
-            tuple(paths), tuple(labels), tuple(keys), meta["bytes"], shards=shards, source=source
+            **{f.name: getattr(split, f.name) for f in dataclasses.fields(Split)},
+            shards=tuple(f"{prefix}{base}/{s}" for s in meta["shards"]),
+            row_groups=np.asarray(groups, dtype=np.int64).reshape(-1, 3),
         )
     layout = f"{manifest['layout']}" + (
         f" by val_fraction {manifest['val_fraction']}" if manifest["layout"] == "hash" else ""
@@ -188,47 +200,5 @@ def scan_prepared(root: str) -> ImageTree:
     )
 
 
-class PreparedDecoder:
-    """map_batches function: Parquet rows {bytes, label, key, path} -> {image, label, key}.
-    An undecodable image is dropped and reported to `bad_log`, as training.data.Decoder does."""
-
-    def __init__(self, source: str, bad_log=None, *, keep_path: bool = False):
-        self._source, self._bad_log, self._keep_path = source.rstrip("/"), bad_log, keep_path
-
-    def __call__(self, batch: dict) -> dict:
-        from training.data import decode_image
-
-        images, keep, bad = [], [], []
-        for i, data in enumerate(batch["bytes"]):
-            try:
-                images.append(decode_image(data))
-            except ValueError as e:  # training.data.BadImage
-                bad.append((f"{self._source}/{batch['path'][i]}", str(e)))
-                continue
-            keep.append(i)
-        if bad and self._bad_log is not None:
-            self._bad_log.add.remote(bad)
-        out = {
-            "image": stack_images(images),
-            "label": np.asarray(batch["label"], dtype=np.int64)[keep],
-            "key": np.asarray(batch["key"], dtype=np.int64)[keep],
-        }
-        if self._keep_path:  # relative to the source tree (jobs.predict names files by it)
-            out["path"] = np.asarray(batch["path"], dtype=object)[keep]
-        return out
-
-
-def read_prepared_split(split: PreparedSplit, *, seed: int, shuffle: bool, bad_log=None, num_cpus: float = 1.0):
-    """Ray Dataset of decoded images for one prepared split: the same {image, label, key}
-    columns as training.data.read_split. Shards are read in an order shuffled by `seed`
-    (their rows were shuffled once by jobs.prepare); from epoch 1 on, the trainer's buffer
-    reshuffles every epoch."""
-    import ray.data
-
-    shards = list(split.shards)
-    if shuffle:
-        shards = [shards[i] for i in np.random.default_rng(seed).permutation(len(shards))]
-    ds = ray.data.read_parquet(shards, num_cpus=num_cpus).select_columns(["bytes", "label", "key", "path"])
-    return ds.map_batches(
-        PreparedDecoder(split.source, bad_log), batch_format="numpy", batch_size=64, num_cpus=num_cpus
-    )
+def _cat(arrays: list) -> np.ndarray:
+    return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)

@@ -1,0 +1,176 @@
+"""Decoding in the augment call: the same pixels as Pillow, reduced-size JPEG decoding that
+keeps each image's augmentation, bad files reported alone, and the GPU's batched decode
+path run through the same code on CPU tensors (docs/design.md, "Decoding")."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from augment.batch import augment_batch, decode_augment
+from augment.decode import SHRINK_FACTORS, SHRINKING_OPS, BadImage, decode_image, read_header
+from augment.ops import OPS, Op, RandomResizedCrop
+from augment.presets import PRESETS, Pipeline
+from augment.rng import KeyedRng
+from bench.augment import synthetic_photo
+
+CPU = torch.device("cpu")
+
+
+def _jpeg(h: int, w: int, seed: int, mode: str = "RGB", **kw) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(synthetic_photo(h, w, seed)).convert(mode).save(buf, format="JPEG", quality=90, **kw)
+    return buf.getvalue()
+
+
+def _pillow(data: bytes, shrink: int = 1) -> np.ndarray:
+    """The reference: Pillow alone (its draft mode for a reduced scale)."""
+    with Image.open(io.BytesIO(data)) as img:
+        if shrink > 1:
+            img.draft(None, (img.width // shrink, img.height // shrink))
+        return np.asarray(img.convert("RGB"))
+
+
+@pytest.mark.parametrize(
+    "mode, kw", [("RGB", {}), ("RGB", {"progressive": True}), ("L", {}), ("RGB", {"subsampling": 0}), ("CMYK", {})]
+)
+def test_jpegs_decode_to_pillows_pixels_at_every_scale(mode, kw):
+    data = _jpeg(301, 437, 1, mode, **kw)
+    assert read_header(data)[:2] == (301, 437)
+    for s in SHRINK_FACTORS:
+        got = decode_image(data, s)
+        assert got.shape == (-(-301 // s), -(-437 // s), 3)
+        np.testing.assert_array_equal(got, _pillow(data, s))
+
+
+def test_bad_files_raise_bad_image_with_the_reason():
+    jpeg = _jpeg(64, 64, 0)
+    huge = bytearray(jpeg)
+    sof = huge.index(b"\xff\xc0") + 5  # baseline frame header: precision, then height and width
+    huge[sof : sof + 4] = (30000).to_bytes(2, "big") + (30000).to_bytes(2, "big")
+    for data, reason in [
+        (jpeg[: len(jpeg) // 2], "corrupt image"),
+        (b"\xff\xd8 not a jpeg at all", "not an image"),
+        (b"", "empty file"),
+        (bytes(huge), "decompression bomb"),
+    ]:
+        with pytest.raises(BadImage, match=reason):
+            read_header(data) and decode_image(data)
+
+
+def test_shrink_factor_keeps_the_crop_at_least_the_output_and_rescales_the_box():
+    op, out = RandomResizedCrop(size=100), 100
+    sizes = torch.tensor([[300, 400], [1000, 800], [2500, 2000]] * 2000)
+    params = op.sample(KeyedRng(torch.arange(len(sizes)), seed=0, epoch=0), sizes)
+    f = op.max_shrink(params)
+    h, w = params["box"][:, 2], params["box"][:, 3]
+    assert set(f.unique().tolist()) == set(SHRINK_FACTORS)  # every scale occurs for these sizes
+    shrunk = f > 1
+    assert bool(((h >= f * out) & (w >= f * out))[shrunk].all())  # at scale f the crop still covers the output
+    bigger = (h >= 2 * f * out) & (w >= 2 * f * out)
+    assert not bool((bigger & (f < 8)).any())  # and f is the largest such scale
+    small = op.shrink_params(params, f)["box"]
+    top, left = params["box"][:, 0], params["box"][:, 1]
+    assert bool((small[shrunk, 2:] >= out).all())
+    for edge, small_edge in [(top, small[:, 0]), (left, small[:, 1]), (top + h, small[:, 0] + small[:, 2])]:
+        assert bool(((small_edge * f - edge).abs() <= f // 2).all())  # each edge within half a small pixel
+
+
+def test_only_the_listed_ops_let_the_decoder_shrink():
+    shrinking = sorted(name for name, cls in OPS.items() if cls.max_shrink is not Op.max_shrink)
+    assert shrinking == sorted(SHRINKING_OPS)
+
+
+@pytest.fixture(scope="module")
+def encoded():
+    sizes = [(300, 400), (1200, 1600), (500, 333), (2000, 1500), (480, 640), (1000, 1000)]
+    files = [_jpeg(h, w, i) for i, (h, w) in enumerate(sizes)]
+    png = io.BytesIO()
+    Image.fromarray(synthetic_photo(700, 900, 7)).save(png, format="PNG")
+    return files + [png.getvalue(), b"not an image", files[0][:300]]
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_full_size_decode_augment_equals_decoding_then_augmenting(encoded, train):
+    preset = PRESETS["imagenet"]
+    pipeline = Pipeline(preset.train if train else preset.eval, seed=5)
+    keys = torch.arange(len(encoded), dtype=torch.int64) * 7919
+    out, kept, bad = decode_augment(pipeline, encoded, keys, 3, CPU, shrink=False)
+    assert kept == list(range(7)) and sorted(r for r, _ in bad) == [7, 8]
+    images = np.empty(7, dtype=object)
+    images[:] = [decode_image(d) for d in encoded[:7]]
+    torch.testing.assert_close(out, augment_batch(pipeline, images, keys[:7], 3, CPU), rtol=0, atol=0)
+
+
+def test_reduced_size_decode_stays_close_and_independent_of_the_batch(encoded):
+    pipeline = Pipeline(PRESETS["imagenet"].train, seed=5)
+    keys = torch.arange(len(encoded), dtype=torch.int64) * 7919
+    full, _, _ = decode_augment(pipeline, encoded, keys, 3, CPU, shrink=False)
+    small, kept, bad = decode_augment(pipeline, encoded, keys, 3, CPU, shrink=True)
+    assert kept == list(range(7)) and len(bad) == 2
+    factors = pipeline.ops[0].max_shrink(
+        pipeline.geometry(torch.tensor([read_header(d)[:2] for d in encoded[:7]]), keys[:7], 3)
+    )
+    assert int(factors.max()) > 1  # some images were decoded at a reduced size
+    diff = (small.float() - full.float()).abs()
+    assert float(diff.mean()) < 2.0  # the same crop (edges within half a small pixel), filtered differently
+    for i in range(7):  # alone, or in another batch, an image gets the same view
+        alone, _, _ = decode_augment(pipeline, encoded[i : i + 1], keys[i : i + 1], 3, CPU, shrink=True)
+        torch.testing.assert_close(alone[0], small[i], rtol=0, atol=0)
+
+
+def test_the_gpu_paths_batched_decode_runs_the_same_code_on_cpu_tensors(encoded):
+    """nvjpeg=True takes the GPU branch (one batched torchvision.io.decode_jpeg call, then
+    per-file fallbacks), which torchvision also runs on the CPU: same images, same bad files."""
+    pipeline = Pipeline(PRESETS["imagenet"].train, seed=5)
+    keys = torch.arange(len(encoded), dtype=torch.int64) * 7919
+    cpu, kept, bad = decode_augment(pipeline, encoded, keys, 1, CPU, shrink=False)
+    gpu_path, kept_g, bad_g = decode_augment(pipeline, encoded, keys, 1, CPU, shrink=True, nvjpeg=True)
+    assert kept_g == kept and sorted(bad_g) == sorted(bad)  # shrink is a CPU-only path: ignored here
+    assert int((gpu_path.int() - cpu.int()).abs().max()) <= 1
+
+
+def test_the_stage_decodes_bytes_and_reports_bad_files_by_path(encoded):
+    from augment.stage import AugmentStage
+
+    class Log:
+        def __init__(self):
+            self.rows, self.add = [], self
+
+        def remote(self, rows):
+            self.rows += rows
+
+    log = Log()
+    stage = AugmentStage(PRESETS["imagenet"].to_dict(), train=True, seed=0, device="cpu", shrink=True, bad_log=log)
+    n = len(encoded)
+    batch = {
+        "bytes": np.array(encoded, dtype=object),
+        "path": np.array([f"/data/c/{i}.jpg" for i in range(n)], dtype=object),
+        "label": np.arange(n),
+        "key": np.arange(n) * 31,
+    }
+    out = stage(batch)
+    assert out["image"].shape == (n - 2, 224, 224, 3) and list(out["label"]) == list(range(n - 2))
+    assert list(out["key"]) == [i * 31 for i in range(n - 2)]
+    assert sorted(p for p, _ in log.rows) == ["/data/c/7.jpg", "/data/c/8.jpg"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="nvjpeg needs a CUDA device; this machine has none")
+def test_nvjpeg_decodes_a_batch_like_the_cpu(encoded):
+    from augment.decode import decode_cuda
+
+    flags = [read_header(d)[2] if d[:2] == b"\xff\xd8" and len(d) > 1000 else False for d in encoded[:7]]
+    images = decode_cuda(encoded[:7], flags, torch.device("cuda"))
+    for data, image in zip(encoded[:7], images, strict=True):
+        ref = torch.from_numpy(decode_image(data))
+        assert image.shape == ref.shape and image.device.type == "cuda"
+        assert float((image.cpu().float() - ref.float()).abs().mean()) < 1.0  # nvjpeg's IDCT differs slightly
+    pipeline = Pipeline(PRESETS["imagenet"].train, seed=5).to("cuda")
+    keys = torch.arange(len(encoded), dtype=torch.int64)
+    out, kept, bad = decode_augment(pipeline, encoded, keys, 1, torch.device("cuda"), shrink=False)
+    assert kept == list(range(7)) and len(bad) == 2 and out.device.type == "cuda"
