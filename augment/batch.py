@@ -110,7 +110,12 @@ def decode_augment(
         if not good:
             continue
         sel = torch.tensor(good, dtype=torch.int64, device=device)
-        canvas, decoded = to_canvas(images)
+        if not nvjpeg and pipeline.ops[0].takes_image_list and pipeline.ops[0].method != "matmul":
+            # each image is resampled on its own: no copy into a canvas
+            canvas = [torch.from_numpy(a) for a in images]
+            decoded = torch.tensor([a.shape[:2] for a in images], dtype=torch.int64)
+        else:
+            canvas, decoded = to_canvas(images)
         params = _rows(params, sel, len(chunk))
         params = _fit_to_decoded(pipeline, params, sizes[sel], decoded, factors[sel], chunk_keys[sel], epoch)
         outs.append(pipeline.augment(canvas, decoded, chunk_keys[sel], epoch, params))

@@ -42,6 +42,9 @@ def register(cls):
 class Op(torch.nn.Module):
     name = ""
     geometry = False  # True: canvas + sizes in, uniform float batch out
+    # True: on the CPU, `apply` also takes a list of (H, W, 3) uint8 images in place of the
+    # canvas (each image is resampled on its own there), sparing the copy into a canvas
+    takes_image_list = False
     scalable: tuple[str, ...] = ()  # parameters that a strength schedule may scale
 
     def __init__(self):
@@ -298,18 +301,21 @@ def aa_weights(start, length, out_len, offset, count: int, canvas_len: int) -> t
 
 def resample_boxes(canvas, box, resized, offset, out_hw, method: str = "auto") -> torch.Tensor:
     """Resample box (top, left, h, w) of every image to resized (rh, rw), keep the out_hw
-    window at offset (oy, ox). canvas: uint8 (B, Hmax, Wmax, 3); box, resized, offset: int64.
+    window at offset (oy, ox). canvas: uint8 (B, Hmax, Wmax, 3), or on the CPU a list of
+    (H, W, 3) images; box, resized, offset: int64.
     Returns float (B, 3, oh, ow) in [0, 1]: planar from the CPU loop, channels_last otherwise."""
-    if method == "auto":
+    if isinstance(canvas, list):
+        method = "loop"
+    elif method == "auto":
         method = "loop" if canvas.device.type == "cpu" else "matmul"
     oh, ow = out_hw
     if method == "loop":
         # planar output: the CPU's pixel ops are fastest on it (see ColorJitter.apply)
-        out = torch.empty((canvas.shape[0], 3, oh, ow), dtype=torch.uint8)
+        out = torch.empty((len(canvas), 3, oh, ow), dtype=torch.uint8)
         for b, ((t, left, h, w), (rh, rw), (oy, ox)) in enumerate(
             zip(box.tolist(), resized.tolist(), offset.tolist(), strict=True)
         ):
-            crop = canvas[b, t : t + h, left : left + w].permute(2, 0, 1)[None]  # a channels_last view, no copy
+            crop = canvas[b][t : t + h, left : left + w].permute(2, 0, 1)[None]  # a channels_last view, no copy
             if (h, w) != (rh, rw):
                 crop = F.interpolate(crop, size=(rh, rw), mode="bilinear", antialias=True, align_corners=False)
             out[b] = crop[0, :, oy : oy + oh, ox : ox + ow]
@@ -340,6 +346,7 @@ class RandomResizedCrop(Op):
 
     name = "random_resized_crop"
     geometry = True
+    takes_image_list = True
     scalable = ("scale", "ratio")
 
     def __init__(self, *, size, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), method: str = "auto"):
@@ -418,6 +425,7 @@ class ResizeCenterCrop(Op):
 
     name = "resize_center_crop"
     geometry = True
+    takes_image_list = True
 
     def __init__(self, *, resize: int, size, method: str = "auto"):
         super().__init__()

@@ -4,6 +4,7 @@ DataLoader + torchvision transforms on the same files and cores, side by side (n
 
     python -m bench.throughput                                # the four cases, 2 rounds, ~8 minutes
     python -m bench.throughput --cases imagenet camera --rounds 3 --json out.json
+    python -m bench.throughput --cases cifar --decode augment      # jobs.train's --decode for the ray variant
 
 Cases (trees generated once under --work; building them is not timed):
 
@@ -71,6 +72,9 @@ def write_image(job: tuple[str, str, int]) -> None:
     from bench.augment import synthetic_photo
 
     path, kind, i = job
+    if kind == "labelled":  # the accuracy check: 1200x900 photos whose class (i % 10) shows
+        Image.fromarray(labelled_photo(i)).save(path, quality=90)
+        return
     if kind == "cifar":
         Image.fromarray(synthetic_photo(32, 32, i)).save(path)
         return
@@ -84,6 +88,24 @@ def write_image(job: tuple[str, str, int]) -> None:
     Image.fromarray(synthetic_photo(h, w, i)).save(path, quality=90)
 
 
+def labelled_photo(i: int, classes: int = 10):
+    """A 900x1200 photo-like image of class i % classes: a smooth random photo (1/4 size,
+    enlarged) over stripes whose angle and colour belong to the class, so that a model can
+    learn the class from a crop of any size."""
+    import numpy as np
+    from PIL import Image
+
+    from bench.augment import synthetic_photo
+
+    c, h, w = i % classes, 900, 1200
+    photo = np.asarray(Image.fromarray(synthetic_photo(h // 4, w // 4, i)).resize((w, h), Image.BICUBIC), float)
+    yy, xx = np.mgrid[0:h, 0:w]
+    angle = np.pi * c / classes
+    stripes = 0.5 + 0.5 * np.sin((np.cos(angle) * xx + np.sin(angle) * yy) * 2 * np.pi / 40)
+    colour = np.array([(c * 97) % 256, (c * 53 + 80) % 256, (c * 31 + 160) % 256], float)
+    return np.clip(0.6 * photo + 0.4 * stripes[..., None] * colour, 0, 255).astype(np.uint8)
+
+
 def make_tree(out: str, kind: str, count: int, classes: int = 10) -> str:
     """OUT/class<k>/<i>.<ext>: `count` generated images in `classes` classes, once."""
     from multiprocessing import Pool
@@ -91,7 +113,7 @@ def make_tree(out: str, kind: str, count: int, classes: int = 10) -> str:
     done = os.path.join(out, ".complete")
     if os.path.exists(done):
         return out
-    ext = "png" if kind == "cifar" else "jpg"
+    ext = "png" if kind == "cifar" else "jpg"  # labelled photos: JPEGs too
     jobs = []
     for i in range(count):
         folder = os.path.join(out, f"class{i % classes:02d}")
@@ -114,7 +136,7 @@ def prepared(tree: str, out: str) -> str:
 # --------------------------------------------------------------------------- variants (child processes)
 
 
-def run_ray(data: str, preset_name: str, epochs: int, batch: int, stats_path: str) -> dict:
+def run_ray(data: str, preset_name: str, epochs: int, batch: int, stats_path: str, decode: str = "auto") -> dict:
     import ray
 
     from augment.presets import load_preset
@@ -127,7 +149,7 @@ def run_ray(data: str, preset_name: str, epochs: int, batch: int, stats_path: st
     from training.inputs import scan_data
 
     connect()
-    cfg = TrainConfig(data=data, preset=preset_name, batch_size=batch, epochs=epochs)
+    cfg = TrainConfig(data=data, preset=preset_name, batch_size=batch, epochs=epochs, decode=decode)
     tree, preset = scan_data(data, cfg.val_fraction), load_preset(preset_name)
     plan = job.plan_resources(cfg, job.cluster_capacity())
     decode = choose_decode(cfg.decode, tree.train, preset.train, plan.use_gpu)
@@ -137,7 +159,7 @@ def run_ray(data: str, preset_name: str, epochs: int, batch: int, stats_path: st
     for epoch in range(epochs):
         ray.get(clock.set.remote(epoch))
         first = epoch == 0
-        start, n = time.perf_counter(), 0
+        start, cpu, n = time.perf_counter(), time.process_time(), 0
         for b in ds.iter_torch_batches(  # as training/loop.py's epoch_batches
             batch_size=batch,
             local_shuffle_buffer_size=None if first else min(4 * batch, 2048),
@@ -145,7 +167,8 @@ def run_ray(data: str, preset_name: str, epochs: int, batch: int, stats_path: st
             prefetch_batches=0 if first else 2,
         ):
             n += len(b["label"])
-        out.append({"images": n, "s": time.perf_counter() - start})
+        # the driver's own CPU per image: what iterating costs the train worker, beside its model
+        out.append({"images": n, "s": time.perf_counter() - start, "driver_cpu_s": time.process_time() - cpu})
     with open(stats_path, "w") as f:
         f.write(f"plan: {plan.describe()}; {decode.describe()}\n\n{ds.stats()}\n")
     return {"epochs": out, "plan": plan.describe(), "decode": decode.describe()}
@@ -182,7 +205,7 @@ def summarize(result: dict) -> dict:
 
 def child(args) -> None:
     if args.variant == "ray":
-        result = run_ray(args.data, args.preset, args.epochs, args.batch_size, args.stats)
+        result = run_ray(args.data, args.preset, args.epochs, args.batch_size, args.stats, args.decode)
     else:
         result = run_seed(args.data, args.preset, args.epochs, args.batch_size)
     print(json.dumps(summarize(result)), flush=True)
@@ -192,6 +215,7 @@ def run_variant(variant: str, case: str, data: str, seed_data: str, args) -> dic
     cmd = [sys.executable, "-m", "bench.throughput", "--child", variant, "--preset", CASES[case]["preset"]]
     cmd += ["--data", data if variant == "ray" else seed_data, "--epochs", str(args.epochs)]
     cmd += ["--batch-size", str(args.batch_size), "--stats", os.path.join(args.work, f"stats-{case}.txt")]
+    cmd += ["--decode", args.decode]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         raise RuntimeError(f"{variant} on {case} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
@@ -206,12 +230,23 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--batch-size", type=int, default=64, help="images per batch, both variants")
     ap.add_argument("--work", default="/tmp/bench-throughput", help="generated trees and Ray Data's stats go here")
     ap.add_argument("--json", metavar="FILE", help="write every round's figures here")
+    ap.add_argument("--decode", default="auto", help="jobs.train's --decode for the ray variant (default: auto)")
+    ap.add_argument(
+        "--make-tree",
+        nargs=3,
+        metavar=("KIND", "DIR", "COUNT"),
+        help="only write a tree of COUNT images of KIND (imagenet, camera, cifar, labelled) to DIR and exit",
+    )
     ap.add_argument("--child", choices=("ray", "seed"), help=argparse.SUPPRESS)
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
     ap.add_argument("--preset", help=argparse.SUPPRESS)
     ap.add_argument("--stats", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.make_tree:
+        kind, out, count = args.make_tree
+        make_tree(out, kind, int(count))
+        return []
     if args.child:
         args.variant = args.child
         child(args)

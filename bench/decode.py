@@ -1,0 +1,117 @@
+"""Decode + augment in one call, from encoded JPEGs to the augmented uint8 batch (not a test).
+
+    python -m bench.decode                          # CPU, one thread: ImageNet- and camera-size JPEGs
+    python -m bench.decode --device cuda --batch-sizes 256 1024 --json decode-cuda.json   # bench/gpu.sh
+
+The `imagenet` train preset at 224 px on photo-like JPEGs (quality 90) held in memory:
+ImageNet-size (shorter side 333-500) and, with --camera, camera-size (longer side
+3000-4000, fewer of them). Columns, img/s:
+
+* decode+augment     augment.batch.decode_augment, what the augment stage runs on encoded
+                     rows: on the CPU with reduced-size JPEG decoding, on a GPU with one
+                     batched nvjpeg call per batch (the files are uploaded inside the timing);
+* full-size decode   the same call with reduced-size decoding off (CPU only);
+* seed (PIL)         the seed's per image work in this process: PIL decode, then
+                     RandomResizedCrop(224), flip, ColorJitter(0.2, 0.2, 0.2), ToTensor,
+                     Normalize (bench.seed_train.seed_transforms), CPU only.
+
+One torch thread on the CPU (what an augment task gets). Goal on one H200 (the issue):
+>= 20,000 img/s for decode+augment at 224 px.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import time
+
+import torch
+
+
+def encoded_photos(kind: str, n: int) -> list[bytes]:
+    from PIL import Image
+
+    from bench.augment import synthetic_photo
+    from bench.throughput import photo_size
+
+    out = []
+    for i in range(n):
+        h, w = photo_size(kind, i)
+        if kind == "camera":  # enlarge a small photo: a camera's size, generated quickly
+            img = Image.fromarray(synthetic_photo(h // 8, w // 8, i)).resize((w, h), Image.BICUBIC)
+        else:
+            img = Image.fromarray(synthetic_photo(h, w, i))
+        buf = io.BytesIO()
+        img.save(buf, format="JPEG", quality=90)
+        out.append(buf.getvalue())
+    return out
+
+
+def time_decode_augment(files, batch: int, device: torch.device, shrink: bool, seconds: float) -> float:
+    from augment.batch import decode_augment
+    from augment.presets import PRESETS, Pipeline
+
+    pipeline = Pipeline(PRESETS["imagenet"].train, seed=0).to(device)
+    keys = torch.arange(len(files), dtype=torch.int64)
+
+    def one(i: int) -> int:
+        idx = [(i * batch + j) % len(files) for j in range(batch)]
+        out, _, _ = decode_augment(pipeline, [files[j] for j in idx], keys[idx], 0, device, shrink=shrink)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return len(out)
+
+    one(0)  # warm-up: kernels, allocator, nvjpeg handles
+    start, n, i = time.perf_counter(), 0, 1
+    while time.perf_counter() - start < seconds:
+        n, i = n + one(i), i + 1
+    return n / (time.perf_counter() - start)
+
+
+def time_seed(files, seconds: float) -> float:
+    from PIL import Image
+
+    from bench.seed_train import seed_transforms
+
+    transform = seed_transforms("imagenet", True)
+    start, n = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        with Image.open(io.BytesIO(files[n % len(files)])) as img:
+            transform(img.convert("RGB"))
+        n += 1
+    return n / (time.perf_counter() - start)
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[256], help="images per decode_augment call")
+    ap.add_argument("--images", type=int, default=256, help="distinct ImageNet-size JPEGs (cycled)")
+    ap.add_argument("--camera", type=int, default=12, help="distinct camera-size JPEGs (0: skip that row)")
+    ap.add_argument("--seconds", type=float, default=10.0, help="timing per column")
+    ap.add_argument("--json", metavar="FILE")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    device = torch.device(args.device)
+    rows = []
+    for kind, n in (("imagenet", args.images), ("camera", args.camera)):
+        if not n:
+            continue
+        files = encoded_photos(kind, n)
+        for batch in args.batch_sizes if kind == "imagenet" else [min(args.batch_sizes)]:
+            row = {"photos": kind, "batch": batch, "device": args.device}
+            row["decode_augment"] = round(time_decode_augment(files, batch, device, True, args.seconds), 1)
+            if device.type == "cpu":
+                row["full_size_decode"] = round(time_decode_augment(files, batch, device, False, args.seconds), 1)
+                row["seed_pil"] = round(time_seed(files, args.seconds), 1)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch_threads": 1, "rows": rows}, f, indent=2)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

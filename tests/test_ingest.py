@@ -1,0 +1,158 @@
+"""The datasets jobs.train, jobs.predict and jobs.evaluate build: no task carries a per-file
+table, every epoch reads the files in a new order drawn from (seed, epoch), and decoding
+happens where the plan line says (docs/design.md, "Data flow")."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import ray
+import ray.data
+from ray import cloudpickle
+
+from augment.presets import PRESETS
+from tests.conftest import write_tree
+from training import job
+from training.config import TrainConfig
+from training.data import ImageTree, make_split
+from training.ingest import build_datasets, choose_decode
+
+CPU_2 = job.Capacity(cpus=2, gpus=0, hosts=1)
+
+
+def _fake_tree(n: int) -> ImageTree:
+    """A tree of n paths that do not exist: building the datasets reads nothing."""
+    names = ("cat", "dog", "eel")
+    rel = [f"{names[i % 3]}/{i:07d}.jpg" for i in range(n)]
+    split = make_split("/nowhere/photos", rel, [i % 3 for i in range(n)], np.full(n, 50_000))
+    return ImageTree("/nowhere/photos", "hash", names, split, split.subset(np.arange(n) < n // 5))
+
+
+class _Recorder:
+    """Every map_batches call and every datasource that the code under test hands Ray Data."""
+
+    def __init__(self, monkeypatch):
+        self.pickled: list[tuple[str, int]] = []
+        original_map, original_read = ray.data.Dataset.map_batches, ray.data.read_datasource
+
+        def map_batches(ds, fn, *args, **kwargs):
+            for name in ("fn_args", "fn_kwargs", "fn_constructor_args", "fn_constructor_kwargs"):
+                self.pickled.append((f"{getattr(fn, '__name__', fn)}.{name}", len(cloudpickle.dumps(kwargs.get(name)))))
+            self.pickled.append((f"{getattr(fn, '__name__', fn)}", len(cloudpickle.dumps(fn))))
+            return original_map(ds, fn, *args, **kwargs)
+
+        def read_datasource(source, **kwargs):
+            self.pickled.append((type(source).__name__, len(cloudpickle.dumps(source))))
+            return original_read(source, **kwargs)
+
+        monkeypatch.setattr(ray.data.Dataset, "map_batches", map_batches)
+        monkeypatch.setattr(ray.data, "read_datasource", read_datasource)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"preset": "cifar"},  # decode in the read task, augment tasks
+        {"preset": "imagenet", "decode": "augment"},  # decode + augment in one call
+        {"preset": "imagenet", "augment_actors": 1},  # an actor pool: constructor arguments
+    ],
+)
+def test_no_map_function_or_argument_grows_with_the_dataset(ray_cluster, monkeypatch, settings):
+    sizes = {}
+    for n in (1_000, 100_000):
+        recorder = _Recorder(monkeypatch)
+        cfg = TrainConfig(**settings)
+        build_datasets(cfg, _fake_tree(n), PRESETS[cfg.preset], job.plan_resources(cfg, CPU_2), clock=None)
+        sizes[n] = recorder.pickled
+        monkeypatch.undo()
+    _same_sizes(sizes[1_000], sizes[100_000])
+
+
+def _same_sizes(small: list, large: list) -> None:
+    """Every pickled map function and argument: the same bytes. The read source: the same up to
+    the digits of its counts (files, rows, bytes), as its table went to the object store."""
+    assert [name for name, _ in small] == [name for name, _ in large]
+    assert any(name == "SplitSource" for name, _ in small)
+    for (name, a), (_, b) in zip(small, large, strict=True):
+        assert (a == b) if name != "SplitSource" else abs(a - b) <= 12, (name, a, b)
+
+
+def test_predict_and_evaluate_datasets_do_not_grow_with_the_dataset(ray_cluster, monkeypatch):
+    """jobs.predict and jobs.evaluate both score through inference.scoring_dataset."""
+    from training.inference import scoring_dataset
+
+    info = {
+        "class_names": ["cat", "dog", "eel"],
+        "state_dict": {},
+        "small_stem": True,
+        "eval_transform": {"ops": [{"center_crop": {"size": 32}}], "mean": [0.5] * 3, "std": [0.5] * 3},
+    }
+    sizes = {}
+    for n in (1_000, 100_000):
+        recorder = _Recorder(monkeypatch)
+        tree = _fake_tree(n)
+        scoring_dataset(info, [tree.train, tree.val])
+        sizes[n] = recorder.pickled
+        monkeypatch.undo()
+    assert len(sizes[1_000]) >= 6
+    _same_sizes(sizes[1_000], sizes[100_000])
+
+
+def _pairs(keys) -> set:
+    return set(zip(keys[:-1], keys[1:], strict=True))
+
+
+@pytest.fixture(scope="module")
+def order_tree(tmp_path_factory):
+    return write_tree(tmp_path_factory.mktemp("order"), {"a": 90, "b": 90, "c": 90}, size=(8, 8))
+
+
+def _epoch_keys(cfg, tree, clock, epochs) -> list[list[int]]:
+    ds = build_datasets(cfg, tree, PRESETS["cifar"], job.plan_resources(cfg, CPU_2), clock)["train"]
+    out = []
+    for epoch in epochs:
+        ray.get(clock.set.remote(epoch))
+        out.append([int(k) for b in ds.iter_batches(batch_size=None, batch_format="numpy") for k in b["key"]])
+    return out
+
+
+def test_every_epoch_reads_a_new_order_from_seed_and_epoch(ray_cluster, order_tree):
+    from augment.stage import EpochClock
+    from training.inputs import scan_data
+
+    tree = scan_data(str(order_tree), 0.1)
+    assert len(tree.train) > 200
+    cfg = TrainConfig(data=str(order_tree), val_fraction=0.1, augment_batch_size=32)
+    context = ray.data.DataContext.get_current()
+    before = context.execution_options.preserve_order
+    context.execution_options.preserve_order = True  # as --deterministic sets it
+    clock = ray.remote(num_cpus=0)(EpochClock).remote()
+    try:
+        straight = _epoch_keys(cfg, tree, clock, [0, 1, 2])
+        resumed = _epoch_keys(cfg, tree, clock, [2])  # fresh datasets, as a run resumed at epoch 2 builds
+        again = _epoch_keys(cfg, tree, clock, [0])  # a second run with the same seed
+        other_seed = _epoch_keys(TrainConfig(**{**cfg.to_dict(), "seed": 1}), tree, clock, [0])
+    finally:
+        context.execution_options.preserve_order = before
+        ray.kill(clock)
+    everything = sorted(int(k) for k in tree.train.keys)
+    for keys in straight:
+        assert sorted(keys) == everything  # every image exactly once per epoch
+    for a, b in ((straight[0], straight[1]), (straight[1], straight[2])):
+        assert len(_pairs(a[:200]) & _pairs(b[:200])) <= 3  # ~0.7 expected by chance
+    assert resumed[0] == straight[2] and again[0] == straight[0]
+    assert other_seed[0] != straight[0]
+
+
+def test_decode_rule_by_device_preset_and_file_size():
+    tree = _fake_tree(100)
+    small = make_split("/x", ["a/1.png"], [0], [3_000])
+    imagenet, cifar = PRESETS["imagenet"].train, PRESETS["cifar"].train
+    assert choose_decode("auto", tree.train, imagenet, use_gpu=False).where == "augment"
+    assert choose_decode("auto", tree.train, imagenet, use_gpu=False).shrink
+    assert choose_decode("auto", small, imagenet, use_gpu=False).where == "read"  # tiny files
+    assert choose_decode("auto", tree.train, cifar, use_gpu=False).where == "read"  # no crop to shrink into
+    gpu = choose_decode("auto", small, cifar, use_gpu=True)
+    assert (gpu.where, gpu.shrink) == ("augment", False) and "nvjpeg" in gpu.describe()
+    assert not choose_decode("augment-full", tree.train, imagenet, use_gpu=False).shrink
+    assert choose_decode("read", tree.train, imagenet, use_gpu=False).where == "read"
