@@ -44,7 +44,8 @@ from augment.stage import AugmentStage, augment_task
 from training.data import Split, filesystem, label_of, stable_hash
 
 ROWS_PER_TASK = 256  # at most this many files per read task (one augment call each on CPUs)
-MIN_ROWS_PER_TASK = 16  # below this, per-task overhead dominates
+MIN_TASKS, MIN_ROWS_PER_TASK = 8, 16  # a small split still gets a few tasks, of 16 rows at least
+MAX_TASKS = 4096  # Ray Data warns of "excessive task creation" from 5,000 read tasks on
 TASK_BYTES = 64 * 2**20  # encoded bytes per read task at most (camera photos: a few files each)
 # CPU, auto: decode in the augment call (JPEGs at reduced size) when the train preset crops
 # photos and the files average at least this; below it the images are small, a reduced-size
@@ -79,6 +80,12 @@ def choose_decode(setting: str, split: Split, train_preset: tuple, use_gpu: bool
         return DecodePlan("augment", True, f"CPU, files average {mean_kb:.0f} KB")
     small = f"files average {mean_kb:.0f} KB" if crops else f"the preset's crop is {next(iter(train_preset[0]))}"
     return DecodePlan("read", False, f"CPU, {small}")
+
+
+def _bad_schema():
+    import pyarrow as pa
+
+    return pa.schema([("path", pa.string()), ("reason", pa.string())])
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
@@ -131,7 +138,17 @@ class SplitSource(Datasource):
             relative_paths=relative_paths,
         )
         self._seed, self._shuffle, self._clock = seed, shuffle, clock
-        self._rows_per_task = rows_per_task
+        # rows per read task: at most rows_per_task and TASK_BYTES, and a few tasks at least
+        mean_bytes = self._bytes / max(1, self._rows)
+        rows = min(rows_per_task, max(MIN_ROWS_PER_TASK, math.ceil(self._rows / MIN_TASKS)))
+        rows = max(1, min(rows, int(TASK_BYTES // max(1.0, mean_bytes))), math.ceil(self._rows / MAX_TASKS))
+        self._units_per_task = max(1, round(rows / max(1.0, self._rows / max(1, self._n))))
+
+    @property
+    def num_tasks(self) -> int:
+        """Read tasks per execution. read_split hands Ray Data this count: with fewer tasks than
+        it asked for, it would split their blocks and no longer fuse the read with the augment call."""
+        return max(1, math.ceil(self._n / self._units_per_task))
 
     def get_name(self) -> str:
         return "ReadImages" if not self._prepared else "ReadPreparedImages"
@@ -143,11 +160,7 @@ class SplitSource(Datasource):
         epoch = ray.get(self._clock.get.remote()) if self._shuffle and self._clock is not None else 0
         units = ray.get(self._units)
         order = epoch_order(self._n, self._seed, epoch) if self._shuffle else np.arange(self._n)
-        mean_rows = self._rows / max(1, self._n)  # rows per unit: 1 for files, ~256 for row groups
-        mean_bytes = self._bytes / max(1, self._rows)
-        rows = min(self._rows_per_task, max(MIN_ROWS_PER_TASK, math.ceil(self._rows / max(1, parallelism))))
-        rows = max(1, min(rows, int(TASK_BYTES // max(1.0, mean_bytes))))
-        per_task = max(1, round(rows / mean_rows))
+        mean_bytes, per_task = self._bytes / max(1, self._rows), self._units_per_task
         tasks = []
         for start in range(0, self._n, per_task):
             chosen = order[start : start + per_task]
@@ -223,7 +236,8 @@ def _read_row_groups(
 
 def _block(columns: dict, decode: bool | str, bad_log):
     """The Arrow block of a read task: the encoded files, or (decode) the decoded images of
-    those that decode, the rest reported to the bad-file log; "check" keeps only the keys."""
+    those that decode, the rest reported to the bad-file log; decode="check" returns only
+    the bad files, {path, reason}, for the caller to record."""
     import pyarrow as pa
 
     if not decode:
@@ -237,10 +251,10 @@ def _block(columns: dict, decode: bool | str, bad_log):
             keep.append(i)
         except BadImage as e:
             bad.append((str(columns["path"][i]), str(e)))
-    if bad and bad_log is not None:
-        bad_log.add.remote(bad)  # fire and forget: the driver reads the log later
     if decode == "check":
-        return pa.table({"key": np.asarray(columns["key"])[keep]})
+        return pa.table({"path": [p for p, _ in bad], "reason": [r for _, r in bad]}, schema=_bad_schema())
+    if bad and bad_log is not None:
+        bad_log.add.remote(bad)  # fire and forget: the driver reads the log after training
     out = {
         "image": stack_images(images),
         "label": np.asarray(columns["label"])[keep],
@@ -275,14 +289,16 @@ def read_split(
         rows_per_task=rows_per_task,
         **source_args,
     )
-    return ray.data.read_datasource(source, num_cpus=num_cpus)
+    return ray.data.read_datasource(source, num_cpus=num_cpus, override_num_blocks=source.num_tasks)
 
 
-def check_decodes(split: Split, class_names, *, bad_log, num_cpus: float) -> int:
-    """--strict: decode every file of the split once, now; the bad ones go to bad_log.
-    Returns the number that decoded."""
-    ds = read_split(split, class_names, decode="check", bad_log=bad_log, num_cpus=num_cpus)
-    return sum(len(b["key"]) for b in ds.iter_batches(batch_size=None, batch_format="numpy"))
+def check_decodes(split: Split, class_names, *, num_cpus: float) -> dict[str, str]:
+    """--strict: decode every file of the split once, now; {path: reason} of those that fail."""
+    ds = read_split(split, class_names, decode="check", num_cpus=num_cpus)
+    bad = {}
+    for b in ds.iter_batches(batch_size=None, batch_format="numpy"):
+        bad.update(zip(b["path"].tolist(), b["reason"].tolist(), strict=True))
+    return bad
 
 
 def build_datasets(cfg, tree, preset, plan, clock, bad_log=None, decode: DecodePlan | None = None) -> dict:
@@ -303,7 +319,9 @@ def build_datasets(cfg, tree, preset, plan, clock, bad_log=None, decode: DecodeP
     for split_name, split in (("train", tree.train), ("val", tree.val)):
         train = split_name == "train"
         if cfg.strict:  # decode every file once now, so a bad one stops the run before training
-            check_decodes(split, tree.class_names, bad_log=bad_log, num_cpus=plan.augment_cpus)
+            bad = check_decodes(split, tree.class_names, num_cpus=plan.augment_cpus)
+            if bad and bad_log is not None:
+                ray.get(bad_log.add.remote(sorted(bad.items())))  # recorded before the driver reads the log
         ds = read_split(
             split,
             tree.class_names,

@@ -181,7 +181,9 @@ def scan_prepared(root: str) -> ImageTree:
             raise DataError(
                 f"{root}: {name} shards hold {len(rel)} images, the manifest says {meta['images']}; prepare it again"
             )
-        sizes = np.full(len(rel), meta["bytes"] // max(1, len(rel)), dtype=np.int64)  # the manifest keeps the total
+        # the manifest keeps only the total: spread it over the files, to the byte
+        sizes = np.full(len(rel), meta["bytes"] // max(1, len(rel)), dtype=np.int64)
+        sizes[: meta["bytes"] - int(sizes.sum())] += 1
         split = make_split(source, rel, _cat(labels), sizes, keys=_cat(keys))
         splits[name] = PreparedSplit(
             **{f.name: getattr(split, f.name) for f in dataclasses.fields(Split)},
