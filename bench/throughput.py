@@ -152,10 +152,6 @@ def run_ray(data: str, preset_name: str, epochs: int, batch: int, stats_path: st
     cfg = TrainConfig(data=data, preset=preset_name, batch_size=batch, epochs=epochs, decode=decode)
     tree, preset = scan_data(data, cfg.val_fraction), load_preset(preset_name)
     plan = job.plan_resources(cfg, job.cluster_capacity())
-    if os.environ.get("BENCH_AUGMENT_CPUS"):  # an experiment's knob: CPUs per augment task
-        import dataclasses
-
-        plan = dataclasses.replace(plan, augment_cpus=float(os.environ["BENCH_AUGMENT_CPUS"]))
     decode = choose_decode(cfg.decode, tree.train, preset.train, plan.use_gpu)
     clock, bad_log = ray.remote(num_cpus=0)(EpochClock).remote(), ray.remote(num_cpus=0)(BadFileLog).remote()
     ds = build_datasets(cfg, tree, preset, plan, clock, bad_log, decode)["train"]
