@@ -95,7 +95,7 @@ def decode_augment(
             headers.append((i, *read_header(data)))
         except BadImage as e:
             bad.append((i, str(e)))
-    step = pipeline.cpu_chunk if not nvjpeg and pipeline.chunkable else max(1, len(headers))
+    step = pipeline.cpu_chunk if not nvjpeg else max(1, len(headers))
     outs, kept = [], []
     for c in range(0, len(headers), step):
         chunk = headers[c : c + step]

@@ -80,7 +80,7 @@ def subset_tree(root: str, train_images: int, out: str, val_fraction: float = 0.
         for path, label in sorted(zip(split.paths, split.labels, strict=True)):
             by_class.setdefault(label, []).append(path)
         picked, i = [], 0
-        while len(picked) < min(n, len(split.paths)):
+        while len(picked) < min(n, len(split)):
             for label in sorted(by_class):
                 if i < len(by_class[label]) and len(picked) < n:
                     picked.append((by_class[label][i], label))
