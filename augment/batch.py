@@ -121,7 +121,7 @@ def decode_augment(
         outs.append(pipeline.augment(canvas, decoded, chunk_keys[sel], epoch, params))
         kept += rows[sel.cpu()].tolist()
     if not outs:
-        out_h, out_w = pipeline.ops[0].size
+        out_h, out_w = pipeline.size_at(epoch)  # the epoch's size (progressive resizing)
         return torch.empty((0, out_h, out_w, 3), dtype=torch.uint8, device=device), [], bad
     return torch.cat(outs), kept, bad
 

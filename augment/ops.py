@@ -46,6 +46,8 @@ class Op(torch.nn.Module):
     # canvas (each image is resampled on its own there), sparing the copy into a canvas
     takes_image_list = False
     scalable: tuple[str, ...] = ()  # parameters that a strength schedule may scale
+    # geometry ops: lengths in px besides `size` that scale with it (--image-size, progressive resizing)
+    lengths: tuple[str, ...] = ()
 
     def __init__(self):
         super().__init__()
@@ -114,6 +116,7 @@ class RandomCrop(Op):
 
     name = "random_crop"
     geometry = True
+    lengths = ("padding",)
 
     def __init__(self, *, size, padding: int = 0, fill: float = 0.0):
         super().__init__()
@@ -426,6 +429,7 @@ class ResizeCenterCrop(Op):
     name = "resize_center_crop"
     geometry = True
     takes_image_list = True
+    lengths = ("resize",)
 
     def __init__(self, *, resize: int, size, method: str = "auto"):
         super().__init__()

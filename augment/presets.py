@@ -35,7 +35,7 @@ from augment.kornia_ops import check_kornia_params, is_kornia
 from augment.mix import check_mix
 from augment.ops import OPS, KorniaOp, check_params
 from augment.rng import KeyedRng
-from augment.schedule import parse_schedule, strength
+from augment.schedule import MIN_IMAGE_SIZE, parse_resize, parse_schedule, resize_side, strength
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -53,9 +53,26 @@ class Preset:
     @property
     def image_size(self) -> int:
         """Side of the images the model sees (from the first eval op)."""
-        (params,) = self.eval[0].values()
-        size = params["size"]
-        return int(size if isinstance(size, (int, float)) else size[0])
+        return _side(self.eval[0])
+
+    @property
+    def train_size(self) -> int:
+        """Side of the training crops (from the first train op); usually image_size."""
+        return _side(self.train[0])
+
+    def at_size(self, side: int) -> "Preset":
+        """This preset for `side` px images: both first (geometry) ops scaled by side / image_size,
+        so the train/eval ratio and the eval resize's ratio to its crop (256/224) stay as written."""
+        if side < MIN_IMAGE_SIZE:
+            raise PresetError(f"image size {side} px: need at least {MIN_IMAGE_SIZE}")
+        base = self.image_size
+        if side == base:
+            return self
+        return dataclasses.replace(
+            self,
+            train=(scale_geometry(self.train[0], side, base), *self.train[1:]),
+            eval=(scale_geometry(self.eval[0], side, base), *self.eval[1:]),
+        )
 
     def to_dict(self) -> dict:
         out = {
@@ -66,6 +83,26 @@ class Preset:
             "eval": list(self.eval),
         }
         return out | ({"mix": dict(self.mix)} if self.mix else {})
+
+
+def _side(spec: dict) -> int:
+    (params,) = spec.values()
+    size = params["size"]
+    return int(size if isinstance(size, (int, float)) else size[0])
+
+
+def scale_geometry(spec: dict, side: int, base: int) -> dict:
+    """A geometry op spec for images of `side` px instead of `base`: its size and its other
+    lengths (Op.lengths: random_crop's padding, resize_center_crop's resize) times side / base,
+    rounded down as timm rounds its eval resize (224 -> 256, 160 -> 182)."""
+    ((name, params),) = spec.items()
+    params = dict(params)
+    size = params["size"]
+    params["size"] = size * side // base if isinstance(size, (int, float)) else [v * side // base for v in size]
+    for key in OPS[name].lengths:
+        if key in params:
+            params[key] = params[key] * side // base
+    return {name: params}
 
 
 PRESETS = {
@@ -189,26 +226,24 @@ CPU_CHUNK_PIXELS = 4 * 224 * 224
 class Pipeline(torch.nn.Module):
     """One module for a list of op specs: canvas + keys in, uint8 (B, S, S, 3) out.
 
-    `schedule` (augment/schedule.py) scales the ops' magnitudes by epoch out of `epochs`.
+    `schedule` (augment/schedule.py) scales the ops' magnitudes by epoch out of `epochs`;
+    `resize` (progressive resizing, same module) sets the first op's output side by epoch,
+    from a lower one up to the side the specs give.
     """
 
-    def __init__(self, specs, *, seed: int, schedule: str = "none", epochs: int = 1):
+    def __init__(self, specs, *, seed: int, schedule: str = "none", epochs: int = 1, resize: str = "none"):
         super().__init__()
         self.seed = seed
         try:
             parse_schedule(schedule)
+            parse_resize(resize)
         except ValueError as e:
             raise PresetError(str(e)) from None
         self.schedule, self.epochs, self._strength = schedule, int(epochs), 1.0
+        self.specs, self.resize, self.full_side = tuple(specs), resize, _side(specs[0])
         ops = []
-        for stream, spec in enumerate(specs, start=1):
-            ((name, params),) = spec.items()
-            try:
-                op = KorniaOp(name, params, size=ops[0].size) if is_kornia(name) else OPS[name](**params)
-            except (TypeError, ValueError) as e:
-                raise PresetError(f"[{stream - 1}]: {e}") from None
-            op.stream = stream
-            ops.append(op)
+        for stream, spec in enumerate(self.specs, start=1):
+            ops.append(self._build(stream, spec, size=ops[0].size if ops else None))
         self.ops = torch.nn.ModuleList(ops)
         self.out_hw = self.ops[0].size
 
@@ -217,7 +252,33 @@ class Pipeline(torch.nn.Module):
         """Images per chunk on the CPU (see CPU_CHUNK_PIXELS)."""
         return max(1, CPU_CHUNK_PIXELS // (self.out_hw[0] * self.out_hw[1]))
 
-    def _set_strength(self, epoch: int) -> None:
+    @staticmethod
+    def _build(stream: int, spec: dict, size=None):
+        """One op; `size`: the batch's (H, W) after the first op, which a Kornia op is tried on."""
+        ((name, params),) = spec.items()
+        try:
+            op = KorniaOp(name, params, size=size) if is_kornia(name) else OPS[name](**params)
+        except (TypeError, ValueError) as e:
+            raise PresetError(f"[{stream - 1}]: {e}") from None
+        op.stream = stream  # the op's own random stream: its position in the list
+        return op
+
+    def _first_spec(self, epoch: int) -> dict:
+        side = resize_side(self.resize, epoch, self.epochs, self.full_side)
+        return self.specs[0] if side == self.full_side else scale_geometry(self.specs[0], side, self.full_side)
+
+    def size_at(self, epoch: int) -> tuple[int, int]:
+        """(h, w) of the batches this pipeline makes for `epoch`."""
+        (params,) = self._first_spec(epoch).values()
+        size = params["size"]
+        return (int(size), int(size)) if isinstance(size, (int, float)) else (int(size[0]), int(size[1]))
+
+    def _set_epoch(self, epoch: int) -> None:
+        """The first op at the epoch's size, every op at the epoch's strength."""
+        if self.size_at(epoch) != tuple(self.out_hw):
+            self.ops[0] = self._build(1, self._first_spec(epoch))  # geometry ops hold no tensors to move
+            self.ops[0].set_strength(self._strength)  # where the other ops are; the new one starts as written
+            self.out_hw = self.ops[0].size
         s = strength(self.schedule, epoch, self.epochs)
         if s != self._strength:
             for op in self.ops:
@@ -229,14 +290,14 @@ class Pipeline(torch.nn.Module):
         """The first (geometry) op's parameters for images of `sizes` (their full size, e.g.
         from the file headers): what `augment` applies, and what tells a decoder how far it may
         shrink each image (the op's max_shrink)."""
-        self._set_strength(epoch)
+        self._set_epoch(epoch)
         return self.ops[0].sample(KeyedRng(keys, self.seed, epoch), sizes)
 
     @torch.no_grad()
     def augment(self, canvas, sizes, keys, epoch: int, geometry: dict) -> torch.Tensor:
         """`forward` for one chunk whose geometry parameters are given (by `geometry`, then
         perhaps the op's shrink_params for images decoded at a reduced size): uint8 (B, S, S, 3)."""
-        self._set_strength(epoch)
+        self._set_epoch(epoch)
         return self._run(canvas, sizes, keys, epoch, geometry).contiguous()
 
     def _run(self, canvas, sizes, keys, epoch, geometry=None) -> torch.Tensor:
@@ -253,7 +314,7 @@ class Pipeline(torch.nn.Module):
     @torch.no_grad()
     def forward(self, canvas: torch.Tensor, sizes: torch.Tensor, keys: torch.Tensor, epoch: int) -> torch.Tensor:
         """canvas: uint8 (B, Hmax, Wmax, 3); sizes: int64 (B, 2); keys: int64 (B,)."""
-        self._set_strength(epoch)
+        self._set_epoch(epoch)
         if canvas.device.type != "cpu":
             return self._run(canvas, sizes, keys, epoch).contiguous()
         b, (oh, ow), chunk = canvas.shape[0], self.out_hw, self.cpu_chunk

@@ -53,6 +53,7 @@ class AugmentStage:
         epochs: int = 1,
         shrink: bool = False,
         bad_log=None,
+        resize: str = "none",
     ):
         import ray
         import torch
@@ -63,9 +64,11 @@ class AugmentStage:
             device = "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
         self.device = torch.device(device)
         spec = preset_from_dict(preset)
-        # the strength schedule is a training-time knob; evaluation stays fixed (docs/design.md)
+        # the strength and resolution schedules are training-time knobs; evaluation stays fixed,
+        # at the final size (docs/design.md)
         ops = spec.train if train else spec.eval
-        self.pipeline = Pipeline(ops, seed=seed, schedule=schedule if train else "none", epochs=epochs).to(self.device)
+        schedules = {"schedule": schedule, "resize": resize} if train else {}
+        self.pipeline = Pipeline(ops, seed=seed, epochs=epochs, **schedules).to(self.device)
         self.clock = clock
         self.shrink = shrink and train  # evaluation decodes at full size (torchvision parity)
         self.bad_log = bad_log
@@ -104,17 +107,25 @@ def augment_task(
     epochs: int = 1,
     shrink: bool = False,
     bad_log=None,
+    resize: str = "none",
 ) -> dict:
     """map_batches *function* form of AugmentStage for Ray Data tasks (CPU): the worker
     processes outlive the epoch, so nothing is rebuilt when the next epoch starts, while an
     actor pool is started afresh for each epoch's execution."""
     import json
 
-    key = json.dumps([preset, train, seed, schedule, epochs, shrink], sort_keys=True)
+    key = json.dumps([preset, train, seed, schedule, epochs, shrink, resize], sort_keys=True)
     stage = _STAGES.get(key)
     if stage is None:
         stage = _STAGES[key] = AugmentStage(
-            preset, train=train, seed=seed, device="cpu", schedule=schedule, epochs=epochs, shrink=shrink
+            preset,
+            train=train,
+            seed=seed,
+            device="cpu",
+            schedule=schedule,
+            epochs=epochs,
+            shrink=shrink,
+            resize=resize,
         )
     stage.clock, stage.bad_log = clock, bad_log
     return stage(batch)

@@ -123,6 +123,18 @@ class TrainConfig:
         "a plain local run starts Ray's dashboard too (http://127.0.0.1:8265); off by default: it adds about 5 s "
         "of start-up on a small machine. A cluster keeps its own",
     )
+    # resolution
+    image_size: int = _f(
+        0,
+        "side of the images the model sees, px; 0 = the preset's (cifar 32, imagenet 224). The preset's crops "
+        "scale with it and its eval resize keeps its ratio (imagenet: 256/224)",
+    )
+    progressive_resize: str = _f(
+        "none",
+        "train at a lower resolution first (FFCV's progressive resizing): FROM px growing to --image-size over the "
+        "run, or FROM:FIRST-LAST to grow over epochs FIRST..LAST (1-based), e.g. 160:11-13; sizes in between are "
+        "multiples of 8; evaluation runs at --image-size",
+    )
     # augmentation (issue 3)
     augment_schedule: str = _f(
         "none",
@@ -152,6 +164,8 @@ class TrainConfig:
             raise ConfigError(f"--warmup-epochs must be 0 or more, got {self.warmup_epochs}")
         if not 0 <= self.val_fraction < 1:
             raise ConfigError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if self.image_size and self.image_size < 8:
+            raise ConfigError(f"--image-size must be 0 (the preset's) or at least 8 px, got {self.image_size}")
         if self.quiet and self.verbose:
             raise ConfigError("--quiet and --verbose contradict each other; give one")
         if self.num_workers and self.batch_size < self.num_workers:

@@ -338,7 +338,8 @@ def build_datasets(cfg, tree, preset, plan, clock, bad_log=None, decode: DecodeP
             "train": train,
             "seed": cfg.seed,
             "clock": clock if train else None,
-            "schedule": cfg.augment_schedule,  # the stage applies it to train only
+            "schedule": cfg.augment_schedule,  # the stage applies both schedules to train only
+            "resize": cfg.progressive_resize,
             "epochs": cfg.epochs,
             "shrink": decode.shrink and train,
             "bad_log": bad_log,

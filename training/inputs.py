@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from augment.schedule import parse_schedule
+from augment.schedule import parse_resize, parse_schedule
 from training import artifacts
 from training.config import ConfigError, TrainConfig, check_amp
 from training.data import ImageTree, default_dataset_dir, scan_tree
@@ -32,6 +32,10 @@ def check_inputs(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree]:
         parse_schedule(cfg.augment_schedule)
     except ValueError as e:
         raise ConfigError(f"--augment-schedule: {e}") from None
+    try:
+        parse_resize(cfg.progressive_resize, cfg.epochs)
+    except ValueError as e:
+        raise ConfigError(f"--progressive-resize: {e}") from None
     if cfg.device == "cpu":  # else the plan checks it, once it knows where training runs
         check_amp(cfg.amp, on_gpu=False)
     if cfg.init_weights and not os.path.isfile(cfg.init_weights):
