@@ -38,20 +38,42 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+# Ray's own notices about what this job does by design, which a user cannot act on (docs/design.md,
+# "Console"): Ray Data's augment actors take their constructor arguments from the object store and
+# restart when they die (ray-project/ray#57733). Matched on worker output the driver prints.
+RAY_NOTICES_SKIPPED = r"has constructor arguments in the object store and max_restarts > 0"
+
+
 def quiet_ray_env(verbose: bool = False) -> dict:
     """Keep the console readable: Ray Data logs only warnings, no deprecation noise from
-    Ray's own internals. Environment variables reach the processes of a cluster started
-    here, so this runs before `ray.init`; it imports nothing heavy. Returns ray.init's
-    logging arguments. `verbose` keeps Ray's INFO logs."""
+    Ray's own internals, none of RAY_NOTICES_SKIPPED. Environment variables reach the
+    processes of a cluster started here, and Ray reads the skip pattern when it is imported,
+    so this runs before `import ray`; it imports nothing heavy. Returns ray.init's logging
+    arguments. `verbose` keeps Ray's INFO logs (and its notices)."""
     if verbose:
         return {"logging_level": logging.INFO}
     import training
 
+    skip = os.environ.get("RAY_DEDUP_LOGS_SKIP_REGEX")
+    if not skip or RAY_NOTICES_SKIPPED not in skip:  # the user's own pattern stays
+        os.environ["RAY_DEDUP_LOGS_SKIP_REGEX"] = f"{skip}|{RAY_NOTICES_SKIPPED}" if skip else RAY_NOTICES_SKIPPED
     os.environ.setdefault(
         "RAY_DATA_LOGGING_CONFIG", os.path.join(os.path.dirname(training.__file__), "ray_data_logging.yaml")
     )
     os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
+    if _starts_local_cluster():
+        # Token authentication stays on, as Ray 2.60 turns it on for a new local cluster; saying so
+        # spares the console Ray's warning that it did (RAY_AUTH_MODE=disabled opts out). Ray's C++
+        # client reads it at `import ray`.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
     return {"logging_level": logging.WARNING}
+
+
+def _starts_local_cluster() -> bool:
+    """connect() will start a cluster of its own (no address to join, not connected yet)."""
+    ray = sys.modules.get("ray")
+    joined = ray is not None and ray.is_initialized()
+    return not (joined or os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"))
 
 
 def quiet_ray_data(verbose: bool = False) -> None:
@@ -79,9 +101,9 @@ def connect(verbose: bool = False, dashboard: bool = False) -> bool:
     """Join the cluster of `ray job submit` / RAY_ADDRESS, or start a local one (or keep the
     one this process is already connected to). True when it started a local cluster, which
     lives and dies with this process."""
+    kwargs = quiet_ray_env(verbose)
     import ray
 
-    kwargs = quiet_ray_env(verbose)
     started = False
     if ray.is_initialized():
         pass
@@ -141,6 +163,7 @@ def main(argv=None) -> int:
     # (a preset file, and Kornia if it uses it, loaded above), and Ray Data (main thread,
     # below) imports neither torch nor Ray Train; the preload thread's Ray Train waits for
     # the main thread's Ray Data, never the reverse.
+    quiet_ray_env(cfg.verbose)  # before the preload thread imports Ray
     preload = _Preload(cfg.preset, preset)
     preload.start()
     log = (lambda *a: None) if cfg.quiet else (lambda *a: print(*a, flush=True))
@@ -150,7 +173,16 @@ def main(argv=None) -> int:
     from training import job
 
     try:
-        summary = job.run(cfg, tree, preset, log=log, launched_at=job.process_started_at(), own_cluster=own_cluster)
+        bar = sys.stderr if not cfg.quiet and sys.stderr.isatty() else None  # no bar in log files or `ray job logs`
+        summary = job.run(
+            cfg,
+            tree,
+            preset,
+            log=log,
+            launched_at=job.process_started_at(),
+            own_cluster=own_cluster,
+            bar_stream=bar,
+        )
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,19 +1,29 @@
-"""What a run prints: the resolved config at start, one progress bar per epoch, a summary
-table at the end.
+"""What a run prints: the resolved config at start, one progress bar per epoch, the epoch
+lines, a summary table at the end.
 
-The bar runs on rank 0 inside a Ray Train worker. There it draws through Ray's driver-side
-bar manager (`ray.experimental.tqdm_ray`), so the driver's console shows one bar, updated
-in place, rather than lines forwarded from a worker; in a plain process it is an ordinary
-tqdm bar on stderr. On a console that is not a terminal (a log file, `ray job logs`) the
-caller passes enabled=False and the per-epoch lines alone remain.
+The driver owns the console. Train workers post their progress to a `ProgressBoard` (a
+tiny actor): every rank its images and loss sum so far in the epoch, at most every
+PROGRESS_INTERVAL_S; rank 0 each finished epoch's line. On the driver a `ConsoleFollower`
+thread reads the board while the trainer runs, draws one tqdm bar per epoch on its own
+terminal (global images, img/s, running loss, ETA) and prints the epoch lines, closing the
+bar first so the two never share a line. Why not Ray's `tqdm_ray`: its driver-side bar asks
+the terminal for its width and draws nothing where the terminal reports 0 columns (a pseudo-
+terminal without a window size, as `script` makes from a non-terminal), and a Ray Train
+worker reaches it only through its internals (docs/design.md, "Console").
+
+The bar is drawn only when the driver's stderr is a terminal: log files and `ray job logs`
+(the driver's output) get the epoch lines alone.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import sys
+import os
+import threading
 import time
+
+PROGRESS_INTERVAL_S = 0.5  # how often a rank posts its progress, and the driver redraws
 
 
 def format_config(config: dict, sources: dict | None = None) -> str:
@@ -29,124 +39,162 @@ def format_config(config: dict, sources: dict | None = None) -> str:
     return "\n".join(lines)
 
 
-def quiet_train_reports() -> None:
-    """Ray Train 2.60 logs every ray.train.report (a whole TrainingReport) at INFO through a
-    logger named by its file's path, which LoggingConfig's level does not reach: it filters
-    "ray.train.*" names, and the worker's root logger takes INFO. Call in the train worker."""
-    try:
-        from ray.train.v2._internal.execution import context
-    except ImportError:  # another Ray: nothing to quiet here
-        return
-    logging.getLogger(context.__file__).setLevel(logging.WARNING)
+def quiet_worker_logs(verbose: bool = False) -> None:
+    """Ray Train 2.60 sets a train worker's root logger to INFO whatever LoggingConfig says, and
+    logs every ray.train.report there (a whole TrainingReport). Call in the train worker: the
+    root logger then passes warnings only, as the run's LoggingConfig asks; `verbose` keeps INFO."""
+    if not verbose:
+        logging.getLogger().setLevel(logging.WARNING)
 
 
-class _RayWorkerBar:
-    """tqdm_ray's bar, writing its state lines with sys.stdout.write: tqdm_ray uses print(),
-    which Ray Train redirects into its logger inside workers (dropped at level WARNING)."""
+class ProgressBoard:
+    """What the train workers tell the driver's console; run as an actor with num_cpus=0."""
 
-    def __init__(self, desc: str, total: int, unit: str):
-        from ray.experimental import tqdm_ray
+    def __init__(self):
+        self.ranks: dict[int, tuple[int, int, float]] = {}  # rank -> (epoch, images, loss sum) so far
+        self.lines: list[tuple[int, str]] = []  # (epoch, line) in the order rank 0 finished them
 
-        self._bar = tqdm_ray.tqdm(desc=desc, total=total, unit=unit)
+    def post(self, rank: int, epoch: int, images: int, loss_sum: float) -> None:
+        self.ranks[rank] = (epoch, images, loss_sum)
 
-    def _emit(self) -> None:
-        # the driver's log monitor recognises the state by its magic token and draws the bar
-        sys.stdout.write(json.dumps(self._bar._get_state()) + "\n")
-        sys.stdout.flush()
+    def say(self, epoch: int, line: str) -> None:
+        self.lines.append((epoch, line))
 
-    def set_description(self, desc: str) -> None:
-        self._bar._desc = desc
-
-    def update(self, n: int) -> None:
-        self._bar._x += n
-        self._emit()
-
-    def close(self) -> None:
-        self._bar._closed = True
-        self._emit()
-
-
-def _in_ray_worker() -> bool:
-    try:
-        import ray
-
-        return ray.is_initialized() and ray._private.worker.global_worker.mode == ray.WORKER_MODE
-    except (ImportError, AttributeError):
-        return False
+    def read(self, lines_seen: int) -> tuple[dict, list]:
+        return self.ranks, self.lines[lines_seen:]
 
 
 class EpochProgress:
-    """One bar for one epoch: global images, img/s, the running loss, ETA.
+    """One rank's side of an epoch's bar: counts its images and posts them with its running loss
+    sum to the board at most every interval_s (an actor call whose reply nobody waits for).
 
-        bar = EpochProgress(train_size, epoch, epochs, world_size=world, enabled=master and progress)
+        bar = EpochProgress(board, rank=rank, epoch=epoch, enabled=job["progress"])
         for batch in batches:
             ...
-            bar.update(y.shape[0], loss)   # cheap: reads the loss (a host sync) at most every interval_s
-        bar.close(row)                     # row: the epoch's metrics; the bar keeps its last state
-
-    `n_images` is this rank's batch; the bar counts world_size times that (DDP ranks step
-    together), so it shows global images and img/s.
+            bar.update(y.shape[0], sums)   # sums[0]: this rank's loss x images so far, on the device
+        bar.close()                        # the epoch's last count
     """
 
-    def __init__(
-        self,
-        total_images: int,
-        epoch: int,
-        epochs: int,
-        *,
-        world_size: int = 1,
-        enabled: bool = True,
-        interval_s: float = 1.0,
-    ):
-        self.enabled = enabled
-        if not enabled:
-            return
-        self.epoch, self.epochs, self.world = epoch, epochs, max(1, world_size)
-        self.interval_s = interval_s
-        self._pending, self._last = 0, time.monotonic()
-        desc = self._desc(None)
-        if _in_ray_worker():
-            self._bar = _RayWorkerBar(desc, total_images, "img")
-        else:
-            from tqdm import tqdm
+    def __init__(self, board, *, rank: int, epoch: int, enabled: bool = True, interval_s=PROGRESS_INTERVAL_S):
+        self.board, self.rank, self.epoch, self.enabled = board, rank, epoch, enabled and board is not None
+        self.interval_s, self.images, self._sums, self._last = interval_s, 0, None, time.monotonic()
 
-            self._bar = tqdm(
-                desc=desc,
-                total=total_images,
-                unit="img",
-                unit_scale=True,
-                dynamic_ncols=True,
-                file=sys.stderr,
-                leave=True,
-            )
-
-    def _desc(self, loss) -> str:
-        text = f"epoch {self.epoch + 1}/{self.epochs}"
-        return text if loss is None else f"{text} loss {loss:.4f}"
-
-    def update(self, n_images: int, loss=None) -> None:
+    def update(self, n_images: int, sums) -> None:
         if not self.enabled:
             return
-        self._pending += n_images * self.world
+        self.images, self._sums = self.images + n_images, sums
         now = time.monotonic()
-        if now - self._last < self.interval_s:
-            return
-        self._last = now
-        if loss is not None:
-            self._bar.set_description(
-                self._desc(float(loss))
-            )  # float() of a device tensor: a host sync, once per interval
-        self._bar.update(self._pending)
-        self._pending = 0
+        if now - self._last >= self.interval_s:
+            self._last = now
+            self._post()
 
-    def close(self, row: dict | None = None) -> None:
-        if not self.enabled:
+    def _post(self) -> None:
+        loss_sum = float(self._sums[0]) if self._sums is not None else 0.0  # a host sync, once per interval
+        self.board.post.remote(self.rank, self.epoch, self.images, loss_sum)
+
+    def close(self) -> None:
+        if self.enabled:
+            self._post()
+
+
+def terminal_size(stream) -> tuple[int, int]:
+    """(columns, lines) of the terminal; 80 x 24 where it reports none (0 x 0: a pseudo-terminal
+    without a window size), on which tqdm's own detection would draw nothing at all."""
+    try:
+        size = os.get_terminal_size(stream.fileno())
+    except (AttributeError, OSError, ValueError):
+        return 80, 24
+    return size.columns or 80, size.lines or 24
+
+
+class ConsoleFollower:
+    """The driver's side, around trainer.fit(): a thread reads the board every interval_s, draws
+    the current epoch's bar on `stream` (None: no bar) and hands rank 0's lines to `log`.
+
+        with ConsoleFollower(board, total=len(tree.train), epochs=cfg.epochs, log=log, stream=sys.stderr):
+            result = trainer.fit()
+
+    `sizes` (one per epoch), when given, puts each epoch's training resolution in the bar."""
+
+    def __init__(self, board, *, total, epochs, log, stream=None, sizes=None, interval_s=PROGRESS_INTERVAL_S):
+        self.board, self.total, self.epochs, self.log, self.stream = board, total, epochs, log, stream
+        self.sizes, self.interval_s = sizes, interval_s
+        self._lines_seen, self._done_epoch, self._bar, self._bar_epoch = 0, -1, None, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="console")
+
+    def __enter__(self) -> "ConsoleFollower":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.poll()  # lines posted between the thread's last read and the end of the run
+        self._close_bar()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.poll()
+
+    def poll(self) -> None:
+        import ray
+
+        try:
+            ranks, lines = ray.get(self.board.read.remote(self._lines_seen))
+        except ray.exceptions.RayError:  # the run is ending; the last poll in __exit__ retries
             return
-        if row and "train_loss" in row:
-            self._bar.set_description(self._desc(row["train_loss"]))
-        self._bar.update(self._pending)
-        self._pending = 0
-        self._bar.close()
+        self._lines_seen += len(lines)
+        for epoch, line in lines:
+            self._close_bar()
+            self._done_epoch = max(self._done_epoch, epoch)
+            self.log(line)
+        self._draw(ranks)
+
+    def _draw(self, ranks: dict) -> None:
+        if self.stream is None or not ranks:
+            return
+        epoch = max(e for e, _, _ in ranks.values())
+        if epoch <= self._done_epoch:  # a late post for an epoch whose line is out
+            return
+        images = sum(n for e, n, _ in ranks.values() if e == epoch)
+        loss_sum = sum(s for e, _, s in ranks.values() if e == epoch)
+        if self._bar is None or self._bar_epoch != epoch or images < self._bar.n:  # (a restart repeats an epoch)
+            self._open_bar(epoch, images)  # from the first count: img/s counts what follows
+        bar = self._bar
+        bar.ncols, bar.nrows = terminal_size(self.stream)  # follows a resized window
+        bar.set_postfix_str(f"loss {loss_sum / max(images, 1):.4f}", refresh=False)
+        if images > bar.n:
+            bar.update(images - bar.n)  # redraws
+        else:
+            bar.refresh()  # elapsed time and ETA move on
+
+    def _open_bar(self, epoch: int, images: int) -> None:
+        from tqdm import tqdm
+
+        self._close_bar()
+        desc = f"epoch {epoch + 1}/{self.epochs}"
+        if self.sizes and epoch < len(self.sizes):
+            desc += f" {self.sizes[epoch]}px"
+        ncols, nrows = terminal_size(self.stream)
+        self._bar = tqdm(
+            total=self.total,
+            initial=images,
+            desc=desc,
+            unit="img",
+            unit_scale=True,
+            file=self.stream,
+            ncols=ncols,
+            nrows=nrows,
+            leave=False,  # the epoch line takes its place
+            mininterval=0,
+        )
+        self._bar_epoch = epoch
+
+    def _close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar, self._bar_epoch = None, None
 
 
 def _fmt(value, pct: bool = False) -> str:

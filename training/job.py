@@ -17,7 +17,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -27,9 +26,11 @@ import torch
 from ray.train.torch import TorchTrainer
 
 from augment.presets import Preset, load_preset
+from augment.schedule import parse_resize, resize_side
 from augment.stage import EpochClock
 from training import artifacts, plots
 from training.config import ConfigError, TrainConfig, check_amp
+from training.console import ConsoleFollower, ProgressBoard
 from training.data import BadFileLog, DataError, ImageTree
 from training.ingest import SplitValUnequally, build_datasets, choose_decode
 from training.inputs import check_inputs
@@ -214,6 +215,24 @@ def plan_resources(cfg: TrainConfig, capacity: Capacity) -> ResourcePlan:
     )
 
 
+def sized_preset(cfg: TrainConfig, preset: Preset) -> Preset:
+    """The preset at --image-size, with --progressive-resize checked against its training size."""
+    if cfg.image_size:
+        preset = preset.at_size(cfg.image_size)
+    resize = parse_resize(cfg.progressive_resize, cfg.epochs)
+    if resize and resize[0] >= preset.train_size:
+        raise ConfigError(
+            f"--progressive-resize {cfg.progressive_resize}: starts at {resize[0]} px, not below the training size "
+            f"{preset.train_size} px; give a smaller FROM or a larger --image-size"
+        )
+    return preset
+
+
+def train_sizes(cfg: TrainConfig, preset: Preset) -> list[int]:
+    """The training crops' side, epoch by epoch (progressive resizing), for config.json and the console."""
+    return [resize_side(cfg.progressive_resize, e, cfg.epochs, preset.train_size) for e in range(cfg.epochs)]
+
+
 def git_commit() -> str | None:
     try:
         here = os.path.dirname(os.path.abspath(__file__))
@@ -243,12 +262,15 @@ def run(
     log=print,
     launched_at: float | None = None,
     own_cluster: bool = False,
+    bar_stream=None,
 ) -> dict:
     """Train on a connected Ray cluster; returns the summary written to summary.json.
     `launched_at` (a time.time() value, e.g. process_started_at()) is when start-up began;
     summary.json's startup_s and wall_s count from it (default: now). `own_cluster`: the
-    cluster was started by this process and ends with it."""
+    cluster was started by this process and ends with it. `bar_stream`: where the per-epoch
+    progress bar is drawn (a terminal; None: no bar); the epoch lines go to `log`."""
     start = launched_at or time.time()
+    preset = sized_preset(cfg, preset)
     run_dir = artifacts.join(cfg.storage_path, cfg.name)
     if cfg.deterministic:  # rows reach the trainer in file order, so batches are the same every run
         ray.data.DataContext.get_current().execution_options.preserve_order = True
@@ -268,13 +290,16 @@ def run(
             "config": cfg.to_dict(),
             "plan": dataclasses.asdict(plan) | {"decode": dataclasses.asdict(decode)},
             "preset": preset.to_dict(),
+            "image_size": preset.image_size,  # evaluation's, and training's at the end
+            "train_image_sizes": train_sizes(cfg, preset),  # per epoch
             "class_names": list(tree.class_names),
             "git_commit": git_commit(),
             "data_root": tree.root,
         },
     )
 
-    helpers = [ray.remote(num_cpus=0)(EpochClock).remote(), ray.remote(num_cpus=0)(BadFileLog).remote()]
+    helpers = [ray.remote(num_cpus=0)(cls).remote() for cls in (EpochClock, BadFileLog, ProgressBoard)]
+    console = {"log": log, "bar_stream": bar_stream}
     try:
         return _fit(
             cfg,
@@ -285,7 +310,7 @@ def run(
             decode=decode,
             run_dir=run_dir,
             start=start,
-            log=log,
+            console=console,
             own_cluster=own_cluster,
         )
     finally:
@@ -293,7 +318,8 @@ def run(
             ray.kill(actor)
 
 
-def _fit(cfg, tree, preset, plan, clock, bad_log, *, decode, run_dir, start, log, own_cluster) -> dict:
+def _fit(cfg, tree, preset, plan, clock, bad_log, board, *, decode, run_dir, start, console, own_cluster) -> dict:
+    log = console["log"]
     datasets = build_datasets(cfg, tree, preset, plan, clock, bad_log, decode)
     bad = ray.get(bad_log.get.remote()) if cfg.strict else {}  # --strict decoded every file above
     if bad:
@@ -311,7 +337,9 @@ def _fit(cfg, tree, preset, plan, clock, bad_log, *, decode, run_dir, start, log
         "train_size": len(tree.train),
         "threads_per_worker": plan.threads_per_worker,
         "clock": clock,
-        "progress": not cfg.quiet and sys.stderr.isatty(),  # no bar in log files or `ray job logs`
+        "board": board,  # the console's: progress and epoch lines go to the driver through it
+        "progress": console["bar_stream"] is not None,  # ranks post progress only when a bar is drawn
+        "sizes": train_sizes(cfg, preset) if parse_resize(cfg.progressive_resize) else None,
     }
     trainer = (OwnClusterTorchTrainer if own_cluster else TorchTrainer)(
         train_loop,
@@ -337,8 +365,12 @@ def _fit(cfg, tree, preset, plan, clock, bad_log, *, decode, run_dir, start, log
         datasets=datasets,
         dataset_config=SplitValUnequally(plan.num_workers),
     )
+    follower = ConsoleFollower(
+        board, total=len(tree.train), epochs=cfg.epochs, log=log, stream=console["bar_stream"], sizes=job["sizes"]
+    )
     try:
-        result = trainer.fit()
+        with follower:
+            result = trainer.fit()
     except (KeyboardInterrupt, SystemExit):  # Ray Train's SIGINT handler aborts the run, then sys.exit(0)
         raise Interrupted(
             f"interrupted; the last checkpoint is in {run_dir}: rerun with the same --name to resume"

@@ -26,7 +26,7 @@ from augment.mix import MixUpCutMix, mix_generator
 from augment.ops import Normalize
 from training import artifacts
 from training.config import TrainConfig
-from training.console import EpochProgress, quiet_train_reports
+from training.console import EpochProgress, quiet_worker_logs
 from training.model import load_init_weights, resnet18, uses_small_stem
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -124,7 +124,7 @@ def train_epoch(
     sums = torch.zeros(2, device=device, dtype=torch.float64)  # loss*n, correct: stays on device, no per-step sync
     local_count = 0  # images this rank trained on (a host-side int: no device tensor per step)
     digest = torch.zeros(2, device=device, dtype=torch.int64)  # sum of keys, order hash (mod KEY_MOD)
-    wait_s, start, step, first_step_at = 0.0, time.perf_counter(), 0, None
+    wait_s, start, step, first_step_at, side = 0.0, time.perf_counter(), 0, None, None
     it = iter(batches)
     while True:
         t0 = time.perf_counter()
@@ -133,6 +133,7 @@ def train_epoch(
         if batch is None:
             break
         x, y = normalize(batch["image"]), batch["label"]  # uint8 (B,H,W,3) -> float (B,3,H,W) channels_last
+        side = x.shape[-1]  # the resolution trained at (progressive resizing changes it by epoch)
         target, smoothing = y, cfg.label_smoothing
         if (
             mix is not None
@@ -155,7 +156,7 @@ def train_epoch(
                 torch.cuda.synchronize(device)
             first_step_at = time.time()
         if bar is not None:
-            bar.update(y.shape[0], loss.detach())  # reads the loss (a host sync) at most once a second
+            bar.update(y.shape[0], sums)  # reads the loss sum (a host sync) at most once an interval
         keys = batch["key"] % KEY_MOD
         digest = torch.stack([(digest[0] + keys.sum()) % KEY_MOD, (digest[1] * 1_000_003 + keys[0]) % KEY_MOD])
     elapsed = time.perf_counter() - start
@@ -171,6 +172,7 @@ def train_epoch(
         "data_wait_frac": wait_s / max(elapsed, 1e-9),  # this rank's share of time waiting for input
         "seen": seen,
         "first_step_at": first_step_at,
+        "image_size": side,
     }
 
 
@@ -235,8 +237,8 @@ class FirstBatchEarly:
 
 
 def train_loop(job: dict) -> None:
-    quiet_train_reports()
     cfg = TrainConfig(**job["config"])
+    quiet_worker_logs(cfg.verbose)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     master = rank == 0  # gates console output and file writes
@@ -326,7 +328,7 @@ def train_loop(job: dict) -> None:
     run_dir = artifacts.join(cfg.storage_path, cfg.name)
     for epoch in range(start_epoch, last_epoch):
         batches = first_epoch_batches if epoch == start_epoch else epoch_batches(epoch)
-        bar = EpochProgress(job["train_size"], epoch, cfg.epochs, world_size=world, enabled=master and job["progress"])
+        bar = EpochProgress(job["board"], rank=rank, epoch=epoch, enabled=job["progress"])  # every rank: global count
         stats = train_epoch(
             model,
             batches,
@@ -341,7 +343,7 @@ def train_loop(job: dict) -> None:
             mix=mix,
             bar=bar,
         )
-        bar.close(stats)
+        bar.close()
         if val_shard is None:  # every rank asks at once: a barrier
             val_shard = ray.train.get_dataset_shard("val")
         stats |= evaluate(
@@ -365,8 +367,8 @@ def train_loop(job: dict) -> None:
         if master:
             artifacts.write_csv(artifacts.join(run_dir, "metrics.csv"), history)
             artifacts.write_csv(artifacts.join(run_dir, "timings.csv"), timings)
-            if not cfg.quiet:
-                _say(format_row(row | timing, cfg.epochs))
+            # the driver prints it, after closing the epoch's bar (training/console.py)
+            ray.get(job["board"].say.remote(epoch, format_row(row | timing, cfg.epochs, job["sizes"] is not None)))
         state = (
             {
                 "model": bare.state_dict(),
@@ -405,11 +407,12 @@ def _say(line: str) -> None:
     sys.stdout.flush()
 
 
-def format_row(row: dict, epochs: int) -> str:
+def format_row(row: dict, epochs: int, show_size: bool = False) -> str:
     waiting = row["data_wait_frac"]
     verdict = "  << input-bound: the model waited for data; add augment actors or CPUs" if waiting > 0.3 else ""
+    size = f"  {row['image_size']}px" if show_size else ""
     return (
-        f"epoch {row['epoch']:>3}/{epochs}  loss {row['train_loss']:.4f}  acc {row['train_acc']:.4f}  "
+        f"epoch {row['epoch']:>3}/{epochs}{size}  loss {row['train_loss']:.4f}  acc {row['train_acc']:.4f}  "
         f"val_loss {row['val_loss']:.4f}  val_acc {row['val_acc']:.4f}  "
         f"{row['images_per_s']:.0f} img/s  waiting for data {100 * waiting:.0f}%{verdict}"
     )
