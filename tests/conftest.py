@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import re
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +24,25 @@ def write_tree(root: Path, classes: dict[str, int], *, size=(32, 32), seed: int 
             img = np.clip(base + rng.normal(0, 20, (h, w, 3)), 0, 255).astype(np.uint8)
             Image.fromarray(img).save(folder / f"{i:03d}.png")
     return root
+
+
+# one frame of the bar: "epoch 1/2 24px:  40%|####   | 64.0/160 [00:01<00:02, 45.1img/s, loss 2.3012]"
+BAR = re.compile(
+    r"epoch (\d+)/\d+(?: \d+px)?: +\d+%\|[^|]*\| *([\d.]+)k?/[\d.]+[kMG]? "
+    r"\[\d\d:\d\d<(?:\d\d:\d\d|\?), (?:[\d.]+[kMG]?|\?)img/s, loss (\d+\.\d+)\]"
+)
+
+
+class Terminal(io.StringIO):
+    """A stream that says it is a terminal (and has no size: the bar falls back to 80 x 24)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def bar_frames(text: str) -> list[tuple[int, float, float]]:
+    """(epoch, images, loss) of every bar frame drawn, in order."""
+    return [(int(e), float(n), float(loss)) for e, n, loss in BAR.findall(text)]
 
 
 _shared: dict = {}  # the session's cluster, so that `own_cluster` tests can stop it first

@@ -22,7 +22,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from tests.conftest import write_tree
+from tests.conftest import bar_frames, write_tree
 from training.config import ConfigError, TrainConfig
 from training.job import Capacity, check_storage, plan_resources
 
@@ -190,7 +190,7 @@ def test_ray_job_submit_to_a_token_protected_head(own_cluster, tmp_path):
             time.sleep(3)
         logs = _ray("job", "logs", "--address", address, "rga-test", env=env).stdout
         assert "job 'rga-test' succeeded" in status, f"{status}\n{logs[-4000:]}"
-        assert "epoch   1/1" in logs and "done:" in logs
+        assert "epoch   1/1" in logs and "done:" in logs and not bar_frames(logs)  # `ray job logs`: no bar
         summary = json.loads((tmp_path / "runs" / "submitted" / "summary.json").read_text())
         assert summary["epochs"] == 1 and summary["num_classes"] == 2
     finally:

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.conftest import write_tree
+from tests.conftest import bar_frames, write_tree
 from training import job
 from training.config import TrainConfig
 from training.data import DataError
@@ -277,6 +277,7 @@ def test_ctrl_c_stops_cleanly_and_the_next_run_resumes(ray_cluster, fault_data, 
     assert "rerun with the same --name to resume" in out
     # a plain local run starts Ray without the dashboard; Ray Train's cleaner must not warn about it
     assert "Failed to query Ray Train Controller actor state" not in out
+    assert not bar_frames(out)  # output to a pipe (a log file): no bar
     deadline = time.time() + 30
     while _raylets() > before and time.time() < deadline:  # its embedded cluster went with it
         time.sleep(0.5)

@@ -5,19 +5,20 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 
 import pytest
 import torch
 import torchvision
 
-from tests.conftest import write_tree
+from tests.conftest import Terminal, bar_frames, write_tree
 from training import job
 from training.config import ConfigError, TrainConfig
 
 
-def _run(**overrides):
+def _run(bar_stream=None, log=lambda *a: None, **overrides):
     cfg, tree, preset = job.prepare(TrainConfig(**overrides))
-    return job.run(cfg, tree, preset, log=lambda *a: None), tree
+    return job.run(cfg, tree, preset, log=log, bar_stream=bar_stream), tree
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +28,21 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_worker_run(ray_cluster, data, tmp_path_factory):
-    runs = tmp_path_factory.mktemp("runs")
+    """At 40 px (--image-size) from 32 px files, with the console's bar drawn on a fake terminal."""
+    runs, screen, lines = tmp_path_factory.mktemp("runs"), Terminal(), []
     summary, tree = _run(
-        data=str(data), epochs=1, batch_size=16, num_workers=2, storage_path=str(runs), name="tiny", val_fraction=0.25
+        data=str(data),
+        epochs=1,
+        batch_size=16,
+        num_workers=2,
+        storage_path=str(runs),
+        name="tiny",
+        val_fraction=0.25,
+        image_size=40,
+        bar_stream=screen,
+        log=lines.append,
     )
-    return runs / "tiny", summary, tree
+    return runs / "tiny", summary, tree, (screen.getvalue(), lines)
 
 
 def _split_coordinators() -> set[str]:
@@ -45,7 +56,7 @@ def _rows(path):
 
 
 def test_run_directory_has_sane_contents(two_worker_run):
-    run_dir, summary, tree = two_worker_run
+    run_dir, summary, tree, _ = two_worker_run
     for name in (
         "config.json",
         "metrics.csv",
@@ -77,11 +88,41 @@ def test_run_directory_has_sane_contents(two_worker_run):
     model = torch.load(run_dir / "model.pt", weights_only=True)
     assert model["class_names"] == config["class_names"] and model["small_stem"] is True
     assert model["state_dict"]["fc.weight"].shape == (5, 512)
-    assert model["state_dict"]["conv1.weight"].shape == (64, 3, 3, 3)  # small-image stem at 32 px
+    assert model["state_dict"]["conv1.weight"].shape == (64, 3, 3, 3)  # small-image stem at 40 px
+
+
+def test_image_size_is_trained_recorded_and_followed_by_inference(two_worker_run):
+    """--image-size 40 on 32 px files: the batches, config.json, model.pt and jobs.predict agree."""
+    import numpy as np
+
+    from training.data import decode_image
+    from training.inference import Predictor, load_model_file
+
+    run_dir, _, tree, _ = two_worker_run
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["image_size"] == 40 and config["train_image_sizes"] == [40]
+    assert config["preset"]["train"][0] == {"random_crop": {"size": 40, "padding": 5}}
+    assert [int(r["image_size"]) for r in _rows(run_dir / "metrics.csv")] == [40]  # what the ranks trained on
+    info = load_model_file(str(run_dir / "model.pt"))
+    assert info["image_size"] == 40 and info["eval_transform"]["ops"] == [{"center_crop": {"size": 40}}]
+    predictor, seen = Predictor(info), []
+    predictor.model.conv1.register_forward_hook(lambda module, args, out: seen.append(tuple(args[0].shape)))
+    images = np.empty(2, dtype=object)
+    images[:] = [decode_image(open(p, "rb").read()) for p in tree.val.paths[:2]]
+    predictor({"image": images, "label": np.zeros(2, np.int64), "path": np.array(["a", "b"], dtype=object)})
+    assert seen == [(2, 3, 40, 40)]  # jobs.predict and jobs.evaluate score at the size model.pt names
+
+
+def test_the_bar_counts_both_ranks_and_the_driver_prints_the_epoch_line(two_worker_run):
+    _, summary, _, (screen, lines) = two_worker_run
+    frames = bar_frames(screen)
+    (cov,) = summary["coverage"]
+    assert frames and max(n for _, n, _ in frames) == sum(cov["per_rank"]) > max(cov["per_rank"])
+    assert sum(bool(re.match(r"epoch +1/1  loss", line)) for line in lines) == 1  # from the driver, once
 
 
 def test_ranks_start_from_identical_weights_and_see_different_images(two_worker_run):
-    _, summary, tree = two_worker_run
+    _, summary, tree, _ = two_worker_run
     ranks = summary["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1]
     assert ranks[0]["init_digest"] == ranks[1]["init_digest"]
@@ -96,7 +137,7 @@ def test_ranks_start_from_identical_weights_and_see_different_images(two_worker_
 
 def test_validation_scores_every_image_once(two_worker_run):
     """val is split across ranks without dropping rows: the accuracy is k / len(val)."""
-    _, summary, tree = two_worker_run
+    _, summary, tree, _ = two_worker_run
     n = len(tree.val)
     assert any(abs(summary["val_acc"] - k / n) < 1e-5 for k in range(n + 1))
     assert _split_coordinators(), "two workers split their datasets through coordinator actors"
@@ -120,9 +161,11 @@ def test_deterministic_runs_repeat_and_resume_continues(ray_cluster, data, tmp_p
         storage_path=str(tmp_path),
         val_fraction=0.25,
         preset=str(preset),
+        progressive_resize="24",  # epoch 1 at 24 px, epoch 2 at 32: the resumed run must pick up the size
     )
     coordinators_before = _split_coordinators()
     _run(name="a", **common)
+    assert [int(r["image_size"]) for r in _rows(tmp_path / "a" / "metrics.csv")] == [24, 32]
     # one worker takes each dataset whole, so no split coordinator starts before its first step
     assert _split_coordinators() == coordinators_before
     _run(name="b", **common)

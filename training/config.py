@@ -13,6 +13,8 @@ import os
 import time
 from typing import Optional
 
+from augment.schedule import MIN_IMAGE_SIZE
+
 
 class ConfigError(ValueError):
     """A setting the user gave is unusable; the message names the flag and the fix."""
@@ -164,8 +166,10 @@ class TrainConfig:
             raise ConfigError(f"--warmup-epochs must be 0 or more, got {self.warmup_epochs}")
         if not 0 <= self.val_fraction < 1:
             raise ConfigError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
-        if self.image_size and self.image_size < 8:
-            raise ConfigError(f"--image-size must be 0 (the preset's) or at least 8 px, got {self.image_size}")
+        if self.image_size and self.image_size < MIN_IMAGE_SIZE:
+            raise ConfigError(
+                f"--image-size must be 0 (the preset's) or at least {MIN_IMAGE_SIZE} px, got {self.image_size}"
+            )
         if self.quiet and self.verbose:
             raise ConfigError("--quiet and --verbose contradict each other; give one")
         if self.num_workers and self.batch_size < self.num_workers:

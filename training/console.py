@@ -66,17 +66,18 @@ class ProgressBoard:
 
 class EpochProgress:
     """One rank's side of an epoch's bar: counts its images and posts them with its running loss
-    sum to the board at most every interval_s (an actor call whose reply nobody waits for).
+    sum at most every interval_s, through `post` (ProgressBoard.post's actor method: a call
+    whose reply nobody waits for).
 
-        bar = EpochProgress(board, rank=rank, epoch=epoch, enabled=job["progress"])
+        bar = EpochProgress(board.post.remote, rank=rank, epoch=epoch, enabled=job["progress"])
         for batch in batches:
             ...
             bar.update(y.shape[0], sums)   # sums[0]: this rank's loss x images so far, on the device
         bar.close()                        # the epoch's last count
     """
 
-    def __init__(self, board, *, rank: int, epoch: int, enabled: bool = True, interval_s=PROGRESS_INTERVAL_S):
-        self.board, self.rank, self.epoch, self.enabled = board, rank, epoch, enabled and board is not None
+    def __init__(self, post, *, rank: int, epoch: int, enabled: bool = True, interval_s=PROGRESS_INTERVAL_S):
+        self.post, self.rank, self.epoch, self.enabled = post, rank, epoch, enabled
         self.interval_s, self.images, self._sums, self._last = interval_s, 0, None, time.monotonic()
 
     def update(self, n_images: int, sums) -> None:
@@ -90,7 +91,7 @@ class EpochProgress:
 
     def _post(self) -> None:
         loss_sum = float(self._sums[0]) if self._sums is not None else 0.0  # a host sync, once per interval
-        self.board.post.remote(self.rank, self.epoch, self.images, loss_sum)
+        self.post(self.rank, self.epoch, self.images, loss_sum)
 
     def close(self) -> None:
         if self.enabled:
@@ -111,13 +112,14 @@ class ConsoleFollower:
     """The driver's side, around trainer.fit(): a thread reads the board every interval_s, draws
     the current epoch's bar on `stream` (None: no bar) and hands rank 0's lines to `log`.
 
-        with ConsoleFollower(board, total=len(tree.train), epochs=cfg.epochs, log=log, stream=sys.stderr):
+        read = lambda seen: ray.get(board.read.remote(seen))   # ProgressBoard.read, on its actor
+        with ConsoleFollower(read, total=len(tree.train), epochs=cfg.epochs, log=log, stream=sys.stderr):
             result = trainer.fit()
 
     `sizes` (one per epoch), when given, puts each epoch's training resolution in the bar."""
 
-    def __init__(self, board, *, total, epochs, log, stream=None, sizes=None, interval_s=PROGRESS_INTERVAL_S):
-        self.board, self.total, self.epochs, self.log, self.stream = board, total, epochs, log, stream
+    def __init__(self, read, *, total, epochs, log, stream=None, sizes=None, interval_s=PROGRESS_INTERVAL_S):
+        self.read, self.total, self.epochs, self.log, self.stream = read, total, epochs, log, stream
         self.sizes, self.interval_s = sizes, interval_s
         self._lines_seen, self._done_epoch, self._bar, self._bar_epoch = 0, -1, None, None
         self._stop = threading.Event()
@@ -138,13 +140,16 @@ class ConsoleFollower:
             self.poll()
 
     def poll(self) -> None:
-        import ray
+        from ray.exceptions import RayError
 
         try:
-            ranks, lines = ray.get(self.board.read.remote(self._lines_seen))
-        except ray.exceptions.RayError:  # the run is ending; the last poll in __exit__ retries
+            ranks, lines = self.read(self._lines_seen)
+        except RayError:  # the run is ending; the last poll in __exit__ tries again
             return
         self._lines_seen += len(lines)
+        if lines:  # the finished epochs' last counts first, then their lines, then what came after
+            last = max(epoch for epoch, _ in lines)
+            self._draw({rank: post for rank, post in ranks.items() if post[0] <= last})
         for epoch, line in lines:
             self._close_bar()
             self._done_epoch = max(self._done_epoch, epoch)
@@ -188,6 +193,7 @@ class ConsoleFollower:
             nrows=nrows,
             leave=False,  # the epoch line takes its place
             mininterval=0,
+            miniters=1,  # every update the driver reads is drawn
         )
         self._bar_epoch = epoch
 

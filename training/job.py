@@ -366,7 +366,12 @@ def _fit(cfg, tree, preset, plan, clock, bad_log, board, *, decode, run_dir, sta
         dataset_config=SplitValUnequally(plan.num_workers),
     )
     follower = ConsoleFollower(
-        board, total=len(tree.train), epochs=cfg.epochs, log=log, stream=console["bar_stream"], sizes=job["sizes"]
+        lambda seen: ray.get(board.read.remote(seen)),
+        total=len(tree.train),
+        epochs=cfg.epochs,
+        log=log,
+        stream=console["bar_stream"],
+        sizes=job["sizes"],
     )
     try:
         with follower:

@@ -10,7 +10,6 @@ import contextlib
 import hashlib
 import math
 import os
-import sys
 import tempfile
 import threading
 import time
@@ -294,8 +293,9 @@ def train_loop(job: dict) -> None:
         skipped = load_init_weights(model, cfg.init_weights)
         if master:
             _say(
+                job,
                 f"init weights from {cfg.init_weights}; fresh: "
-                f"{', '.join(sorted({k.rsplit('.', 1)[0] for k in skipped}))}"
+                f"{', '.join(sorted({k.rsplit('.', 1)[0] for k in skipped}))}",
             )
     init_digest = params_digest(model)
     model = ray.train.torch.prepare_model(model)
@@ -323,12 +323,12 @@ def train_loop(job: dict) -> None:
         scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng"]["cpu"].cpu())  # map_location moved it to the device
         if master:
-            _say(f"resumed from {checkpoint.path} at epoch {start_epoch + 1}")
+            _say(job, f"resumed from {checkpoint.path} at epoch {start_epoch + 1}")
 
     run_dir = artifacts.join(cfg.storage_path, cfg.name)
     for epoch in range(start_epoch, last_epoch):
         batches = first_epoch_batches if epoch == start_epoch else epoch_batches(epoch)
-        bar = EpochProgress(job["board"], rank=rank, epoch=epoch, enabled=job["progress"])  # every rank: global count
+        bar = EpochProgress(job["board"].post.remote, rank=rank, epoch=epoch, enabled=job["progress"])  # every rank
         stats = train_epoch(
             model,
             batches,
@@ -367,8 +367,7 @@ def train_loop(job: dict) -> None:
         if master:
             artifacts.write_csv(artifacts.join(run_dir, "metrics.csv"), history)
             artifacts.write_csv(artifacts.join(run_dir, "timings.csv"), timings)
-            # the driver prints it, after closing the epoch's bar (training/console.py)
-            ray.get(job["board"].say.remote(epoch, format_row(row | timing, cfg.epochs, job["sizes"] is not None)))
+            _say(job, format_row(row | timing, cfg.epochs, job["sizes"] is not None), epoch)
         state = (
             {
                 "model": bare.state_dict(),
@@ -401,10 +400,10 @@ def report(metrics: dict, state: dict | None, epoch: int) -> None:
         ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=f"checkpoint_epoch_{epoch + 1:04d}")
 
 
-def _say(line: str) -> None:
-    # not print(): Ray Train patches print in workers and the line would appear twice
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+def _say(job: dict, line: str, epoch: int = -1) -> None:
+    """A line for the run's console: the driver prints it (training/console.py), after closing the
+    bar of `epoch` when the line ends one."""
+    ray.get(job["board"].say.remote(epoch, line))
 
 
 def format_row(row: dict, epochs: int, show_size: bool = False) -> str:
