@@ -52,10 +52,13 @@ def parse_schedule(spec: str) -> tuple[str, float]:
 
 
 def ramp(epoch: int, first: int, last: int) -> float:
-    """0 up to epoch `first`, 1 from epoch `last`, linear in between (0-based epochs)."""
+    """0 up to epoch `first`, 1 from epoch `last` (after `first` when they are one), linear in
+    between (0-based epochs; FFCV's rule for its resolution ramp)."""
+    if epoch <= first:
+        return 0.0
     if epoch >= last:
         return 1.0
-    return min(max((epoch - first) / max(last - first, 1), 0.0), 1.0)
+    return (epoch - first) / (last - first)
 
 
 def strength(spec: str, epoch: int, epochs: int) -> float:

@@ -48,7 +48,7 @@ def test_progressive_resize_ramps_over_its_epochs_in_multiples_of_8():
     assert [resize_side("160", e, 10, 192) for e in range(10)] == [160, 160, 168, 168, 176, 176, 184, 184, 192, 192]
     # FFCV's form: FROM until epoch FIRST, the full size from epoch LAST (1-based), linear between
     assert [resize_side("160:5-8", e, 10, 192) for e in range(10)] == [160] * 5 + [168, 184] + [192] * 3
-    assert resize_side("24", 0, 1, 32) == 32  # a one-epoch run trains at the full size
+    assert resize_side("24", 0, 1, 32) == 24 and resize_side("24:1-1", 1, 2, 32) == 32  # FFCV's ends win
     assert parse_resize("160:11-13", 16) == (160, 11, 13) and parse_resize("none") is None
 
 
