@@ -50,9 +50,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-EPOCH1 = re.compile(
-    r"\bepoch\s+1/\d+\b"
-)  # jobs.train's line comes prefixed by Ray: "(RayTrainWorker pid=…) epoch   1/3"
+EPOCH1 = re.compile(r"\bepoch\s+1/\d+\b")  # jobs.train's epoch-1 line: "epoch   1/3  loss ..."
 
 
 def cpu_model() -> str:
