@@ -86,6 +86,7 @@ def test_a_clean_run_on_a_terminal_shows_a_live_bar_and_no_warnings(tmp_path):
     """The job as a user starts it (its own local Ray cluster), on a terminal."""
     data = write_tree(tmp_path / "data", {"a": 50, "b": 50, "c": 50})  # ~120 train images: seconds an epoch
     args = [sys.executable, "-m", "jobs.train", "--data", str(data), "--epochs", "1", "--batch-size", "8"]
+    args += ["--augment-actors", "1"]  # an actor pool, whose every start Ray would comment on
     env_address = os.environ.pop("RAY_ADDRESS", None)  # a run of its own, not one joining the tests' cluster
     try:
         code, chunks = run_in_pty(args + ["--storage-path", str(tmp_path / "runs"), "--name", "pty"])
