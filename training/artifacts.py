@@ -51,7 +51,9 @@ def write_json(uri: str, obj) -> None:
 def write_csv(uri: str, rows: list[dict]) -> None:
     buf = io.StringIO()
     if rows:
-        writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+        # every row's columns, in order of appearance: a run resumed from an older version's
+        # checkpoint has rows without the columns added since (left empty there)
+        writer = csv.DictWriter(buf, fieldnames=list(dict.fromkeys(k for row in rows for k in row)))
         writer.writeheader()
         writer.writerows(rows)
     write_bytes(uri, buf.getvalue().encode())
