@@ -61,19 +61,13 @@ def quiet_ray_env(verbose: bool = False) -> dict:
         "RAY_DATA_LOGGING_CONFIG", os.path.join(os.path.dirname(training.__file__), "ray_data_logging.yaml")
     )
     os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
-    if _starts_local_cluster():
-        # Token authentication stays on, as Ray 2.60 turns it on for a new local cluster; saying so
-        # spares the console Ray's warning that it did (RAY_AUTH_MODE=disabled opts out). Ray's C++
-        # client reads it at `import ray`.
+    if "ray" not in sys.modules and not (os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID")):
+        # connect() will start a local cluster. Token authentication stays on, as Ray 2.60 turns it on
+        # for a new one; saying so spares the console Ray's warning that it did (RAY_AUTH_MODE=disabled
+        # opts out). Only before `import ray`: Ray's client reads the mode then, and a cluster started
+        # in token mode would refuse a client that read another.
         os.environ.setdefault("RAY_AUTH_MODE", "token")
     return {"logging_level": logging.WARNING}
-
-
-def _starts_local_cluster() -> bool:
-    """connect() will start a cluster of its own (no address to join, not connected yet)."""
-    ray = sys.modules.get("ray")
-    joined = ray is not None and ray.is_initialized()
-    return not (joined or os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"))
 
 
 def quiet_ray_data(verbose: bool = False) -> None:
