@@ -80,7 +80,7 @@ def make_shapes(out: str, count: int) -> str:
 def run_variant(args, variant: str) -> dict:
     """One jobs.train run; its figures from summary.json and the wall clock."""
     flags = ["--preset", args.preset, "--image-size", str(args.image_size), "--epochs", str(args.epochs)]
-    flags += ["--batch-size", str(args.batch_size), "--seed", "0", "--quiet"]
+    flags += ["--batch-size", str(args.batch_size), "--lr", str(args.lr), "--seed", "0", "--quiet"]
     if variant == "progressive":
         flags += ["--progressive-resize", args.progressive]
     with tempfile.TemporaryDirectory() as runs:
@@ -127,11 +127,12 @@ def main(argv=None) -> int:
     ap.add_argument("--make-shapes", metavar="DIR", help="write the photo tree to DIR and exit")
     ap.add_argument("--photos", type=int, default=1000, help="photos for --make-shapes (default: 1000)")
     ap.add_argument("--data", help="the photo tree to train on")
-    ap.add_argument("--preset", default="imagenet")
+    ap.add_argument("--preset", default="imagenet", help="a built-in preset or a preset file (default: imagenet)")
     ap.add_argument("--image-size", type=int, default=128, help="the full (and eval) size, px (default: 128)")
     ap.add_argument("--progressive", default="96:3-5", help="--progressive-resize of the progressive variant")
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=0.08, help="jobs.train's --lr (per 256 images; default: 0.08)")
     ap.add_argument("--rounds", type=int, default=1, help="each round runs both variants, alternating the order")
     ap.add_argument("--variant", choices=("fixed", "progressive"), help="run this one variant once")
     ap.add_argument("--json", help="append each run to this JSON file")
