@@ -95,7 +95,7 @@ def test_image_size_is_trained_recorded_and_followed_by_inference(two_worker_run
     """--image-size 40 on 32 px files: the batches, config.json, model.pt and jobs.predict agree."""
     import numpy as np
 
-    from training.data import decode_image
+    from augment.decode import decode_image
     from training.inference import Predictor, load_model_file
 
     run_dir, _, tree, _ = two_worker_run
