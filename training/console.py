@@ -30,14 +30,12 @@ def format_config(config: dict, sources: dict | None = None) -> str:
 
 
 def quiet_train_reports() -> None:
-    """Ray Train 2.60 logs every ray.train.report (a whole TrainingReport) at INFO through a
-    logger named by its file's path, which LoggingConfig's level does not reach: it filters
-    "ray.train.*" names, and the worker's root logger takes INFO. Call in the train worker."""
-    try:
-        from ray.train.v2._internal.execution import context
-    except ImportError:  # another Ray: nothing to quiet here
-        return
-    logging.getLogger(context.__file__).setLevel(logging.WARNING)
+    """Ray Train logs every ray.train.report (a whole TrainingReport) at INFO through a logger
+    that LoggingConfig's level does not reach: it filters "ray.train.*" names, and the
+    worker's root logger takes INFO. Call in the train worker."""
+    from training import ray_private
+
+    ray_private.train_report_logger().setLevel(logging.WARNING)
 
 
 class _RayWorkerBar:
