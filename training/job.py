@@ -315,7 +315,13 @@ def run(
     )
     clock, bad_log = ray.remote(num_cpus=0)(EpochClock).remote(), ray.remote(num_cpus=0)(BadFileLog).remote()
     job = job_spec(
-        cfg, tree, preset, plan, clock, autoscaling=capacity.autoscaling or not capacity.bounded, stall=stall
+        cfg,
+        tree,
+        preset,
+        plan,
+        clock,
+        autoscaling=capacity.autoscaling or not capacity.bounded,
+        stall=stall or StallLimits(),
     )
     try:
         state, bad = _fit(cfg, tree, preset, plan, job, bad_log, decode=decode, log=log, own_cluster=own_cluster)
@@ -481,7 +487,8 @@ def coverage(seen_per_epoch: list[list[dict]], tree: ImageTree, bad: dict[str, s
     expected_sum = int(good.sum() % KEY_MOD)
     out = []
     for epoch, ranks in enumerate(seen_per_epoch, start=1):
-        rows, distinct = sum(r["count"] for r in ranks), sum(r["distinct"] for r in ranks)
+        rows = sum(r["count"] for r in ranks)
+        distinct = sum(r.get("distinct", r["count"]) for r in ranks)  # records before distinct keys: rows
         short = (expected_sum - sum(r["key_sum"] for r in ranks)) % KEY_MOD  # keys of the images not seen
         missing = max(0, len(good) - distinct)
         every_image = distinct == len(good) and short == 0
@@ -511,7 +518,11 @@ def fingerprints(seen_per_epoch: list[list[dict]]) -> list[dict]:
     on the same views; different for two epochs that did not reuse an augmentation) and
     each rank's random-stream digest where the epoch began."""
     return [
-        {"epoch": e, "views": sum(r["views"] for r in ranks) % KEY_MOD, "rng_per_rank": [r["rng"] for r in ranks]}
+        {
+            "epoch": e,
+            "views": sum(r.get("views", 0) for r in ranks) % KEY_MOD,  # 0: recorded before view digests
+            "rng_per_rank": [r.get("rng") for r in ranks],
+        }
         for e, ranks in enumerate(seen_per_epoch, start=1)
     ]
 

@@ -468,8 +468,10 @@ class EpochData:
         self.clock, self.cfg, self.rank, self.device = job["clock"], cfg, rank, device
         self.per_worker = cfg.batch_size // world
         self.train = ray.train.get_dataset_shard("train")
-        self.val = None  # asked for at the first validation: with several workers, its split
-        self.watch = None  # coordinator (one more process) starts after the first steps
+        # "val" is asked for at the first validation: with several workers, its split
+        # coordinator (one more process) starts after the first steps
+        self.val = None
+        self.watch: IngestWatch | None = None  # set once the ranks' nodes are known
 
     def feed(self, epoch: int) -> BatchFeed:
         if self.rank == 0:  # before this rank asks for the epoch's data: the split barrier holds the others
