@@ -143,11 +143,13 @@ def test_bad_input_is_one_line_and_exit_2(module, model_and_tree, tmp_path, caps
 
     main = importlib.import_module(module).main
     model, data = model_and_tree
-    assert main(["--model", str(tmp_path / "missing.pt"), "--data", str(data)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith("error: --model") and "no such file" in err
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
-    assert main(["--model", str(tmp_path / "junk.pt"), "--data", str(data)]) == 2
-    assert "not a model.pt" in capsys.readouterr().err
-    assert main(["--model", str(model), "--data", str(tmp_path / "nowhere")]) == 2
-    assert "no such directory" in capsys.readouterr().err
+    cases = [
+        (["--model", str(tmp_path / "missing.pt"), "--data", str(data)], "error: --model", "no such file"),
+        (["--model", str(tmp_path / "junk.pt"), "--data", str(data)], "error: --model", "not a model.pt"),
+        (["--model", str(model), "--data", str(tmp_path / "nowhere")], "error: ", "no such directory"),
+    ]
+    for args, start, reason in cases:
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and err.startswith(start) and reason in err, err

@@ -30,9 +30,21 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_worker_run(ray_cluster, data, tmp_path_factory):
+    """Two CPU workers on the two nodes, fine-tuning from a torchvision ResNet18 state_dict
+    (1000 classes, ImageNet stem) at a tiny lr, so the loaded weights can be recognised."""
     runs = tmp_path_factory.mktemp("runs")
+    torch.manual_seed(123)
+    torch.save(torchvision.models.resnet18(weights=None).state_dict(), runs / "r18.pt")
     summary, tree = _run(
-        data=str(data), epochs=1, batch_size=16, num_workers=2, storage_path=str(runs), name="tiny", val_fraction=0.25
+        data=str(data),
+        epochs=1,
+        batch_size=16,
+        num_workers=2,
+        storage_path=str(runs),
+        name="tiny",
+        val_fraction=0.25,
+        init_weights=str(runs / "r18.pt"),
+        lr=1e-6,
     )
     return runs / "tiny", summary, tree
 
@@ -182,27 +194,16 @@ def test_deterministic_runs_repeat_and_resume_continues(ray_cluster, data, tmp_p
     assert [r["epoch"] for r in _rows(tmp_path / "c" / "metrics.csv")] == ["1"] and fresh["epochs"] == 1
 
 
-def test_init_weights_from_a_torchvision_state_dict(ray_cluster, data, tmp_path):
-    torch.manual_seed(123)
-    source = torchvision.models.resnet18(weights=None)  # 1000 classes, ImageNet stem
-    torch.save(source.state_dict(), tmp_path / "r18.pt")
-    _run(
-        data=str(data),
-        epochs=1,
-        batch_size=16,
-        num_workers=1,
-        storage_path=str(tmp_path),
-        name="ft",
-        init_weights=str(tmp_path / "r18.pt"),
-        small_stem="off",
-        lr=1e-6,
-        val_fraction=0.25,
-    )
-    model = torch.load(tmp_path / "ft" / "model.pt", weights_only=True)["state_dict"]
-    assert model["fc.weight"].shape == (5, 512)
+def test_init_weights_from_a_torchvision_state_dict(two_worker_run):
+    run_dir, _, _ = two_worker_run
+    source = torch.load(run_dir.parent / "r18.pt", weights_only=True)
+    model = torch.load(run_dir / "model.pt", weights_only=True)["state_dict"]
+    assert model["fc.weight"].shape == (5, 512)  # a new head for the 5 classes
     # a tiny lr barely moves the loaded weights away from the source's
-    assert torch.allclose(model["layer3.0.conv1.weight"], source.state_dict()["layer3.0.conv1.weight"], atol=1e-4)
-    assert torch.allclose(model["conv1.weight"], source.state_dict()["conv1.weight"], atol=1e-4)
+    assert torch.allclose(model["layer3.0.conv1.weight"], source["layer3.0.conv1.weight"], atol=1e-4)
+    assert torch.allclose(model["layer1.0.bn1.weight"], source["layer1.0.bn1.weight"], atol=1e-4)
+    # the 3x3 small-image stem cannot take the 7x7 ImageNet stem's weights: it keeps its fresh init
+    assert model["conv1.weight"].shape == (64, 3, 3, 3) and source["conv1.weight"].shape == (64, 3, 7, 7)
 
 
 def test_missing_init_weights_is_a_config_error(data, tmp_path):
@@ -224,3 +225,32 @@ def test_fp16_autocast_on_cpu_is_a_config_error(data, tmp_path):
     with pytest.raises(ConfigError, match="--amp fp16 on CPU"):  # --device auto on a cluster without GPUs
         job.plan_resources(TrainConfig(amp="fp16"), job.Capacity(cpus=2, gpus=0, hosts=1, autoscaling=False))
     assert job.plan_resources(TrainConfig(amp="fp16"), job.Capacity(cpus=8, gpus=1, hosts=1, autoscaling=False)).use_gpu
+
+
+def test_coverage_tells_repeats_drops_and_swaps_apart():
+    from training.data import ImageTree, Split
+
+    keys = (11, 22, 33, 44, 55)
+    split = Split(tuple(f"/d/{k}.png" for k in keys), (0,) * 5, keys, 0)
+    tree = ImageTree("/d", "hash", ("a", "b"), split, Split((), (), (), 0))
+
+    def rank(*ks):
+        return {"count": len(ks), "distinct": len(set(ks)), "key_sum": sum(set(ks))}
+
+    def cov(*ranks, bad=None):
+        (c,) = job.coverage([list(ranks)], tree, bad or {})
+        return {k: c[k] for k in ("exactly_once", "every_image", "as_expected", "repeated", "missing")}
+
+    once = cov(rank(11, 22), rank(33, 44, 55))
+    assert once == {"exactly_once": True, "every_image": True, "as_expected": True, "repeated": 0, "missing": 0}
+    dropped = cov(rank(11, 22), rank(33, 44))  # an equal split dropped 55
+    assert dropped == {"exactly_once": False, "every_image": False, "as_expected": True, "repeated": 0, "missing": 1}
+    # 44 and 55 missing, 99 (not an image of the split) seen: one short by count, but no key is the difference
+    assert cov(rank(11, 22), rank(33, 44 + 55))["as_expected"] is False
+    repeated = cov(rank(11, 22, 22), rank(33, 44, 55))  # a redelivered batch
+    assert repeated["every_image"] and not repeated["exactly_once"] and repeated["repeated"] == 1
+    assert repeated["as_expected"] is False
+    swapped = cov(rank(11, 22, 33), rank(33, 44))  # 33 on both ranks, 55 on none: counts alone agree
+    assert not swapped["every_image"] and swapped["as_expected"] is False
+    skipped = cov(rank(11, 22), rank(33, 44), bad={"/d/55.png": "corrupt"})  # a bad file is not expected
+    assert skipped["exactly_once"]
