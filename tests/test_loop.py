@@ -246,3 +246,15 @@ def test_the_watch_stops_a_long_wait_when_ray_reports_data_tasks_it_cannot_place
         watch.check(600)
     other = _ingest_watch(monkeypatch, [(4, 0)], ["n0"], cpus_per_worker=1, tasks=[(0.5, 0.0)], pending=pending[1:])
     other.check(10_000)  # nothing of ours waits: a slow source, not a stuck one
+
+
+def test_a_checkpoint_from_the_old_schedule_asks_for_fresh_not_a_traceback():
+    """Checkpoints written before the schedule became torch's SequentialLR hold a LambdaLR
+    state; resuming one names the run and the fix."""
+    cfg = TrainConfig(batch_size=8, name="old-run")
+    learner = _learner(cfg, _tiny_model())
+    state = learner.state_dict()
+    learner.load_state_dict(state)  # its own state loads
+    old = torch.optim.lr_scheduler.LambdaLR(learner.optimizer, lambda step: 1.0)
+    with pytest.raises(loop.CheckpointMismatch, match=r"--name old-run .*rerun with --fresh to start over"):
+        learner.load_state_dict(state | {"scheduler": old.state_dict()})

@@ -34,7 +34,15 @@ from training.config import ConfigError, TrainConfig, check_amp
 from training.data import BadFileLog, DataError, ImageTree
 from training.ingest import SplitValUnequally, build_datasets, choose_decode
 from training.inputs import check_inputs
-from training.loop import CHECKPOINT_FILE, KEY_MOD, IngestStalled, StaleBatch, StallLimits, train_loop
+from training.loop import (
+    CHECKPOINT_FILE,
+    KEY_MOD,
+    CheckpointMismatch,
+    IngestStalled,
+    StaleBatch,
+    StallLimits,
+    train_loop,
+)
 from training.model import uses_small_stem
 from training.resources import Node, left_over, place_workers, tasks_fit
 
@@ -410,11 +418,11 @@ def _fit(cfg, tree, preset, plan, job, bad_log, *, decode, log, own_cluster) -> 
 
 
 def worker_error(error: BaseException) -> str:
-    """One line for a failed run: the train loop's own error (a stalled or stale input) where
-    Ray Train wraps one, else Ray's message."""
+    """One line for a failed run: the train loop's own error (a stalled or stale input, a
+    checkpoint that does not fit) where Ray Train wraps one, else Ray's message."""
     for failure in (getattr(error, "worker_failures", None) or {}).values():
         cause = ray_private.worker_exception(failure)
-        if isinstance(cause, (IngestStalled, StaleBatch)):
+        if isinstance(cause, (IngestStalled, StaleBatch, CheckpointMismatch)):
             return str(cause)
     return f"{type(error).__name__}: {error}"
 

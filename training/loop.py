@@ -54,6 +54,10 @@ class IngestStalled(RuntimeError):
     """No batch arrives, and Ray says the data tasks cannot run."""
 
 
+class CheckpointMismatch(RuntimeError):
+    """The run's last checkpoint does not fit this version or these settings."""
+
+
 # --------------------------------------------------------------------------- building blocks
 
 
@@ -184,10 +188,17 @@ class Learner:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.bare.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
+        try:
+            self.bare.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.scaler.load_state_dict(state["scaler"])
+        except (KeyError, ValueError, RuntimeError) as e:  # another model, optimizer or schedule
+            raise CheckpointMismatch(
+                f"the last checkpoint of --name {self.cfg.name} was written by another version or other settings "
+                f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); rerun with --fresh to start over, or "
+                "with the settings it was written with"
+            ) from None
 
 
 def build_learner(cfg: TrainConfig, job: dict, world: int, device: torch.device) -> tuple[Learner, str]:
