@@ -7,6 +7,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torchvision
@@ -137,7 +138,7 @@ def test_validation_scores_every_image_once(two_worker_run):
     validation image once, in its own class's row."""
     run_dir, summary, tree = two_worker_run
     confusion = torch.tensor(_checkpoint(run_dir)["confusion"])
-    per_class = torch.bincount(torch.tensor(tree.val.labels), minlength=tree.num_classes)
+    per_class = torch.bincount(torch.as_tensor(np.asarray(tree.val.labels, dtype=np.int64)), minlength=tree.num_classes)
     assert int(confusion.sum()) == len(tree.val) and torch.equal(confusion.sum(1), per_class)
     assert summary["val_acc"] == pytest.approx(float(confusion.diag().sum()) / len(tree.val), abs=1e-6)
     assert _split_coordinators(), "two workers split their datasets through coordinator actors"
@@ -228,11 +229,11 @@ def test_fp16_autocast_on_cpu_is_a_config_error(data, tmp_path):
 
 
 def test_coverage_tells_repeats_drops_and_swaps_apart():
-    from training.data import ImageTree, Split
+    from training.data import ImageTree, make_split
 
     keys = (11, 22, 33, 44, 55)
-    split = Split(tuple(f"/d/{k}.png" for k in keys), (0,) * 5, keys, 0)
-    tree = ImageTree("/d", "hash", ("a", "b"), split, Split((), (), (), 0))
+    split = make_split("/d", [f"a/{k}.png" for k in keys], [0] * 5, [0] * 5, keys=np.array(keys, dtype=np.int64))
+    tree = ImageTree("/d", "hash", ("a", "b"), split, make_split("/d", [], [], []))
 
     def rank(*ks):
         return {"count": len(ks), "distinct": len(set(ks)), "key_sum": sum(set(ks))}
@@ -252,5 +253,5 @@ def test_coverage_tells_repeats_drops_and_swaps_apart():
     assert repeated["as_expected"] is False
     swapped = cov(rank(11, 22, 33), rank(33, 44))  # 33 on both ranks, 55 on none: counts alone agree
     assert not swapped["every_image"] and swapped["as_expected"] is False
-    skipped = cov(rank(11, 22), rank(33, 44), bad={"/d/55.png": "corrupt"})  # a bad file is not expected
+    skipped = cov(rank(11, 22), rank(33, 44), bad={"/d/a/55.png": "corrupt"})  # a bad file is not expected
     assert skipped["exactly_once"]
