@@ -241,7 +241,7 @@ class ColorJitter(Op):
             # Brightness, contrast and saturation are each a blend f*x + (1-f)*m, with m = 0, the
             # mean grey level, or the grey image: m for every image at once from 0/1 selectors,
             # then one fused multiply-add. On a CPU the batch is planar (Pipeline makes it so):
-            # broadcasting the (B, 1, H, W) grey image over channels_last memory was ~2.5x slower.
+            # broadcasting the (B, 1, H, W) grey image over channels_last memory was slower (docs/benchmarks.md).
             gray = (x[:, 0:1] * w[0]).add_(x[:, 1:2], alpha=w[1]).add_(x[:, 2:3], alpha=w[2])  # (B, 1, H, W)
             is_con, is_sat = (op == 1).to(x.dtype), (op == 2).to(x.dtype)
             m = gray * ((1.0 - f) * is_sat) + gray.mean(dim=(2, 3), keepdim=True) * ((1.0 - f) * is_con)
@@ -272,9 +272,9 @@ _GRAY = torch.tensor([0.2989, 0.587, 0.114])  # torchvision's rgb_to_grayscale w
 # torchvision uses for tensors, antialias=True). Two formulations of the same thing:
 #
 # * CPU: one `F.interpolate(uint8, antialias=True)` per image. Each call is a whole-image
-#   kernel (torch's separable AVX2 uint8 path, ~4k img/s for 300x300 -> 224x224 on one
-#   thread), and it beats the batched matmuls below by ~10x there because it skips the
-#   zero weights; so here a loop over images is the right tool.
+#   kernel (torch's separable AVX2 uint8 path), and it beats the batched matmuls below
+#   there because it skips the zero weights (docs/benchmarks.md, "Figures that were in code
+#   comments"); so here a loop over images is the right tool.
 # * CUDA (or any device, method="matmul"): two batched matmuls with per-image weight
 #   matrices that reproduce torch's antialiased bilinear weights, so every box of every
 #   size is resampled in one pass over the whole batch. tests/test_augment.py checks that

@@ -216,10 +216,9 @@ def load_preset(name_or_path: str) -> Preset:
 
 
 # CPU only: the ops run on chunks of about this many output pixels at a time, so that the
-# float intermediates (12 bytes a pixel) stay in the L2/L3 caches. On the 2-core build
-# machine, flip + jitter + back to uint8 at 224x224 ran at ~160 img/s on whole batches
-# of 256 and ~1,100 img/s in chunks of 4 images. Each image's result is the same either way
-# (its parameters come from its own key); the GPU takes the whole batch at once.
+# float intermediates (12 bytes a pixel) stay in the L2/L3 caches (docs/benchmarks.md,
+# "Figures that were in code comments"). Each image's result is the same either way (its
+# parameters come from its own key); the GPU takes the whole batch at once.
 CPU_CHUNK_PIXELS = 4 * 224 * 224
 
 
@@ -304,7 +303,7 @@ class Pipeline(torch.nn.Module):
         rng = KeyedRng(keys, self.seed, epoch)
         first = self.ops[0]
         x = first(canvas, rng, sizes) if geometry is None else first.apply(canvas, geometry, sizes)  # (B, 3, S, S)
-        if x.device.type == "cpu":  # planar: the pixel ops' broadcasts run ~2.5x faster on it there
+        if x.device.type == "cpu":  # planar: the pixel ops' broadcasts are faster on it there (docs/benchmarks.md)
             x = x.contiguous()
         for op in self.ops[1:]:
             x = op(x, rng)

@@ -3,7 +3,7 @@
 Each actor builds its pipeline once in `__init__`, on `cuda` when Ray gave it a GPU and
 on the CPU otherwise, and then augments whole batches, decoded or still encoded:
 
-    {image: uint8 (B, H, W, 3) or ragged, label, key}  ->  {image: uint8 (B, S, S, 3), label, key}
+    {image: uint8 (B, H, W, 3) or ragged, label, key}  ->  {image: uint8 (B, S, S, 3), label, key, epoch}
     {bytes, path, label, key}                          ->  the same, decoded in the same call
                                                            (augment/batch.py, decode_augment)
 
@@ -13,7 +13,9 @@ path, to the run's bad-file log.
 The epoch, which the augmentation depends on, comes from a tiny `EpochClock` actor that
 rank 0 of the trainer advances before each epoch starts (Ray Data's split coordinator
 holds every epoch's execution until all ranks have asked for it, so no batch of epoch e
-is augmented before the clock says e).
+is augmented before the clock says e). Every row carries the epoch its parameters were
+drawn for (`epoch`); the trainer refuses a batch stamped for another epoch, so a change in
+that ordering fails loudly instead of reusing an epoch's augmentation.
 
 This module stays light (no torch at import): Ray's coordinator processes unpickle the
 dataset plan that names these classes, and only the processes that augment need torch.
@@ -89,8 +91,13 @@ class AugmentStage:
         else:
             out = augment_batch(self.pipeline, batch["image"], keys, epoch, self.device)
             label, key = batch["label"], batch["key"]
-        # key travels on so the trainer can count which images each rank saw
-        return {"image": out.cpu().numpy(), "label": label, "key": key}  # .cpu() is a sync point on GPU
+        # key travels on so the trainer can count which images each rank saw; epoch is the stamp
+        return {
+            "image": out.cpu().numpy(),  # .cpu() is a sync point on GPU
+            "label": label,
+            "key": key,
+            "epoch": np.full(len(key), epoch, dtype=np.int64),
+        }
 
 
 _STAGES: dict[str, AugmentStage] = {}  # per worker process: built once, reused by every task

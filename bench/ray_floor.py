@@ -3,9 +3,10 @@
     python -m bench.ray_floor          # prints one JSON line
 
 The same set-up as `jobs.train` on a machine of its own (a local cluster started by
-`jobs.train.connect`, `OwnClusterTorchTrainer` with one worker and the job's data config, so
-no split coordinator), with no model, no images and no augmentation: the train loop takes one
-batch of a trivial Ray Data pipeline (a range, one map_batches task) and reports. It gives, from the process's start:
+`jobs.train.connect`, Ray Train without its placement-group cleaner (training/ray_private.py)
+with one worker and the job's data config, so no split coordinator), with no model, no
+images and no augmentation: the train loop takes one batch of a trivial Ray Data pipeline (a
+range, one map_batches task) and reports. It gives, from the process's start:
 
 * loop_start_s   the train function begins on its worker (ray.init, Ray Train's controller
                  and worker group);
@@ -50,12 +51,12 @@ def main() -> dict:
     from ray.train import RunConfig, ScalingConfig
 
     from training.ingest import SplitValUnequally
-    from training.job import OwnClusterTorchTrainer
+    from training.ray_private import trainer_without_placement_group_cleaner
 
     ds = ray.data.range(1024, override_num_blocks=4).map_batches(_identity, batch_size=64)
     with tempfile.TemporaryDirectory(prefix="ray-floor-") as storage:
         out_path = os.path.join(storage, "times.json")
-        trainer = OwnClusterTorchTrainer(
+        trainer = trainer_without_placement_group_cleaner()(
             _loop,
             train_loop_config={"out": out_path},
             scaling_config=ScalingConfig(num_workers=1),

@@ -118,8 +118,9 @@ def connect(verbose: bool = False, dashboard: bool = False) -> bool:
 
 class _Preload(threading.Thread):
     """Imports torch and Ray Train and loads a built-in preset (`preset` is None until
-    then) while the main thread starts Ray: on a small machine they take about 3 s each, and
-    neither needs the other. (Kornia is imported only by a preset that uses it.)"""
+    then) while the main thread starts Ray: on a small machine both take seconds
+    (docs/benchmarks.md, "Figures that were in code comments"), and neither needs the other.
+    (Kornia is imported only by a preset that uses it.)"""
 
     def __init__(self, preset_name: str, preset=None):
         super().__init__(daemon=True, name="preload")

@@ -178,12 +178,23 @@ def test_ragged_batch_equals_each_image_alone():
         assert torch.equal(alone[0], together[i])
 
 
-def test_stage_on_a_numpy_batch():
-    stage = AugmentStage(PRESETS["cifar"].to_dict(), train=True, seed=0, device="cpu")
+def test_stage_stamps_every_row_with_the_epoch_it_augmented_for(ray_cluster):
+    from augment.stage import EpochClock
+
     batch = {"image": _batch(8).numpy(), "label": np.arange(8), "key": np.arange(8, dtype=np.int64)}
-    out = stage(batch)
-    assert out["image"].shape == (8, 32, 32, 3) and out["image"].dtype == np.uint8
-    assert list(out["label"]) == list(range(8))
+    clock = ray_cluster.remote(num_cpus=0)(EpochClock).remote()
+    stage = AugmentStage(PRESETS["cifar"].to_dict(), train=True, seed=0, clock=clock, device="cpu")
+    outs = {}
+    for epoch in (0, 3):
+        ray_cluster.get(clock.set.remote(epoch))
+        outs[epoch] = stage(batch)
+        assert outs[epoch]["image"].shape == (8, 32, 32, 3) and outs[epoch]["image"].dtype == np.uint8
+        assert list(outs[epoch]["label"]) == list(range(8)) and list(outs[epoch]["key"]) == list(range(8))
+        assert outs[epoch]["epoch"].tolist() == [epoch] * 8
+    expected = Pipeline(PRESETS["cifar"].train, seed=0)(*to_canvas(batch["image"]), torch.arange(8), epoch=3)
+    assert np.array_equal(outs[3]["image"], expected.numpy())  # the stamp names the epoch the views were drawn for
+    assert not np.array_equal(outs[0]["image"], outs[3]["image"])
+    ray_cluster.kill(clock)
 
 
 def test_preset_files_and_their_errors(tmp_path):

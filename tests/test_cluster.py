@@ -7,6 +7,7 @@ conftest runs them last, after the shared session cluster is stopped.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -123,6 +124,90 @@ def test_gpu_plans_share_or_dedicate_gpus_and_refuse_the_impossible():
         plan_resources(TrainConfig(num_workers=8), Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False))
     cpu = plan_resources(TrainConfig(num_workers=2), Capacity(cpus=4, gpus=0, hosts=2, autoscaling=False))
     assert cpu.placement == "SPREAD" and cpu.threads_per_worker == 2
+
+
+SMALL_CLUSTERS = {  # (CPUs, GPUs) per node
+    "1 cpu": [(1, 0)],
+    "2 cpus": [(2, 0)],
+    "3 cpus": [(3, 0)],
+    "4 cpus": [(4, 0)],
+    "8 cpus": [(8, 0)],
+    "2 nodes x 1 cpu": [(1, 0)] * 2,
+    "2 nodes x 2 cpus": [(2, 0)] * 2,
+    "3 nodes x 2 cpus": [(2, 0)] * 3,
+    "1 gpu, 4 cpus": [(4, 1)],
+    "4 gpus, 4 cpus": [(4, 4)],
+    "4 gpus, 8 cpus": [(8, 4)],
+}
+
+
+def _workers_per_node(nodes, plan) -> list[int]:
+    """Where Ray puts the train workers on these clusters: PACK on the one node; SPREAD one
+    per node in turn (the nodes are equal)."""
+    if plan.placement == "PACK":
+        assert len(nodes) == 1
+        return [plan.num_workers]
+    return [len(range(i, plan.num_workers, len(nodes))) for i in range(len(nodes))]
+
+
+def _all_run_at_once(free, tasks) -> bool:
+    """Some assignment of the tasks to nodes fits them all (every assignment is tried)."""
+    for where in itertools.product(range(len(free)), repeat=len(tasks)):
+        use = [[0.0, 0.0] for _ in free]
+        for node, (c, g) in zip(where, tasks, strict=True):
+            use[node][0] += c
+            use[node][1] += g
+        if all(u[0] <= f[0] + 1e-9 and u[1] <= f[1] + 1e-9 for u, f in zip(use, free, strict=True)):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("cluster", sorted(SMALL_CLUSTERS))
+def test_every_plan_the_planner_accepts_leaves_ray_data_room_to_run(cluster):
+    """Over worker counts, CPUs per worker and augment actors: a plan either leaves every node's
+    workers room and, beside them, room for what Ray Data must run at once (a read/augment
+    task, plus an actor pool's actors), or is refused with the numbers and a fix."""
+    nodes = SMALL_CLUSTERS[cluster]
+    capacity = Capacity(
+        cpus=sum(c for c, _ in nodes), gpus=sum(g for _, g in nodes), hosts=1, nodes=tuple(map(tuple, nodes))
+    )
+    accepted = 0
+    for workers, cpus_per_worker, actors in itertools.product(range(5), (0, 1, 2), (0, 2)):
+        cfg = TrainConfig(num_workers=workers, cpus_per_worker=cpus_per_worker, augment_actors=actors)
+        try:
+            plan = plan_resources(cfg, capacity)
+        except ConfigError as e:
+            assert re.search(r"\d", str(e)) and "lower --" in str(e), str(e)
+            continue
+        accepted += 1
+        counts = _workers_per_node(nodes, plan)
+        gpu_share = plan.gpus_per_worker if plan.use_gpu else 0.0
+        free = [(c - k * plan.cpus_per_worker, g - k * gpu_share) for (c, g), k in zip(nodes, counts, strict=True)]
+        assert all(c >= -1e-9 and g >= -1e-9 for c, g in free), (cluster, cfg, plan.describe())
+        tasks = [(plan.augment_cpus, 0.0)] + [(plan.augment_cpus, plan.augment_gpus)] * plan.augment_actors
+        assert _all_run_at_once(free, tasks), (cluster, cfg, plan.describe())
+        assert min(plan.cpus_per_worker, plan.augment_cpus) >= 0.25
+        assert plan.cpus_per_worker == (cpus_per_worker or plan.cpus_per_worker)  # a given share is kept
+    assert accepted
+
+
+def test_two_workers_on_two_cores_leave_ray_data_half_a_cpu():
+    """The plan that hung: 2 workers x 1 CPU on a 2-core machine left Ray Data no CPU."""
+    two_cores = Capacity(cpus=2, gpus=0, hosts=1, nodes=((2.0, 0.0),))
+    plan = plan_resources(TrainConfig(num_workers=2), two_cores)
+    assert (
+        plan.describe() == "2 train worker(s) x (0.75 CPU, 1 torch threads), SPREAD; augment tasks x 0.5 CPU per split"
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"^--num-workers 2 x --cpus-per-worker 1 leave Ray Data 0 of the cluster's 2 CPUs, .*"
+        r"lower --cpus-per-worker or --num-workers, or drop --cpus-per-worker",
+    ):
+        plan_resources(TrainConfig(num_workers=2, cpus_per_worker=1), two_cores)
+    one = plan_resources(TrainConfig(), two_cores)  # one worker keeps a whole CPU and uses both cores
+    assert (one.num_workers, one.cpus_per_worker, one.threads_per_worker, one.augment_cpus) == (1, 1, 2, 0.5)
+    with pytest.raises(ConfigError, match="needs 8 CPUs but the cluster has at most 4"):
+        plan_resources(TrainConfig(num_workers=4, cpus_per_worker=2), Capacity(cpus=4, gpus=0, hosts=1))
 
 
 # --------------------------------------------------------------------------- real clusters
@@ -307,21 +392,31 @@ def test_autoscaling_cluster_adds_a_node_for_the_job(own_cluster, tmp_path):
         _ray("stop", "--force", env=env, check=False)
 
 
-def _total_rss() -> int:
-    """Resident bytes of every process on the machine (Linux /proc)."""
+def _cluster_pss(gcs_port: int, job_pid: int) -> int:
+    """Proportional set size of this test's cluster and job: the processes `ray start` left
+    (found by the GCS port on their command lines), the job's, and all their children. PSS
+    splits the shared object-store pages between the processes mapping them, so the sum
+    counts each page once; other clusters on the machine are left out."""
+    import psutil
+
+    roots = [psutil.Process(job_pid)]
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if f"127.0.0.1:{gcs_port}" in cmd or f"--gcs_server_port={gcs_port}" in cmd:
+            roots.append(p)
+    procs = {p.pid: p for root in roots for p in [root, *root.children(recursive=True)]}
     total = 0
-    for status in Path("/proc").glob("[0-9]*/status"):
+    for p in procs.values():
         try:
-            line = next((ln for ln in status.read_text().splitlines() if ln.startswith("VmRSS:")), None)
-        except OSError:  # the process ended meanwhile
+            total += p.memory_full_info().pss
+        except psutil.Error:  # ended meanwhile
             continue
-        total += int(line.split()[1]) * 1024 if line else 0
     return total
 
 
 @pytest.mark.own_cluster
 def test_a_dataset_several_times_the_object_store_completes(own_cluster, tmp_path):
-    """Object store capped at 200 MB; ~720 MB of decoded photos: the run must stream or spill."""
+    """Object store capped at 200 MB; ~720 MB of decoded photos: the run must stream them, not hold them."""
 
     rng = np.random.default_rng(0)
     data = tmp_path / "photos"
@@ -372,18 +467,22 @@ def test_a_dataset_several_times_the_object_store_completes(own_cluster, tmp_pat
             text=True,
         )
         peak = 0
-        while proc.poll() is None:  # the machine's peak resident memory over all processes
-            peak = max(peak, _total_rss())
+        while proc.poll() is None:  # the peak memory of this cluster and job, sampled each second
+            peak = max(peak, _cluster_pss(port, proc.pid))
             time.sleep(1)
         out = proc.stdout.read()
         assert proc.returncode == 0, out[-3000:]
         stats = _ray("memory", "--stats-only", f"--address=127.0.0.1:{port}", env=env, check=False).stdout
-        spilled = re.search(r"Spilled (\d+) MiB", stats)
+        spilled = int(m.group(1)) if (m := re.search(r"Spilled (\d+) MiB", stats)) else 0
         print(
-            f"\npeak RSS of all processes: {peak / 2**20:.0f} MiB; object store: 200 MiB; "
-            f"spilled: {spilled.group(1) if spilled else 0} MiB"
+            f"\npeak PSS of the cluster and job: {peak / 2**20:.0f} MiB; object store: 200 MiB; spilled: {spilled} MiB"
         )
         summary = json.loads((tmp_path / "runs" / "big" / "summary.json").read_text())
         assert summary["epochs"] == 1 and summary["coverage"][0]["exactly_once"]
+        decoded = 600 * 640 * 640 * 3
+        # streamed: the object store never had to hold the decoded photos (what exceeds it would spill),
+        # and the processes' memory stays below twice the decoded photos (Ray's and torch's own, plus batches)
+        assert spilled * 2**20 < decoded - 200 * 2**20, spilled
+        assert peak < 2 * decoded, peak
     finally:
         _ray("stop", "--force", env=env, check=False)

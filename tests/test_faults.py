@@ -4,9 +4,11 @@ the run recovered, lost nothing, and said what happened."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -24,6 +26,7 @@ from tests.conftest import bar_frames, write_tree
 from training import job
 from training.config import TrainConfig
 from training.data import DataError
+from training.loop import StallLimits
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -194,9 +197,10 @@ def test_a_killed_train_worker_resumes_from_the_last_checkpoint(ray_cluster, fau
     assert resumed >= 2, "training restarted from epoch 1 instead of the checkpoint"
     rows = list(csv.DictReader((tmp_path / "killed" / "metrics.csv").open()))
     assert [int(r["epoch"]) for r in rows] == [1, 2, 3]
-    # tolerance: deterministic mode and a full state restore make the resumed run equal the clean one
-    assert abs(summary["val_acc"] - baseline["val_acc"]) <= 0.05
-    assert abs(summary["train_loss"] - baseline["train_loss"]) <= 0.05 * max(baseline["train_loss"], 1e-3)
+    # deterministic mode and a full state restore (model, optimizer, scheduler, each rank's
+    # random stream): the resumed run is the clean one, metric for metric
+    assert (tmp_path / "killed" / "metrics.csv").read_text() == (tmp_path / "clean" / "metrics.csv").read_text()
+    assert summary["fingerprints"] == baseline["fingerprints"]
     _no_leaks(ray_cluster)
 
 
@@ -237,8 +241,30 @@ def test_a_killed_augment_worker_is_replaced_and_the_epoch_completes(ray_cluster
     assert "error" not in box, box.get("error")
     summary = box["result"][0]
     assert summary["epochs"] == 3 and summary["resumed_at_epochs"] == []  # Ray Data recovered; no train restart
-    for cov in summary["coverage"]:  # each epoch delivered every image, or said how many came twice
-        assert cov["exactly_once"] or cov["duplicated"] > 0, cov
+    for cov in summary["coverage"]:  # each epoch trained on every image; a redelivered batch may repeat some
+        assert cov["every_image"] and cov["missing"] == 0, cov
+        assert cov["exactly_once"] or cov["repeated"] > 0, cov
+    _no_leaks(ray_cluster)
+
+
+def test_a_run_whose_data_tasks_cannot_start_stops_with_a_clear_error(ray_cluster, fault_data, tmp_path, monkeypatch):
+    """The planner leaves Ray Data room; here it is bypassed with the kind of plan that hung a
+    2-core machine for 10 minutes: the train workers hold every CPU of both nodes, so Ray
+    Data cannot start a task. The run stops once no batch has come for `starved_s`."""
+    cfg = TrainConfig(data=str(fault_data), epochs=1, batch_size=16, num_workers=2, max_failures=0)
+    hogs = dataclasses.replace(job.plan_resources(cfg, job.cluster_capacity()), cpus_per_worker=2)  # the fault
+    monkeypatch.setattr(job, "plan_resources", lambda cfg, capacity: hogs)
+    cfg, tree, preset = job.prepare(dataclasses.replace(cfg, storage_path=str(tmp_path), name="starved"))
+    limits = StallLimits(starved_s=3, pending_s=600, poll_s=0.5)
+    with pytest.raises(job.TrainingFailed) as err:
+        job.run(cfg, tree, preset, log=lambda *a: None, stall=limits)
+    assert re.fullmatch(
+        r"training failed: no batch for \d+ s: the 2 train worker\(s\) hold 2 CPU each, which leaves Ray Data "
+        rf"0, 0 CPU on the node\(s\), and it needs {hogs.augment_cpus:g} CPU at once; lower --num-workers or "
+        r"--cpus-per-worker",
+        str(err.value),
+    ), str(err.value)
+    assert not (tmp_path / "starved" / "metrics.csv").exists()
     _no_leaks(ray_cluster)
 
 

@@ -18,7 +18,7 @@ from training.model import resnet18
 
 @pytest.fixture(scope="module")
 def model_and_tree(tmp_path_factory):
-    from training.job import _model_bytes
+    from training.job import model_bytes
 
     root = tmp_path_factory.mktemp("predict")
     data = write_tree(root / "data", {"cat": 6, "dog": 6, "eel": 6}, sizes=[(32, 32), (36, 30)])
@@ -30,7 +30,7 @@ def model_and_tree(tmp_path_factory):
     torch.manual_seed(0)
     model = resnet18(tree.num_classes, small_stem=True)
     path = root / "model.pt"
-    path.write_bytes(_model_bytes(model.state_dict(), tree, PRESETS["cifar"], TrainConfig()))
+    path.write_bytes(model_bytes(model.state_dict(), tree, PRESETS["cifar"], TrainConfig()))
     return path, data
 
 
@@ -61,40 +61,42 @@ def test_predict_writes_one_row_per_image_and_the_accuracy_of_the_csv(ray_cluste
     assert float(m.group(1)) == round(correct / 18, 4)
 
 
-def test_predict_matches_the_model_applied_by_hand(model_and_tree):
-    """The saved eval transform and weights, applied without Ray, give the CSV's classes."""
-    from augment.batch import augment_batch
+def test_predict_matches_torchvisions_eval_transform_and_the_model(model_and_tree):
+    """The CSV's classes and confidences are the model's on torchvision's own eval transform
+    for the cifar preset (CenterCrop(32) on the decoded file, then ToDtype and Normalize), not
+    on this project's pipeline: a crop or normalisation that drifted from torchvision fails."""
+    import numpy as np
+    import torchvision.transforms.v2 as T
+    from PIL import Image
+
     from augment.decode import decode_image
-    from augment.ops import Normalize
-    from augment.presets import Pipeline
     from training import inference
 
     model_path, data = model_and_tree
     info = inference.load_model_file(str(model_path))
+    t = info["eval_transform"]
+    assert t["ops"] == [{"center_crop": {"size": 32}}]  # what the reference below reproduces
+    reference = T.Compose(
+        [T.PILToTensor(), T.CenterCrop(32), T.ToDtype(torch.float32, scale=True), T.Normalize(t["mean"], t["std"])]
+    )
     model = resnet18(3, small_stem=True)
     model.load_state_dict(info["state_dict"])
     model.eval()
-    t = info["eval_transform"]
-    pipeline, normalize = Pipeline(t["ops"], seed=0), Normalize(t["mean"], t["std"])
     files = sorted((data / "cat").glob("*.png"))[:3] + sorted((data / "dog").glob("*.png"))[:3]
-    import numpy as np
-
+    assert {Image.open(f).size for f in files} == {(32, 32), (30, 36)}  # a crop and a pad of 2 px
     images = np.empty(len(files), dtype=object)
     images[:] = [decode_image(f.read_bytes()) for f in files]
-    predictor = inference.Predictor(info)
-    got = predictor(
+    got = inference.Predictor(info)(
         {
             "image": images,
             "label": np.zeros(len(files), np.int64),
             "path": np.array([str(f) for f in files], dtype=object),
         }
     )
-    for i in range(len(files)):
-        crop = augment_batch(pipeline, images[i : i + 1], torch.zeros(1, dtype=torch.int64), 0, torch.device("cpu"))
-        with torch.no_grad():
-            probs = model(normalize(crop)).softmax(1)[0]
-        assert int(probs.argmax()) == got["pred"][i]
-        assert abs(float(probs.max()) - got["prob"][i]) < 1e-5
+    with torch.no_grad():
+        probs = model(torch.stack([reference(Image.open(f).convert("RGB")) for f in files])).softmax(1)
+    assert got["pred"].tolist() == probs.argmax(1).tolist()
+    np.testing.assert_allclose(got["prob"], probs.max(1).values.numpy(), atol=1e-5)
 
 
 def test_evaluate_on_a_prepared_directory(ray_cluster, model_and_tree, tmp_path, capsys):
@@ -125,6 +127,8 @@ def test_evaluate_on_a_prepared_directory(ray_cluster, model_and_tree, tmp_path,
         assert float(stats["recall"]) == pytest.approx(hits / 6)
         if predicted:
             assert float(stats["precision"]) == pytest.approx(hits / len(predicted))
+        else:  # undefined: nothing was predicted as this class
+            assert stats["precision"] == ""
         assert re.search(rf"^{name}\s+6\s", printed, re.M)
     # the same images as files give the same predictions
     assert predict(["--model", str(model), "--data", str(labelled_only), "--out", str(tmp_path / "p.csv")]) == 0
@@ -139,11 +143,13 @@ def test_bad_input_is_one_line_and_exit_2(module, model_and_tree, tmp_path, caps
 
     main = importlib.import_module(module).main
     model, data = model_and_tree
-    assert main(["--model", str(tmp_path / "missing.pt"), "--data", str(data)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith("error: --model") and "no such file" in err
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
-    assert main(["--model", str(tmp_path / "junk.pt"), "--data", str(data)]) == 2
-    assert "not a model.pt" in capsys.readouterr().err
-    assert main(["--model", str(model), "--data", str(tmp_path / "nowhere")]) == 2
-    assert "no such directory" in capsys.readouterr().err
+    cases = [
+        (["--model", str(tmp_path / "missing.pt"), "--data", str(data)], "error: --model", "no such file"),
+        (["--model", str(tmp_path / "junk.pt"), "--data", str(data)], "error: --model", "not a model.pt"),
+        (["--model", str(model), "--data", str(tmp_path / "nowhere")], "error: ", "no such directory"),
+    ]
+    for args, start, reason in cases:
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and err.startswith(start) and reason in err, err

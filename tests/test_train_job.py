@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import re
+import subprocess
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torchvision
@@ -14,6 +16,8 @@ import torchvision
 from tests.conftest import Terminal, bar_frames, write_tree
 from training import job
 from training.config import ConfigError, TrainConfig
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _run(bar_stream=None, log=lambda *a: None, **overrides):
@@ -28,8 +32,12 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_worker_run(ray_cluster, data, tmp_path_factory):
-    """At 40 px (--image-size) from 32 px files, with the console's bar drawn on a fake terminal."""
+    """Two CPU workers on the two nodes at 40 px (--image-size) from 32 px files, with the
+    console's bar drawn on a fake terminal, fine-tuning from a torchvision ResNet18 state_dict
+    (1000 classes, ImageNet stem) at a tiny lr, so the loaded weights can be recognised."""
     runs, screen, lines = tmp_path_factory.mktemp("runs"), Terminal(), []
+    torch.manual_seed(123)
+    torch.save(torchvision.models.resnet18(weights=None).state_dict(), runs / "r18.pt")
     summary, tree = _run(
         data=str(data),
         epochs=1,
@@ -38,6 +46,8 @@ def two_worker_run(ray_cluster, data, tmp_path_factory):
         storage_path=str(runs),
         name="tiny",
         val_fraction=0.25,
+        init_weights=str(runs / "r18.pt"),
+        lr=1e-6,
         image_size=40,
         bar_stream=screen,
         log=lines.append,
@@ -53,6 +63,16 @@ def _split_coordinators() -> set[str]:
 
 def _rows(path):
     return list(csv.DictReader(path.open()))
+
+
+def _checkpoint(run_dir: Path) -> dict:
+    (path,) = run_dir.glob("checkpoint_epoch_*/checkpoint.pt")  # num_to_keep=1
+    return torch.load(path, weights_only=True)
+
+
+def _head_commit() -> str | None:
+    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    return out.stdout.strip() if out.returncode == 0 else None
 
 
 def test_run_directory_has_sane_contents(two_worker_run):
@@ -71,7 +91,7 @@ def test_run_directory_has_sane_contents(two_worker_run):
 
     config = json.loads((run_dir / "config.json").read_text())
     assert config["config"]["num_workers"] == 2 and config["class_names"] == ["blue", "cyan", "gray", "green", "red"]
-    assert len(config["git_commit"] or "0" * 40) == 40
+    assert config["git_commit"] == _head_commit()  # None only outside a git checkout
 
     (row,) = _rows(run_dir / "metrics.csv")
     assert int(row["epoch"]) == 1 and {"val_top5", "val_loss", "lr", "train_loss"} <= set(row)
@@ -122,28 +142,47 @@ def test_the_bar_counts_both_ranks_and_the_driver_prints_the_epoch_line(two_work
 
 
 def test_ranks_start_from_identical_weights_and_see_different_images(two_worker_run):
-    _, summary, tree, _ = two_worker_run
+    run_dir, summary, tree, _ = two_worker_run
     ranks = summary["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1]
     assert ranks[0]["init_digest"] == ranks[1]["init_digest"]
     assert ranks[0]["node_id"] != ranks[1]["node_id"], "CPU workers should spread over the 2 nodes"
     (cov,) = summary["coverage"]
-    # streaming_split(equal=True) may drop up to world_size-1 rows so both ranks take the same steps
-    assert cov["expected"] == len(tree.train) and cov["duplicated"] == 0 and cov["missing"] <= 1
-    assert cov["per_rank"][0] == cov["per_rank"][1] > 0
-    if cov["seen"] == len(tree.train):
-        assert cov["exactly_once"], "the ranks' images overlap or miss some"
+    # streaming_split(equal=True) drops len % world_size rows so both ranks take the same steps
+    n, dropped = len(tree.train), len(tree.train) % 2
+    assert (cov["expected"], cov["seen"], cov["distinct"]) == (n, n - dropped, n - dropped)
+    assert cov["repeated"] == 0 and cov["missing"] == dropped and cov["per_rank"][0] == cov["per_rank"][1] > 0
+    # no overlap, nothing else missing: the key sums agree, or differ by the key of one image of the split
+    assert cov["as_expected"] is True and cov["exactly_once"] == (dropped == 0)
+
+
+def test_every_rank_draws_from_its_own_random_stream(two_worker_run):
+    """Identical initial weights (above), then a stream per rank, saved per rank."""
+    run_dir, summary, _, _ = two_worker_run
+    (fp,) = summary["fingerprints"]
+    assert len(set(fp["rng_per_rank"])) == 2
+    saved = _checkpoint(run_dir)["rng"]
+    assert len(saved) == 2 and not torch.equal(saved[0]["torch"], saved[1]["torch"])
+    assert saved[0]["python"] != saved[1]["python"] and not torch.equal(
+        saved[0]["numpy"]["keys"], saved[1]["numpy"]["keys"]
+    )
 
 
 def test_validation_scores_every_image_once(two_worker_run):
-    """val is split across ranks without dropping rows: the accuracy is k / len(val)."""
-    _, summary, tree, _ = two_worker_run
-    n = len(tree.val)
-    assert any(abs(summary["val_acc"] - k / n) < 1e-5 for k in range(n + 1))
+    """val is split across ranks without dropping rows: the confusion matrix counts each
+    validation image once, in its own class's row."""
+    run_dir, summary, tree, _ = two_worker_run
+    confusion = torch.tensor(_checkpoint(run_dir)["confusion"])
+    per_class = torch.bincount(torch.as_tensor(np.asarray(tree.val.labels, dtype=np.int64)), minlength=tree.num_classes)
+    assert int(confusion.sum()) == len(tree.val) and torch.equal(confusion.sum(1), per_class)
+    assert summary["val_acc"] == pytest.approx(float(confusion.diag().sum()) / len(tree.val), abs=1e-6)
     assert _split_coordinators(), "two workers split their datasets through coordinator actors"
 
 
 def test_deterministic_runs_repeat_and_resume_continues(ray_cluster, data, tmp_path):
+    """Two runs: identical metrics, and identical augmented views, which differ between epochs
+    (each batch carries the epoch its augmentation was drawn for). A run stopped after epoch 1
+    and resumed continues with the same metrics and the same random stream."""
     # the cifar preset plus two of Kornia's ops by name: they run in Ray Data's tasks and stay reproducible
     preset = tmp_path / "cifar-kornia.yaml"
     preset.write_text(
@@ -164,15 +203,19 @@ def test_deterministic_runs_repeat_and_resume_continues(ray_cluster, data, tmp_p
         progressive_resize="24",  # epoch 1 at 24 px, epoch 2 at 32: the resumed run must pick up the size
     )
     coordinators_before = _split_coordinators()
-    _run(name="a", **common)
+    run_a, _ = _run(name="a", **common)
     assert [int(r["image_size"]) for r in _rows(tmp_path / "a" / "metrics.csv")] == [24, 32]
     # one worker takes each dataset whole, so no split coordinator starts before its first step
     assert _split_coordinators() == coordinators_before
-    _run(name="b", **common)
+    run_b, _ = _run(name="b", **common)
     a, b = (tmp_path / "a" / "metrics.csv").read_text(), (tmp_path / "b" / "metrics.csv").read_text()
     assert a == b, "same seed and world size must give identical metrics"
     train_ops = json.loads((tmp_path / "a" / "config.json").read_text())["preset"]["train"]
     assert [next(iter(op)) for op in train_ops][2:] == ["kornia.RandomGaussianBlur", "kornia.RandomAffine"]
+    views = [[e["views"] for e in run["fingerprints"]] for run in (run_a, run_b)]
+    assert views[0] == views[1], "the same images got other augmented views in a second run"
+    assert views[0][0] != views[0][1], "epoch 2 trained on epoch 1's augmented views"
+    assert all(c["exactly_once"] for c in run_a["coverage"])
 
     first, _ = _run(name="c", stop_after=1, **common)
     assert first["epochs"] == 1
@@ -181,33 +224,24 @@ def test_deterministic_runs_repeat_and_resume_continues(ray_cluster, data, tmp_p
     rows = _rows(tmp_path / "c" / "metrics.csv")
     assert [r["epoch"] for r in rows] == ["1", "2"]
     assert (tmp_path / "c" / "metrics.csv").read_text() == a
-    assert second["val_acc"] == json.loads((tmp_path / "a" / "summary.json").read_text())["val_acc"]
+    assert second["val_acc"] == run_a["val_acc"]
+    # the resumed attempt put the random stream back where epoch 1 left it, and saw the same views
+    assert second["fingerprints"] == run_a["fingerprints"]
 
     fresh, _ = _run(name="c", fresh=True, stop_after=1, **common)
     assert [r["epoch"] for r in _rows(tmp_path / "c" / "metrics.csv")] == ["1"] and fresh["epochs"] == 1
 
 
-def test_init_weights_from_a_torchvision_state_dict(ray_cluster, data, tmp_path):
-    torch.manual_seed(123)
-    source = torchvision.models.resnet18(weights=None)  # 1000 classes, ImageNet stem
-    torch.save(source.state_dict(), tmp_path / "r18.pt")
-    _run(
-        data=str(data),
-        epochs=1,
-        batch_size=16,
-        num_workers=1,
-        storage_path=str(tmp_path),
-        name="ft",
-        init_weights=str(tmp_path / "r18.pt"),
-        small_stem="off",
-        lr=1e-6,
-        val_fraction=0.25,
-    )
-    model = torch.load(tmp_path / "ft" / "model.pt", weights_only=True)["state_dict"]
-    assert model["fc.weight"].shape == (5, 512)
+def test_init_weights_from_a_torchvision_state_dict(two_worker_run):
+    run_dir, _, _, _ = two_worker_run
+    source = torch.load(run_dir.parent / "r18.pt", weights_only=True)
+    model = torch.load(run_dir / "model.pt", weights_only=True)["state_dict"]
+    assert model["fc.weight"].shape == (5, 512)  # a new head for the 5 classes
     # a tiny lr barely moves the loaded weights away from the source's
-    assert torch.allclose(model["layer3.0.conv1.weight"], source.state_dict()["layer3.0.conv1.weight"], atol=1e-4)
-    assert torch.allclose(model["conv1.weight"], source.state_dict()["conv1.weight"], atol=1e-4)
+    assert torch.allclose(model["layer3.0.conv1.weight"], source["layer3.0.conv1.weight"], atol=1e-4)
+    assert torch.allclose(model["layer1.0.bn1.weight"], source["layer1.0.bn1.weight"], atol=1e-4)
+    # the 3x3 small-image stem cannot take the 7x7 ImageNet stem's weights: it keeps its fresh init
+    assert model["conv1.weight"].shape == (64, 3, 3, 3) and source["conv1.weight"].shape == (64, 3, 7, 7)
 
 
 def test_missing_init_weights_is_a_config_error(data, tmp_path):
@@ -218,18 +252,9 @@ def test_missing_init_weights_is_a_config_error(data, tmp_path):
 def test_asking_for_gpus_on_a_cpu_cluster_is_a_config_error(ray_cluster):
     capacity = job.cluster_capacity()
     assert (capacity.cpus, capacity.gpus, capacity.hosts) == (4, 0, 1)  # 2 nodes, one machine
+    assert capacity.nodes == ((2.0, 0.0), (2.0, 0.0))
     with pytest.raises(ConfigError, match="no GPUs"):
         job.plan_resources(TrainConfig(device="cuda"), capacity)
-
-
-def test_cpu_plan_leaves_cpus_for_ray_data():
-    one_host = job.Capacity(cpus=2, gpus=0, hosts=1, autoscaling=False)
-    plan = job.plan_resources(TrainConfig(), one_host)
-    assert (plan.num_workers, plan.cpus_per_worker, plan.threads_per_worker) == (1, 1, 2)
-    with pytest.raises(ConfigError, match="needs 8 CPUs but the cluster has at most 4"):
-        job.plan_resources(
-            TrainConfig(num_workers=4, cpus_per_worker=2), job.Capacity(cpus=4, gpus=0, hosts=1, autoscaling=False)
-        )
 
 
 def test_fp16_autocast_on_cpu_is_a_config_error(data, tmp_path):
@@ -240,69 +265,30 @@ def test_fp16_autocast_on_cpu_is_a_config_error(data, tmp_path):
     assert job.plan_resources(TrainConfig(amp="fp16"), job.Capacity(cpus=8, gpus=1, hosts=1, autoscaling=False)).use_gpu
 
 
-def test_amp_bf16_trains_in_bfloat16_on_cpu():
-    from augment.ops import Normalize
-    from training.loop import build_optimizer, build_scheduler, train_epoch
-    from training.model import resnet18
+def test_coverage_tells_repeats_drops_and_swaps_apart():
+    from training.data import ImageTree, make_split
 
-    torch.manual_seed(0)
-    cfg = TrainConfig(amp="bf16", batch_size=8)
-    model = resnet18(3, small_stem=True)
-    dtypes = []
-    model.fc.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
-    optimizer = build_optimizer(cfg, model)
-    before = model.fc.weight.detach().clone()
-    batches = [
-        {
-            "image": torch.randint(0, 256, (8, 32, 32, 3), dtype=torch.uint8),
-            "label": torch.arange(8) % 3,
-            "key": torch.arange(8) + 8 * i,
-        }
-        for i in range(2)
-    ]
-    stats = train_epoch(
-        model,
-        batches,
-        optimizer,
-        build_scheduler(cfg, optimizer, 2),
-        torch.amp.GradScaler("cpu", enabled=False),
-        Normalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25)),
-        cfg,
-        torch.device("cpu"),
-        epoch=0,
-        rank=0,
-    )
-    assert dtypes == [torch.bfloat16, torch.bfloat16]  # the forward ran under bf16 autocast
-    assert model.fc.weight.dtype == torch.float32 and not torch.equal(
-        model.fc.weight, before
-    )  # fp32 master weights, updated
-    assert stats["train_images"] == 16 and math.isfinite(stats["train_loss"])
+    keys = (11, 22, 33, 44, 55)
+    split = make_split("/d", [f"a/{k}.png" for k in keys], [0] * 5, [0] * 5, keys=np.array(keys, dtype=np.int64))
+    tree = ImageTree("/d", "hash", ("a", "b"), split, make_split("/d", [], [], []))
 
+    def rank(*ks):
+        return {"count": len(ks), "distinct": len(set(ks)), "key_sum": sum(set(ks))}
 
-def test_weight_decay_skips_batchnorm_and_biases():
-    from training.loop import param_groups
-    from training.model import resnet18
+    def cov(*ranks, bad=None):
+        (c,) = job.coverage([list(ranks)], tree, bad or {})
+        return {k: c[k] for k in ("exactly_once", "every_image", "as_expected", "repeated", "missing")}
 
-    model = resnet18(10, small_stem=True)
-    decay, no_decay = param_groups(model, 5e-4)
-    assert decay["weight_decay"] == 5e-4 and no_decay["weight_decay"] == 0.0
-    names = {id(p): n for n, p in model.named_parameters()}
-    assert all(
-        "bn" in names[id(p)] or "downsample.1" in names[id(p)] or names[id(p)].endswith("bias")
-        for p in no_decay["params"]
-    )
-    assert all(p.ndim > 1 for p in decay["params"])
-
-
-def test_a_cluster_the_job_owns_runs_ray_train_without_the_placement_group_cleaner(tmp_path):
-    import ray.train
-    from ray.train.torch import TorchTrainer
-
-    kwargs = {
-        "scaling_config": ray.train.ScalingConfig(num_workers=1),
-        "run_config": ray.train.RunConfig(name="owned", storage_path=str(tmp_path)),
-    }
-    plain = {type(c).__name__ for c in TorchTrainer(lambda: None, **kwargs)._create_default_callbacks()}
-    owned = {type(c).__name__ for c in job.OwnClusterTorchTrainer(lambda: None, **kwargs)._create_default_callbacks()}
-    assert "PlacementGroupCleanerCallback" in plain  # else the filter below has nothing to do on this Ray
-    assert owned == plain - {"PlacementGroupCleanerCallback"}
+    once = cov(rank(11, 22), rank(33, 44, 55))
+    assert once == {"exactly_once": True, "every_image": True, "as_expected": True, "repeated": 0, "missing": 0}
+    dropped = cov(rank(11, 22), rank(33, 44))  # an equal split dropped 55
+    assert dropped == {"exactly_once": False, "every_image": False, "as_expected": True, "repeated": 0, "missing": 1}
+    # 44 and 55 missing, 99 (not an image of the split) seen: one short by count, but no key is the difference
+    assert cov(rank(11, 22), rank(33, 44 + 55))["as_expected"] is False
+    repeated = cov(rank(11, 22, 22), rank(33, 44, 55))  # a redelivered batch
+    assert repeated["every_image"] and not repeated["exactly_once"] and repeated["repeated"] == 1
+    assert repeated["as_expected"] is False
+    swapped = cov(rank(11, 22, 33), rank(33, 44))  # 33 on both ranks, 55 on none: counts alone agree
+    assert not swapped["every_image"] and swapped["as_expected"] is False
+    skipped = cov(rank(11, 22), rank(33, 44), bad={"/d/a/55.png": "corrupt"})  # a bad file is not expected
+    assert skipped["exactly_once"]

@@ -21,8 +21,8 @@ class ConfigError(ValueError):
 
 
 def check_amp(amp: str, on_gpu: bool) -> None:
-    """fp16 autocast on a CPU runs, but torch's float16 CPU kernels are slow: 2.4 img/s against
-    48 in float32 (and 82 in bf16) for ResNet18 on the 2-core build machine."""
+    """fp16 autocast on a CPU runs, but torch's float16 CPU kernels are many times slower than
+    float32 and bf16 (docs/benchmarks.md, "Mixed precision on the CPU")."""
     if amp == "fp16" and not on_gpu:
         raise ConfigError(
             "--amp fp16 on CPU: torch's float16 kernels there are many times slower than float32; "
@@ -122,8 +122,8 @@ class TrainConfig:
     verbose: bool = _f(False, "also print Ray's own INFO logs and Ray Data's progress bars")
     dashboard: bool = _f(
         False,
-        "a plain local run starts Ray's dashboard too (http://127.0.0.1:8265); off by default: it adds about 5 s "
-        "of start-up on a small machine. A cluster keeps its own",
+        "a plain local run starts Ray's dashboard too (http://127.0.0.1:8265); off by default: it adds seconds of "
+        "start-up on a small machine (docs/benchmarks.md). A cluster keeps its own",
     )
     # resolution
     image_size: int = _f(

@@ -20,6 +20,7 @@ import subprocess
 import time
 
 import numpy as np
+import psutil
 import ray
 import ray.train
 import torch
@@ -28,27 +29,23 @@ from ray.train.torch import TorchTrainer
 from augment.presets import Preset, load_preset
 from augment.schedule import parse_resize, resize_side
 from augment.stage import EpochClock
-from training import artifacts, plots
+from training import artifacts, plots, ray_private
 from training.config import ConfigError, TrainConfig, check_amp
 from training.console import ConsoleFollower, ProgressBoard
 from training.data import BadFileLog, DataError, ImageTree
 from training.ingest import SplitValUnequally, build_datasets, choose_decode
 from training.inputs import check_inputs
-from training.loop import CHECKPOINT_FILE, KEY_MOD, train_loop
+from training.loop import (
+    CHECKPOINT_FILE,
+    KEY_MOD,
+    CheckpointMismatch,
+    IngestStalled,
+    StaleBatch,
+    StallLimits,
+    train_loop,
+)
 from training.model import uses_small_stem
-
-
-class OwnClusterTorchTrainer(TorchTrainer):
-    """TorchTrainer for a cluster that this process started and that ends with it, less Ray
-    Train's placement-group cleaner: a detached actor that frees the run's placement group
-    should the controller die, which has nothing to outlive here. It would cost one more
-    process at start-up, and without the dashboard it polls a state API that is not there,
-    warning every few seconds. (On a Ray Train without this hook the override is never
-    called, and the trainer is the plain one.)"""
-
-    def _create_default_callbacks(self):
-        callbacks = super()._create_default_callbacks()
-        return [c for c in callbacks if type(c).__name__ != "PlacementGroupCleanerCallback"]
+from training.resources import Node, left_over, place_workers, tasks_fit
 
 
 class TrainingFailed(RuntimeError):
@@ -74,6 +71,7 @@ class Capacity:
     hosts: int  # distinct machines among the alive nodes (nodes on one host share its disk)
     autoscaling: bool = False
     bounded: bool = True  # False: an autoscaler runs whose limits Ray does not publish
+    nodes: tuple[Node, ...] = ()  # (CPUs, GPUs) of each alive node; () = unknown: `hosts` equal nodes
 
     def note(self) -> str:
         if not self.bounded:
@@ -84,37 +82,27 @@ class Capacity:
             )
         return ""
 
-
-def _v1_autoscaler_runs() -> bool:
-    """True when `ray up`'s (v1) autoscaler manages this cluster. Every cluster's monitor
-    writes a status; without an autoscaling config its read-only provider names each node's
-    type "node_<node id>", while a real autoscaler uses the config's node types."""
-    import json
-
-    from ray._private import ray_constants
-    from ray.experimental.internal_kv import _internal_kv_get
-
-    raw = _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS)
-    if not raw:
-        return False
-    mapping = json.loads(raw).get("autoscaler_report", {}).get("node_type_mapping") or {}
-    return any(node_type != f"node_{node_id}" for node_id, node_type in mapping.items())
+    def node_list(self) -> list[Node]:
+        if self.nodes and not self.autoscaling:
+            return list(self.nodes)
+        hosts = max(1, self.hosts)
+        return [(self.cpus / hosts, self.gpus / hosts)] * hosts
 
 
 def cluster_capacity() -> Capacity:
     """Current resources, raised to the autoscaler's ceiling where Ray publishes one (autoscaler
     v2, KubeRay); Ray Train checks its workers against the same ceiling."""
-    from ray._private.state import state
-
     now = ray.cluster_resources()
-    ceiling = state.get_max_resources_from_cluster_config() or {}
-    autoscaler_v1 = not ceiling and _v1_autoscaler_runs()
+    ceiling = ray_private.autoscaler_ceiling() or {}
+    autoscaler_v1 = not ceiling and ray_private.v1_autoscaler_runs()
+    alive = [n for n in ray.nodes() if n["Alive"]]
     return Capacity(
         cpus=max(int(now.get("CPU", 0)), int(ceiling.get("CPU", 0))),
         gpus=max(int(now.get("GPU", 0)), int(ceiling.get("GPU", 0))),
-        hosts=len({n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}),
+        hosts=len({n["NodeManagerAddress"] for n in alive}),
         autoscaling=bool(ceiling) or autoscaler_v1,
         bounded=not autoscaler_v1,
+        nodes=tuple((n["Resources"].get("CPU", 0.0), n["Resources"].get("GPU", 0.0)) for n in alive),
     )
 
 
@@ -138,20 +126,24 @@ def check_storage(storage_path: str, capacity: Capacity, log=print) -> None:
 class ResourcePlan:
     use_gpu: bool
     num_workers: int
-    cpus_per_worker: int
+    cpus_per_worker: float  # below 1 only where whole CPUs would leave Ray Data none
     gpus_per_worker: float  # < 1 when augment actors share the trainers' GPUs
     threads_per_worker: int
     augment_actors: int  # per split; 0: Ray Data tasks instead (the CPU default)
     augment_gpus: float  # per augment actor; 0 on a CPU-only plan
-    augment_cpus: float
+    augment_cpus: float  # per read/augment task and per augment actor
     placement: str  # PACK keeps GPU ranks together (NVLink); SPREAD gives CPU ranks their own cores
 
     def describe(self) -> str:
         where = f"{self.gpus_per_worker:g} GPU + " if self.use_gpu else ""
-        aug = f"{self.augment_gpus:g} GPU" if self.augment_gpus else f"{self.augment_cpus:g} CPU"
+        aug = (
+            f"({self.augment_gpus:g} GPU + {self.augment_cpus:g} CPU)"
+            if self.augment_gpus
+            else f"{self.augment_cpus:g} CPU"
+        )
         who = "augment tasks" if self.augment_tasks else f"{self.augment_actors} augment actor(s)"
         return (
-            f"{self.num_workers} train worker(s) x ({where}{self.cpus_per_worker} CPU, "
+            f"{self.num_workers} train worker(s) x ({where}{self.cpus_per_worker:g} CPU, "
             f"{self.threads_per_worker} torch threads), {self.placement}; {who} x {aug} per split"
         )
 
@@ -159,14 +151,25 @@ class ResourcePlan:
     def augment_tasks(self) -> bool:
         return self.augment_actors == 0
 
+    @property
+    def worker(self) -> Node:
+        return (self.cpus_per_worker, self.gpus_per_worker if self.use_gpu else 0.0)
+
+    def ingest_tasks(self) -> list[Node]:
+        """What Ray Data must run at once to make progress: one read/decode task, plus the
+        augment actors of an actor pool (a pool starts all of its actors)."""
+        actor = (self.augment_cpus, self.augment_gpus)
+        return [(self.augment_cpus, 0.0)] + [actor] * self.augment_actors
+
 
 def plan_resources(cfg: TrainConfig, capacity: Capacity) -> ResourcePlan:
-    """Split the cluster between train workers and Ray Data (docs/design.md: leave CPUs for ingest).
+    """Split the cluster between train workers and Ray Data (docs/design.md, "Resources").
 
     On GPUs the augment actors share the trainers' GPUs (each takes a quarter of one, the
     trainer the rest) unless --augment-gpus says otherwise; a whole GPU per actor only pays
     when augmentation is heavy next to the model. On CPUs one worker uses all cores by
-    default: two workers on two cores fight over them.
+    default: two workers on two cores fight over them. Every plan returned leaves Ray Data
+    room for its tasks on the nodes the workers leave (leave_room_for_ingest).
     """
     cpus, gpus = capacity.cpus, capacity.gpus
     use_gpu = cfg.device == "cuda" or (cfg.device == "auto" and gpus > 0)
@@ -193,25 +196,75 @@ def plan_resources(cfg: TrainConfig, capacity: Capacity) -> ResourcePlan:
                     f"--augment-actors {actors} x {augment_gpus:g} GPU leave no GPU for {workers} train worker(s)"
                 )
     cpus_per_worker = cfg.cpus_per_worker or max(1, cpus // 2 // workers)
-    if workers * cpus_per_worker > cpus and capacity.bounded:
+    if cfg.cpus_per_worker and workers * cpus_per_worker > cpus and capacity.bounded:
         raise ConfigError(
             f"--num-workers {workers} x {cpus_per_worker} CPU each needs {workers * cpus_per_worker} CPUs "
             f"but the cluster has at most {cpus}; lower --num-workers or --cpus-per-worker"
         )
-    # CPU training: a worker's torch threads may use its host's cores that Ray Data leaves idle
-    # between batches (SPREAD puts ceil(workers / hosts) workers on each host).
-    cores_per_worker = cpus // capacity.hosts // math.ceil(workers / capacity.hosts) if cpus else cpus_per_worker
-    threads = cfg.threads_per_worker or (cpus_per_worker if use_gpu else max(1, cores_per_worker))
-    return ResourcePlan(
+    plan = ResourcePlan(
         use_gpu=use_gpu,
         num_workers=workers,
         cpus_per_worker=cpus_per_worker,
         gpus_per_worker=gpus_per_worker,
-        threads_per_worker=threads,
+        threads_per_worker=0,
         augment_actors=actors,
         augment_gpus=augment_gpus,
         augment_cpus=1.0 if use_gpu or cpus > 2 else 0.5,
         placement="PACK" if use_gpu else "SPREAD",
+    )
+    if capacity.bounded:
+        plan = leave_room_for_ingest(plan, capacity, fixed=bool(cfg.cpus_per_worker))
+    # CPU training: a worker's torch threads may use its host's cores that Ray Data leaves idle
+    # between batches (SPREAD puts ceil(workers / hosts) workers on each host).
+    cores_per_worker = cpus // capacity.hosts // math.ceil(workers / capacity.hosts) if cpus else cpus_per_worker
+    whole_cpus = max(1, int(plan.cpus_per_worker))
+    threads = cfg.threads_per_worker or (whole_cpus if use_gpu else max(1, cores_per_worker))
+    return dataclasses.replace(plan, threads_per_worker=threads)
+
+
+MIN_CPUS = 0.25  # the least a train worker, a read/augment task or an augment actor is planned with
+CPU_STEP = 0.05  # fractional shares are multiples of this
+
+
+def _shares(start: float, *, whole: bool) -> list[float]:
+    """Candidate CPU shares from `start` down: whole CPUs, then fractions down to MIN_CPUS."""
+    out = [float(c) for c in range(int(start), 0, -1)] if whole else [start]
+    steps = round((1 - MIN_CPUS) / CPU_STEP)
+    return out + [round(1 - CPU_STEP * k, 2) for k in range(1, steps + 1) if 1 - CPU_STEP * k < out[-1]]
+
+
+def leave_room_for_ingest(plan: ResourcePlan, capacity: Capacity, *, fixed: bool) -> ResourcePlan:
+    """The plan, with CPU shares lowered until, with the train workers placed as Ray places
+    them, the nodes they leave can run what Ray Data needs at once; else a ConfigError naming
+    the numbers. GPU plans lower the augment actors' CPUs first (a GPU trainer's CPU feeds
+    its GPU), CPU plans the trainers' (their torch threads are set apart from the share);
+    --cpus-per-worker fixes the trainers'."""
+    nodes = capacity.node_list()
+    trainer_shares = [plan.cpus_per_worker] if fixed else _shares(plan.cpus_per_worker, whole=True)
+    augment_shares = _shares(plan.augment_cpus, whole=False)
+    pairs = (
+        [(t, a) for t in trainer_shares for a in augment_shares]
+        if plan.use_gpu
+        else [(t, a) for a in augment_shares for t in trainer_shares]
+    )
+    for cpw, aug in pairs:
+        candidate = dataclasses.replace(plan, cpus_per_worker=cpw, augment_cpus=aug)
+        counts = place_workers(nodes, plan.num_workers, candidate.worker, spread=plan.placement == "SPREAD")
+        if counts is not None and tasks_fit(left_over(nodes, counts, candidate.worker), candidate.ingest_tasks()):
+            return candidate
+    left = capacity.cpus - plan.num_workers * plan.cpus_per_worker
+    need = sum(c for c, _ in plan.ingest_tasks())
+    if fixed:
+        raise ConfigError(
+            f"--num-workers {plan.num_workers} x --cpus-per-worker {plan.cpus_per_worker:g} leave Ray Data "
+            f"{max(left, 0):g} of the cluster's {capacity.cpus} CPUs, but reading and augmenting need at least "
+            f"{MIN_CPUS * len(plan.ingest_tasks()):g} on a node beside the workers; lower --cpus-per-worker or "
+            "--num-workers, or drop --cpus-per-worker to let the plan share the CPUs"
+        )
+    raise ConfigError(
+        f"{plan.num_workers} train worker(s) at {MIN_CPUS:g} CPU or more each leave Ray Data too little of the "
+        f"cluster's {capacity.cpus} CPUs: reading and augmenting need {need:g} ({MIN_CPUS:g} at the least) on a "
+        "node beside the workers; lower --num-workers" + (" or --augment-actors" if plan.augment_actors else "")
     )
 
 
@@ -243,15 +296,8 @@ def git_commit() -> str | None:
 
 
 def process_started_at() -> float:
-    """Wall-clock time this process started (Linux: from /proc), else now."""
-    try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks after boot
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return time.time()
+    """Wall-clock time this process started."""
+    return psutil.Process().create_time()
 
 
 def run(
@@ -262,13 +308,15 @@ def run(
     log=print,
     launched_at: float | None = None,
     own_cluster: bool = False,
+    stall: StallLimits | None = None,
     bar_stream=None,
 ) -> dict:
     """Train on a connected Ray cluster; returns the summary written to summary.json.
     `launched_at` (a time.time() value, e.g. process_started_at()) is when start-up began;
     summary.json's startup_s and wall_s count from it (default: now). `own_cluster`: the
-    cluster was started by this process and ends with it. `bar_stream`: where the per-epoch
-    progress bar is drawn (a terminal; None: no bar); the epoch lines go to `log`."""
+    cluster was started by this process and ends with it. `stall`: how long a train worker
+    waits for a batch before it asks Ray why (training/loop.py, IngestWatch). `bar_stream`: where
+    the per-epoch progress bar is drawn (a terminal; None: no bar); the epoch lines go to `log`."""
     start = launched_at or time.time()
     preset = sized_preset(cfg, preset)
     run_dir = artifacts.join(cfg.storage_path, cfg.name)
@@ -297,30 +345,55 @@ def run(
             "data_root": tree.root,
         },
     )
-
-    helpers = [ray.remote(num_cpus=0)(cls).remote() for cls in (EpochClock, BadFileLog, ProgressBoard)]
+    clock, bad_log, board = (ray.remote(num_cpus=0)(cls).remote() for cls in (EpochClock, BadFileLog, ProgressBoard))
+    job = job_spec(
+        cfg,
+        tree,
+        preset,
+        plan,
+        {"clock": clock, "board": board},
+        autoscaling=capacity.autoscaling or not capacity.bounded,
+        stall=stall or StallLimits(),
+        progress=bar_stream is not None,
+    )
     console = {"log": log, "bar_stream": bar_stream}
     try:
-        return _fit(
-            cfg,
-            tree,
-            preset,
-            plan,
-            *helpers,
-            decode=decode,
-            run_dir=run_dir,
-            start=start,
-            console=console,
-            own_cluster=own_cluster,
+        state, bad = _fit(
+            cfg, tree, preset, plan, job, bad_log, decode=decode, console=console, own_cluster=own_cluster
         )
     finally:
-        for actor in helpers:  # nothing of this run may hold cluster resources afterwards
+        for actor in (clock, bad_log, board):  # nothing of this run may hold cluster resources afterwards
             ray.kill(actor)
+    return write_results(cfg, tree, preset, plan, state, bad, start=start, log=log)
 
 
-def _fit(cfg, tree, preset, plan, clock, bad_log, board, *, decode, run_dir, start, console, own_cluster) -> dict:
+def job_spec(
+    cfg, tree: ImageTree, preset: Preset, plan: ResourcePlan, actors: dict, *, autoscaling, stall, progress
+) -> dict:
+    """What train_loop receives: the config, what the driver found out, and the run's helper
+    actors (`actors`: the epoch clock and the console's progress board)."""
+    return {
+        "config": cfg.to_dict(),
+        "class_names": list(tree.class_names),
+        "preset": preset.to_dict(),
+        "image_size": preset.image_size,
+        "train_size": len(tree.train),
+        "threads_per_worker": plan.threads_per_worker,
+        "clock": actors["clock"],
+        "board": actors["board"],  # the console's: progress and epoch lines go to the driver through it
+        "progress": progress,  # ranks post progress only when the driver draws a bar
+        "sizes": train_sizes(cfg, preset) if parse_resize(cfg.progressive_resize) else None,
+        "ingest": {"worker": plan.worker, "tasks": plan.ingest_tasks(), "autoscaling": autoscaling},
+        "stall": stall,
+    }
+
+
+def _fit(cfg, tree, preset, plan, job, bad_log, *, decode, console, own_cluster) -> tuple[dict, dict]:
+    """Build the datasets, run the TorchTrainer while the console follows its progress; returns
+    the last checkpoint's state and the files that failed to decode."""
     log = console["log"]
-    datasets = build_datasets(cfg, tree, preset, plan, clock, bad_log, decode)
+    run_dir = artifacts.join(cfg.storage_path, cfg.name)
+    datasets = build_datasets(cfg, tree, preset, plan, job["clock"], bad_log, decode)
     bad = ray.get(bad_log.get.remote()) if cfg.strict else {}  # --strict decoded every file above
     if bad:
         _write_bad_files(run_dir, bad)
@@ -329,19 +402,7 @@ def _fit(cfg, tree, preset, plan, clock, bad_log, board, *, decode, run_dir, sta
             f"{len(bad)} unreadable image(s), e.g. {first[0]}: {first[1]}; see "
             f"{artifacts.join(run_dir, 'bad_files.csv')}; drop --strict to skip them"
         )
-    job = {
-        "config": cfg.to_dict(),
-        "class_names": list(tree.class_names),
-        "preset": preset.to_dict(),
-        "image_size": preset.image_size,
-        "train_size": len(tree.train),
-        "threads_per_worker": plan.threads_per_worker,
-        "clock": clock,
-        "board": board,  # the console's: progress and epoch lines go to the driver through it
-        "progress": console["bar_stream"] is not None,  # ranks post progress only when a bar is drawn
-        "sizes": train_sizes(cfg, preset) if parse_resize(cfg.progressive_resize) else None,
-    }
-    trainer = (OwnClusterTorchTrainer if own_cluster else TorchTrainer)(
+    trainer = (ray_private.trainer_without_placement_group_cleaner() if own_cluster else TorchTrainer)(
         train_loop,
         train_loop_config=job,
         scaling_config=ray.train.ScalingConfig(
@@ -366,7 +427,7 @@ def _fit(cfg, tree, preset, plan, clock, bad_log, board, *, decode, run_dir, sta
         dataset_config=SplitValUnequally(plan.num_workers),
     )
     follower = ConsoleFollower(
-        lambda seen: ray.get(board.read.remote(seen)),
+        lambda seen: ray.get(job["board"].read.remote(seen)),
         total=len(tree.train),
         epochs=cfg.epochs,
         log=log,
@@ -381,7 +442,7 @@ def _fit(cfg, tree, preset, plan, clock, bad_log, board, *, decode, run_dir, sta
             f"interrupted; the last checkpoint is in {run_dir}: rerun with the same --name to resume"
         ) from None
     except Exception as e:  # Ray wraps worker errors; keep the cause, drop the stack
-        raise TrainingFailed(f"training failed: {type(e).__name__}: {e}") from e
+        raise TrainingFailed(f"training failed: {worker_error(e)}") from e
     finally:
         bad = ray.get(bad_log.get.remote())
         if bad:
@@ -391,12 +452,28 @@ def _fit(cfg, tree, preset, plan, clock, bad_log, board, *, decode, run_dir, sta
                 f"{artifacts.join(run_dir, 'bad_files.csv')}"
             )
     if result.error:
-        raise TrainingFailed(f"training failed: {result.error}")
+        raise TrainingFailed(f"training failed: {worker_error(result.error)}")
     if result.checkpoint is None:
         raise TrainingFailed("training ended without a checkpoint")
     with result.checkpoint.as_directory() as d:
         state = torch.load(os.path.join(d, CHECKPOINT_FILE), map_location="cpu", weights_only=True)
-    artifacts.write_bytes(artifacts.join(run_dir, "model.pt"), _model_bytes(state["model"], tree, preset, cfg))
+    return state, bad
+
+
+def worker_error(error: BaseException) -> str:
+    """One line for a failed run: the train loop's own error (a stalled or stale input, a
+    checkpoint that does not fit) where Ray Train wraps one, else Ray's message."""
+    for failure in (getattr(error, "worker_failures", None) or {}).values():
+        cause = ray_private.worker_exception(failure)
+        if isinstance(cause, (IngestStalled, StaleBatch, CheckpointMismatch)):
+            return str(cause)
+    return f"{type(error).__name__}: {error}"
+
+
+def write_results(cfg, tree, preset, plan, state: dict, bad: dict, *, start: float, log) -> dict:
+    """model.pt, the plots, TensorBoard files and summary.json from the last checkpoint."""
+    run_dir = artifacts.join(cfg.storage_path, cfg.name)
+    artifacts.write_bytes(artifacts.join(run_dir, "model.pt"), model_bytes(state["model"], tree, preset, cfg))
     artifacts.write_bytes(artifacts.join(run_dir, "curves.png"), plots.curves_png(state["history"]))
     artifacts.write_bytes(
         artifacts.join(run_dir, "confusion.png"), plots.confusion_png(state["confusion"], list(tree.class_names))
@@ -404,16 +481,17 @@ def _fit(cfg, tree, preset, plan, clock, bad_log, board, *, decode, run_dir, sta
     if plots.write_tensorboard(run_dir, state["history"], state["timings"]):
         log(f"tensorboard: tensorboard --logdir {artifacts.join(run_dir, 'tensorboard')}")
     summary = summarize(state, start, plan, tree, bad)
-    for problem in (c for c in summary["coverage"] if c["duplicated"] or c["missing"] > c["dropped_for_equal_split"]):
-        log(
-            f"warning: epoch {problem['epoch']} trained on {problem['seen']} images, expected {problem['expected']} "
-            f"({problem['duplicated']} duplicated, {problem['missing']} missing)"
-        )
+    for c in summary["coverage"]:
+        if c["as_expected"] is False:
+            log(
+                f"warning: epoch {c['epoch']} trained on {c['seen']} rows of {c['distinct']} distinct images, "
+                f"expected each of {c['expected']} once ({c['repeated']} repeated, {c['missing']} missing)"
+            )
     artifacts.write_json(artifacts.join(run_dir, "summary.json"), summary)
     return summary
 
 
-def _model_bytes(state_dict, tree: ImageTree, preset: Preset, cfg: TrainConfig) -> bytes:
+def model_bytes(state_dict, tree: ImageTree, preset: Preset, cfg: TrainConfig) -> bytes:
     """model.pt: everything inference needs, loadable with torch.load(weights_only=True)."""
     import io
 
@@ -446,30 +524,58 @@ def _write_bad_files(run_dir: str, bad: dict[str, str]) -> None:
 def coverage(seen_per_epoch: list[list[dict]], tree: ImageTree, bad: dict[str, str]) -> list[dict]:
     """Per epoch: did the ranks together train on every good image exactly once?
 
-    Each rank reports how many images it trained on and the sum of their keys (mod KEY_MOD).
-    Equal splits may drop up to world_size - 1 rows; more missing, or any surplus, is
-    reported (a restarted augment actor can redeliver a batch).
+    Each rank reports the rows it trained on, how many distinct images they were, and the
+    sum of those images' keys (mod KEY_MOD). `exactly_once`: as many rows as images, all
+    distinct, and the key sums agree. `every_image`: each image at least once (repeats
+    aside). An equal split may drop up to world_size - 1 rows: `as_expected` is True when
+    the epoch was exactly once or lost only such rows (a single one is checked to be an
+    image of the split by its key), None when several were dropped (the sum cannot tell
+    which), False otherwise (a restarted augment actor can redeliver a batch).
     """
     split = tree.train
     bad_rel = [p[len(split.root) + 1 :] for p in bad if p.startswith(split.root + "/")]
-    good = split.keys[~np.isin(split.rel_paths, bad_rel)] if bad_rel else split.keys
-    expected_sum = int((good % KEY_MOD).sum() % KEY_MOD)
+    good = (split.keys[~np.isin(split.rel_paths, bad_rel)] if bad_rel else split.keys) % KEY_MOD
+    expected_sum = int(good.sum() % KEY_MOD)
     out = []
     for epoch, ranks in enumerate(seen_per_epoch, start=1):
-        count = sum(r["count"] for r in ranks)
+        rows = sum(r["count"] for r in ranks)
+        distinct = sum(r.get("distinct", r["count"]) for r in ranks)  # records before distinct keys: rows
+        short = (expected_sum - sum(r["key_sum"] for r in ranks)) % KEY_MOD  # keys of the images not seen
+        missing = max(0, len(good) - distinct)
+        every_image = distinct == len(good) and short == 0
+        as_expected = every_image and rows == distinct
+        if rows == distinct and 0 < missing < len(ranks):
+            as_expected = bool((good == short).any()) if missing == 1 else None
         out.append(
             {
                 "epoch": epoch,
                 "expected": len(good),
-                "seen": count,
-                "exactly_once": count == len(good) and sum(r["key_sum"] for r in ranks) % KEY_MOD == expected_sum,
-                "duplicated": max(0, count - len(good)),
-                "missing": max(0, len(good) - count),
+                "seen": rows,
+                "distinct": distinct,
+                "exactly_once": every_image and rows == distinct,
+                "every_image": every_image,
+                "as_expected": as_expected,
+                "repeated": rows - distinct,
+                "missing": missing,
                 "dropped_for_equal_split": len(ranks) - 1,
                 "per_rank": [r["count"] for r in ranks],
             }
         )
     return out
+
+
+def fingerprints(seen_per_epoch: list[list[dict]]) -> list[dict]:
+    """Per epoch: a digest of every augmented view trained on (equal for two runs that trained
+    on the same views; different for two epochs that did not reuse an augmentation) and
+    each rank's random-stream digest where the epoch began."""
+    return [
+        {
+            "epoch": e,
+            "views": sum(r.get("views", 0) for r in ranks) % KEY_MOD,  # 0: recorded before view digests
+            "rng_per_rank": [r.get("rng") for r in ranks],
+        }
+        for e, ranks in enumerate(seen_per_epoch, start=1)
+    ]
 
 
 def summarize(state: dict, start: float, plan: ResourcePlan, tree: ImageTree, bad: dict[str, str]) -> dict:
@@ -505,6 +611,7 @@ def summarize(state: dict, start: float, plan: ResourcePlan, tree: ImageTree, ba
             for i, (name, row) in enumerate(zip(tree.class_names, confusion, strict=True))
         },
         "coverage": coverage(state["seen"], tree, bad),
+        "fingerprints": fingerprints(state["seen"]),
         "bad_files": len(bad),
         "resumed_at_epochs": state["resumed_at_epochs"],
         "ranks": state["ranks"],

@@ -1,19 +1,30 @@
-"""The per-worker train loop run by Ray Train: shard -> model -> step -> report.
+"""The per-worker train loop run by Ray Train: restore, build, then per epoch train, evaluate,
+record, checkpoint.
 
-`train_loop` receives a plain dict (TrainConfig fields plus what the driver found out:
-class names, preset, dataset sizes, the epoch clock). Rank 0 alone writes files.
+Split as torchvision's classification reference splits its script
+(references/classification/train.py: `train_one_epoch`, `evaluate`, `main`): `train_epoch`
+and `evaluate` take a `Learner` (model, optimizer, scheduler, scaler, normalisation, mixing),
+and `train_loop` only strings the named steps together. `train_loop` receives a plain dict
+(TrainConfig fields plus what the driver found out: class names, preset, dataset sizes, the
+epoch clock, what Ray Data needs). Rank 0 alone writes files. docs/design.md has the
+contracts this file keeps: the epoch stamp, the per-rank random streams, the stall checks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import hashlib
 import math
 import os
+import queue
+import random
 import tempfile
 import threading
 import time
 
+import numpy as np
 import ray
 import ray.train
 import ray.train.torch
@@ -23,14 +34,27 @@ import torch.nn.functional as F
 
 from augment.mix import MixUpCutMix, mix_generator
 from augment.ops import Normalize
-from training import artifacts
+from training import artifacts, ray_private
 from training.config import TrainConfig
 from training.console import EpochProgress, quiet_worker_logs
 from training.model import load_init_weights, resnet18, uses_small_stem
+from training.resources import left_over, tasks_fit
 
 CHECKPOINT_FILE = "checkpoint.pt"
-KEY_MOD = (1 << 31) - 1  # per-epoch key digests are kept modulo this (int64 math never overflows)
+KEY_MOD = (1 << 31) - 1  # per-epoch key and view digests are kept modulo this (int64 math never overflows)
 TIMING_COLUMNS = ("epoch_s", "images_per_s", "data_wait_frac")  # wall-clock, never deterministic
+
+
+class StaleBatch(RuntimeError):
+    """A batch whose augmentation was drawn for another epoch than the one being trained."""
+
+
+class IngestStalled(RuntimeError):
+    """No batch arrives, and Ray says the data tasks cannot run."""
+
+
+class CheckpointMismatch(RuntimeError):
+    """The run's last checkpoint does not fit this version or these settings."""
 
 
 # --------------------------------------------------------------------------- building blocks
@@ -51,26 +75,20 @@ def build_optimizer(cfg: TrainConfig, model) -> torch.optim.Optimizer:
     return torch.optim.SGD(groups, lr=cfg.peak_lr, momentum=cfg.momentum, nesterov=True)
 
 
-def warmup_cosine(total_steps: int, warmup_steps: int):
-    """LR multiplier per step: linear warm-up, then cosine decay to 0 at total_steps."""
-    warmup = max(1, min(warmup_steps, total_steps))
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total_steps - warmup))))
-
-    return factor
-
-
 def build_scheduler(cfg: TrainConfig, optimizer, steps_per_epoch: int):
+    """Stepped once per optimizer step. cosine: linear warm-up from 1/warmup of the peak over
+    `warmup` steps, then cosine to 0 at the last step; onecycle: torch's OneCycleLR."""
     total = cfg.epochs * steps_per_epoch
     warmup = round(cfg.warmup_epochs * steps_per_epoch)
+    lr = torch.optim.lr_scheduler
     if cfg.schedule == "onecycle":
-        return torch.optim.lr_scheduler.OneCycleLR(
+        return lr.OneCycleLR(
             optimizer, max_lr=cfg.peak_lr, total_steps=total + 1, pct_start=min(0.5, max(warmup / total, 0.01))
         )
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(total, warmup))
+    warmup = max(1, min(warmup, total))
+    rise = lr.LinearLR(optimizer, start_factor=1 / warmup, end_factor=1.0, total_iters=warmup - 1)
+    fall = lr.CosineAnnealingLR(optimizer, T_max=max(1, total - warmup), eta_min=0.0)
+    return lr.SequentialLR(optimizer, [rise, fall], milestones=[warmup])
 
 
 def params_digest(model: torch.nn.Module) -> str:
@@ -95,34 +113,183 @@ def _all_gather(obj) -> list:
     return out
 
 
+# --------------------------------------------------------------------------- random streams per rank
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of one rank's own random stream: distinct per rank, fixed by --seed."""
+    digest = hashlib.blake2b(f"{seed}/{rank}".encode(), digest_size=8, person=b"rga-rank").digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def seed_rank(seed: int, rank: int) -> None:
+    """After the identical initial weights: every later draw on this rank (dropout, random
+    tensors, Python's and NumPy's global generators) comes from the rank's own stream."""
+    s = rank_seed(seed, rank)
+    torch.manual_seed(s)  # also every CUDA device's default generator
+    random.seed(s)
+    np.random.seed(s % 2**32)
+
+
+def rng_state(device: torch.device) -> dict:
+    """This rank's generators, in types torch.load(weights_only=True) reads back."""
+    _, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+        "python": random.getstate(),
+        "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos, "has_gauss": has_gauss, "gauss": gauss},
+    }
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"].cpu())  # map_location may have moved it to the device
+    if device.type == "cuda" and state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+    random.setstate(state["python"])
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].cpu().numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+
+
+def rng_digest() -> str:
+    """Short hash of this rank's torch generator state: equal iff the streams are at the same place."""
+    return hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- the learner
+
+
+@dataclasses.dataclass
+class Learner:
+    """Everything a training step touches, built once per attempt by `build_learner`."""
+
+    cfg: TrainConfig
+    device: torch.device
+    model: torch.nn.Module  # what steps call: DDP- (and compile-) wrapped
+    bare: torch.nn.Module  # the plain module: evaluation and state_dict skip DDP's collectives
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    normalize: torch.nn.Module  # uint8 (B, H, W, 3) -> float (B, 3, H, W) channels_last, on the device
+    mix: MixUpCutMix | None = None
+
+    def autocast(self):
+        if self.cfg.amp == "off":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16 if self.cfg.amp == "bf16" else torch.float16)
+
+    def state_dict(self) -> dict:
+        return {
+            "model": self.bare.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        try:
+            self.bare.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.scaler.load_state_dict(state["scaler"])
+        except (KeyError, ValueError, RuntimeError) as e:  # another model, optimizer or schedule
+            raise CheckpointMismatch(
+                f"the last checkpoint of --name {self.cfg.name} was written by another version or other settings "
+                f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); rerun with --fresh to start over, or "
+                "with the settings it was written with"
+            ) from None
+
+
+def build_learner(cfg: TrainConfig, job: dict, world: int, device: torch.device) -> tuple[Learner, str]:
+    """The learner, with initial weights identical on every rank, and their digest."""
+    torch.manual_seed(cfg.seed)
+    num_classes = len(job["class_names"])
+    model = resnet18(num_classes, small_stem=uses_small_stem(cfg.small_stem, job["image_size"]))
+    if cfg.init_weights:
+        skipped = load_init_weights(model, cfg.init_weights)
+        if ray.train.get_context().get_world_rank() == 0:
+            fresh = ", ".join(sorted({k.rsplit(".", 1)[0] for k in skipped}))
+            _say(job, f"init weights from {cfg.init_weights}; fresh: {fresh}")
+    init_digest = params_digest(model)
+    model = ray.train.torch.prepare_model(model)
+    if cfg.compile:
+        model = torch.compile(model)
+    bare = model.module if hasattr(model, "module") else model
+    bare = getattr(bare, "_orig_mod", bare)
+    optimizer = build_optimizer(cfg, model)
+    per_worker = cfg.batch_size // world
+    mix = job["preset"].get("mix")
+    learner = Learner(
+        cfg=cfg,
+        device=device,
+        model=model,
+        bare=bare,
+        optimizer=optimizer,
+        scheduler=build_scheduler(cfg, optimizer, max(1, math.ceil(job["train_size"] / world / per_worker))),
+        scaler=torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16"),
+        normalize=Normalize(job["preset"]["mean"], job["preset"]["std"]).to(device),
+        mix=MixUpCutMix(num_classes=num_classes, **({"label_smoothing": cfg.label_smoothing} | mix)) if mix else None,
+    )
+    return learner, init_digest
+
+
 # --------------------------------------------------------------------------- epochs
 
 
-def train_epoch(
-    model,
-    batches,
-    optimizer,
-    scheduler,
-    scaler,
-    normalize,
-    cfg: TrainConfig,
-    device,
-    *,
-    epoch: int,
-    rank: int,
-    mix=None,
-    bar=None,
-) -> dict:
-    """One pass over this rank's shard; loss and accuracy summed over ranks."""
-    model.train()
-    amp = (
-        torch.autocast(device.type, dtype=torch.bfloat16 if cfg.amp == "bf16" else torch.float16)
-        if cfg.amp != "off"
-        else contextlib.nullcontext()
-    )
-    sums = torch.zeros(2, device=device, dtype=torch.float64)  # loss*n, correct: stays on device, no per-step sync
-    local_count = 0  # images this rank trained on (a host-side int: no device tensor per step)
-    digest = torch.zeros(2, device=device, dtype=torch.int64)  # sum of keys, order hash (mod KEY_MOD)
+def view_digest(images: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Sum over the batch of hash(key, the image's augmented pixels), mod KEY_MOD, on the
+    device: order-free, so two epochs or runs that trained on the same views of the same
+    images have the same sum, and a reused augmentation shows as an equal sum."""
+    flat = images.reshape(images.shape[0], -1)
+    weights = _view_weights(flat.shape[1], str(images.device))
+    rows = max(1, (1 << 22) // max(1, flat.shape[1]))  # int32 products: ~16 MB at a time
+    pixels = torch.cat([(flat[i : i + rows].to(torch.int32) * weights).sum(1) for i in range(0, len(flat), rows)])
+    return ((pixels % KEY_MOD) * (keys % KEY_MOD + 1) % KEY_MOD).sum() % KEY_MOD
+
+
+@functools.lru_cache(maxsize=8)
+def _view_weights(n: int, device: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(n)  # the same weights in every process and run
+    return torch.randint(1, 1 << 15, (n,), generator=g, dtype=torch.int32).to(device)
+
+
+def train_step(learner: Learner, batch: dict, *, epoch: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step on one batch; returns the loss and the logits (still on the device)."""
+    cfg = learner.cfg
+    x, y = learner.normalize(batch["image"]), batch["label"]
+    target, smoothing = y, cfg.label_smoothing
+    if learner.mix is not None:  # soft targets, replayable from (seed, epoch, step, rank)
+        x, target = learner.mix(x, y, mix_generator(cfg.seed, epoch, step, rank))
+        smoothing = 0.0  # already folded into the soft targets
+    with learner.autocast():
+        logits = learner.model(x)
+        loss = F.cross_entropy(logits, target, label_smoothing=smoothing)
+    learner.optimizer.zero_grad(set_to_none=True)
+    learner.scaler.scale(loss).backward()
+    learner.scaler.step(learner.optimizer)
+    learner.scaler.update()
+    learner.scheduler.step()
+    return loss, logits
+
+
+def check_stamp(stamps: torch.Tensor, epoch: int) -> None:
+    """The augment stage stamps each row with the epoch its parameters were drawn for."""
+    first = int(stamps[0])  # a host sync: once per epoch
+    if first != epoch:
+        raise StaleBatch(
+            f"epoch {epoch + 1}: the first batch was augmented for epoch {first + 1}; the augment stage read "
+            "the epoch clock before rank 0 advanced it (docs/design.md, 'Epoch stamp')"
+        )
+
+
+def train_epoch(learner: Learner, batches, *, epoch: int, rank: int, bar=None) -> dict:
+    """One pass over this rank's shard (torchvision's train_one_epoch); loss and accuracy summed
+    over ranks. Fails (StaleBatch) if any batch was augmented for another epoch."""
+    learner.model.train()
+    device = learner.device
+    sums = torch.zeros(3, device=device, dtype=torch.float64)  # loss*n, correct, stale rows: no per-step sync
+    views = torch.zeros((), device=device, dtype=torch.int64)
+    keys, local_count, rng = [], 0, rng_digest()  # the rank's stream where the epoch starts
     wait_s, start, step, first_step_at, side = 0.0, time.perf_counter(), 0, None, None
     it = iter(batches)
     while True:
@@ -131,24 +298,16 @@ def train_epoch(
         wait_s += time.perf_counter() - t0
         if batch is None:
             break
-        x, y = normalize(batch["image"]), batch["label"]  # uint8 (B,H,W,3) -> float (B,3,H,W) channels_last
-        side = x.shape[-1]  # the resolution trained at (progressive resizing changes it by epoch)
-        target, smoothing = y, cfg.label_smoothing
-        if (
-            mix is not None
-        ):  # MixUp/CutMix where the labels are: soft targets, replayable from (seed, epoch, step, rank)
-            x, target = mix(x, y, mix_generator(cfg.seed, epoch, step, rank))
-            smoothing = 0.0  # already folded into the soft targets
+        if step == 0:
+            check_stamp(batch["epoch"], epoch)
+        side = batch["image"].shape[2]  # the resolution trained at (progressive resizing changes it by epoch)
+        loss, logits = train_step(learner, batch, epoch=epoch, step=step, rank=rank)
         step += 1
-        with amp:
-            logits = model(x)
-            loss = F.cross_entropy(logits, target, label_smoothing=smoothing)
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        scheduler.step()
-        sums += torch.stack([loss.detach().double() * y.shape[0], (logits.argmax(1) == y).sum().double()])
+        y = batch["label"]
+        stale = (batch["epoch"] != epoch).sum().double()
+        sums += torch.stack([loss.detach().double() * y.shape[0], (logits.argmax(1) == y).sum().double(), stale])
+        views = (views + view_digest(batch["image"], batch["key"])) % KEY_MOD
+        keys.append(batch["key"])
         local_count += y.shape[0]
         if first_step_at is None:  # once per epoch: when the first step finished (start-up ends there)
             if device.type == "cuda":
@@ -156,13 +315,11 @@ def train_epoch(
             first_step_at = time.time()
         if bar is not None:
             bar.update(y.shape[0], sums)  # reads the loss sum (a host sync) at most once an interval
-        keys = batch["key"] % KEY_MOD
-        digest = torch.stack([(digest[0] + keys.sum()) % KEY_MOD, (digest[1] * 1_000_003 + keys[0]) % KEY_MOD])
     elapsed = time.perf_counter() - start
-    key_sum, order_hash = digest.tolist()  # the epoch's host syncs are here, after the last step
-    # which images this rank trained on: the driver checks that the ranks' union is the dataset
-    seen = _all_gather({"count": local_count, "key_sum": key_sum, "order_hash": order_hash})
-    loss_sum, correct, count = _all_reduce(torch.cat([sums, sums.new_tensor([local_count])])).tolist()
+    seen = _all_gather(shard_record(keys, local_count, int(views), rng))  # the epoch's host syncs are here
+    loss_sum, correct, stale, count = _all_reduce(torch.cat([sums, sums.new_tensor([local_count])])).tolist()
+    if stale:
+        raise StaleBatch(f"epoch {epoch + 1}: {int(stale)} image(s) were augmented for another epoch")
     return {
         "train_loss": loss_sum / max(count, 1),
         "train_acc": correct / max(count, 1),
@@ -175,16 +332,25 @@ def train_epoch(
     }
 
 
+def shard_record(keys: list[torch.Tensor], count: int, views: int, rng: str) -> dict:
+    """What this rank trained on in one epoch, for the driver's coverage check: rows, distinct
+    images and the sum of their keys, the digest of the views, the random stream's state."""
+    distinct = torch.unique(torch.cat(keys)) if keys else torch.zeros(0, dtype=torch.int64)
+    key_sum = int((distinct % KEY_MOD).sum()) % KEY_MOD
+    return {"count": count, "distinct": int(distinct.numel()), "key_sum": key_sum, "views": views, "rng": rng}
+
+
 @torch.no_grad()
-def evaluate(model, batches, normalize, num_classes: int, device) -> dict:
-    """Deterministic validation over this rank's shard; loss, top-1, top-5 and the confusion
-    matrix summed over ranks (every validation image is scored exactly once)."""
+def evaluate(learner: Learner, batches, num_classes: int) -> dict:
+    """Deterministic validation over this rank's shard (torchvision's evaluate); loss, top-1,
+    top-5 and the confusion matrix summed over ranks (every validation image is scored once)."""
+    model, device = learner.bare, learner.device  # the bare module: no DDP collectives per batch
     model.eval()
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     top5 = torch.zeros((), device=device, dtype=torch.float64)
     confusion = torch.zeros(num_classes * num_classes, device=device, dtype=torch.float64)
     for batch in batches:
-        logits = model(normalize(batch["image"])).float()
+        logits = model(learner.normalize(batch["image"])).float()
         y = batch["label"]
         loss_sum += F.cross_entropy(logits, y, reduction="sum").double()
         k = min(5, num_classes)
@@ -203,191 +369,257 @@ def evaluate(model, batches, normalize, num_classes: int, device) -> dict:
     return out
 
 
-# --------------------------------------------------------------------------- the loop
+# --------------------------------------------------------------------------- the data side
 
 
-class FirstBatchEarly:
-    """An iterable of batches whose first batch is fetched in a thread from the moment it is
-    made. The train loop makes the first epoch's one before it builds the model, so Ray
-    Data's start (split coordinator, read, decode and augment workers and their imports)
-    overlaps the model's build instead of following it."""
+@dataclasses.dataclass(frozen=True)
+class StallLimits:
+    """How long a train worker waits for a batch before it asks Ray why (IngestWatch)."""
+
+    starved_s: float = 30.0  # then stop if the train workers leave Ray Data no room for a task
+    pending_s: float = 600.0  # then stop if Ray reports data tasks that wait for resources
+    poll_s: float = 5.0  # how often it looks again while the wait goes on
+
+
+class IngestWatch:
+    """Why no batch arrives: asked by BatchFeed while the trainer waits.
+
+    Starved: the nodes, less what the train workers hold on them, cannot run what Ray Data
+    needs at once (one read/augment task, or an augment pool's actors): the condition Ray
+    Data reports as "Cluster resources are not enough to run any task", which never clears
+    on a cluster that cannot grow. Pending: Ray reports tasks of the data tasks' size that
+    wait for a node with room, because other work holds the CPUs. An autoscaling cluster
+    may add nodes for either, so there the watch only waits."""
+
+    def __init__(self, ingest: dict, worker_nodes: list[str], limits: StallLimits):
+        self.worker, self.tasks = tuple(ingest["worker"]), [tuple(t) for t in ingest["tasks"]]
+        self.autoscaling, self.worker_nodes, self.limits = ingest["autoscaling"], worker_nodes, limits
+
+    def check(self, waited_s: float) -> None:
+        problem = None
+        if not self.autoscaling and waited_s >= self.limits.starved_s:
+            problem = self.starved()
+        if problem is None and not self.autoscaling and waited_s >= self.limits.pending_s:
+            problem = self.pending()
+        if problem:
+            raise IngestStalled(f"no batch for {waited_s:.0f} s: {problem}")
+
+    def starved(self) -> str | None:
+        alive = [n for n in ray.nodes() if n["Alive"]]
+        nodes = [(n["Resources"].get("CPU", 0.0), n["Resources"].get("GPU", 0.0)) for n in alive]
+        counts = [self.worker_nodes.count(n["NodeID"]) for n in alive]
+        free = left_over(nodes, counts, self.worker)
+        if tasks_fit(free, self.tasks):
+            return None
+        need = ", ".join(f"{c:g} CPU" + (f" + {g:g} GPU" if g else "") for c, g in self.tasks)
+        return (
+            f"the {len(self.worker_nodes)} train worker(s) hold {self.worker[0]:g} CPU each, which leaves Ray Data "
+            f"{', '.join(f'{c:g}' for c, _ in free)} CPU on the node(s), and it needs {need} at once; "
+            "lower --num-workers or --cpus-per-worker"
+        )
+
+    def pending(self) -> str | None:
+        shapes = {(round(c, 4), round(g, 4)) for c, g in self.tasks}
+        waiting = sum(
+            count
+            for bundle, count in ray_private.pending_demands()
+            if (round(bundle.get("CPU", 0.0), 4), round(bundle.get("GPU", 0.0), 4)) in shapes
+        )
+        if not waiting:
+            return None
+        return (
+            f"Ray reports {waiting} data task(s) waiting for a node with the CPUs they need; other work holds "
+            "them (see `ray status`); free them or give this job a cluster of its own"
+        )
+
+
+class BatchFeed:
+    """One epoch's batches, pulled in a thread from the moment the feed is made and handed
+    over through a one-batch queue. The train loop makes the first epoch's feed before it
+    builds the model, so Ray Data's start (read, decode and augment workers and their
+    imports) overlaps the build. While the trainer waits for a batch, `watch` (set before
+    iterating) is asked every StallLimits.poll_s whether the data can come at all."""
 
     _END = object()
 
-    def __init__(self, batches):
-        self._box: dict = {}
-        self._thread = threading.Thread(target=self._pull, args=(batches,), daemon=True, name="first-batch")
-        self._thread.start()
+    def __init__(self, batches, watch: IngestWatch | None = None):
+        self.watch = watch
+        self._queue: queue.Queue = queue.Queue(maxsize=1)
+        threading.Thread(target=self._pull, args=(batches,), daemon=True, name="batch-feed").start()
 
     def _pull(self, batches) -> None:
         try:
-            it = iter(batches)
-            self._box["first"], self._box["rest"] = next(it, self._END), it
+            for batch in batches:
+                self._queue.put(batch)
+            self._queue.put(self._END)
         except BaseException as e:  # re-raised in the training thread
-            self._box["error"] = e
+            self._queue.put(e)
 
     def __iter__(self):
-        self._thread.join()
-        if "error" in self._box:
-            raise self._box["error"]
-        if self._box["first"] is not self._END:
-            yield self._box["first"]
-            yield from self._box["rest"]
+        while (item := self._next()) is not self._END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def _next(self):
+        waited = 0.0
+        while True:
+            timeout = self.watch.limits.poll_s if self.watch else None
+            t0 = time.monotonic()
+            try:
+                return self._queue.get(timeout=timeout)
+            except queue.Empty:
+                waited += time.monotonic() - t0
+                self.watch.check(waited)
 
 
-def train_loop(job: dict) -> None:
-    cfg = TrainConfig(**job["config"])
-    quiet_worker_logs(cfg.verbose)
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    master = rank == 0  # gates console output and file writes
-    device = ray.train.torch.get_device()
-    if device.type == "cpu":
-        torch.set_num_threads(job["threads_per_worker"])
-    if cfg.deterministic:
-        ray.train.torch.enable_reproducibility(cfg.seed)
+class EpochData:
+    """This rank's batches: a feed per training epoch, the validation split at each evaluation."""
 
-    checkpoint = ray.train.get_checkpoint()  # a resumed run: where to start decides the first epoch's data
-    if checkpoint:
-        with checkpoint.as_directory() as d:
-            state = torch.load(os.path.join(d, CHECKPOINT_FILE), map_location=device, weights_only=True)
-    else:
-        state = {"epoch": -1, "history": [], "timings": [], "seen": [], "resumed_at_epochs": [], "first_steps": []}
-    start_epoch, history, timings, seen_per_epoch = (
-        state["epoch"] + 1,
-        state["history"],
-        state["timings"],
-        state["seen"],
-    )
-    resumed_at = state["resumed_at_epochs"] + ([start_epoch + 1] if checkpoint else [])
-    first_steps = state.get(
-        "first_steps", []
-    )  # time.time() when each attempt's first step ended (Ray Train restarts, reruns)
-    last_epoch = cfg.epochs if not cfg.stop_after else min(cfg.epochs, start_epoch + cfg.stop_after)
-    per_worker = cfg.batch_size // world
-    train_shard = ray.train.get_dataset_shard("train")  # "val" at the first validation: with several
-    val_shard = None  # workers, its split coordinator (one more process) starts after the first steps
+    def __init__(self, job: dict, cfg: TrainConfig, rank: int, world: int, device: torch.device):
+        self.clock, self.cfg, self.rank, self.device = job["clock"], cfg, rank, device
+        self.per_worker = cfg.batch_size // world
+        self.train = ray.train.get_dataset_shard("train")
+        # "val" is asked for at the first validation: with several workers, its split
+        # coordinator (one more process) starts after the first steps
+        self.val = None
+        self.watch: IngestWatch | None = None  # set once the ranks' nodes are known
 
-    def epoch_batches(epoch: int):
-        if master:  # before this rank asks for the epoch's data: the split barrier holds the others
-            ray.get(job["clock"].set.remote(epoch))
+    def feed(self, epoch: int) -> BatchFeed:
+        if self.rank == 0:  # before this rank asks for the epoch's data: the split barrier holds the others
+            ray.get(self.clock.set.remote(epoch))
         # Every epoch reads the files in a permutation of its own (training/ingest.py), so at
         # epoch 0 a local shuffle adds little, and Ray Data's would hold back the first batch until
         # batch + 1.5 x buffer rows had arrived; block prefetch would wait for the second
         # block. Without both, the first step starts on the first block.
         first = epoch == 0
-        return train_shard.iter_torch_batches(
-            batch_size=per_worker,
-            device=device,
-            local_shuffle_buffer_size=None if first else min(4 * per_worker, 2048),
-            local_shuffle_seed=cfg.seed * 1_000_003 + epoch * 1009 + rank,  # fresh every epoch, distinct per rank
+        batches = self.train.iter_torch_batches(
+            batch_size=self.per_worker,
+            device=self.device,
+            local_shuffle_buffer_size=None if first else min(4 * self.per_worker, 2048),
+            local_shuffle_seed=self.cfg.seed * 1_000_003 + epoch * 1009 + self.rank,  # per epoch and rank
             prefetch_batches=0 if first else 2,
         )
+        return BatchFeed(batches, self.watch)
 
-    first_epoch_batches = FirstBatchEarly(epoch_batches(start_epoch)) if start_epoch < last_epoch else None
+    def validation(self):
+        if self.val is None:  # every rank asks at once: a barrier
+            self.val = ray.train.get_dataset_shard("val")
+        return self.val.iter_torch_batches(batch_size=self.per_worker, device=self.device)
 
-    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    num_classes = len(job["class_names"])
-    model = resnet18(num_classes, small_stem=uses_small_stem(cfg.small_stem, job["image_size"]))
-    if cfg.init_weights:
-        skipped = load_init_weights(model, cfg.init_weights)
-        if master:
-            _say(
-                job,
-                f"init weights from {cfg.init_weights}; fresh: "
-                f"{', '.join(sorted({k.rsplit('.', 1)[0] for k in skipped}))}",
-            )
-    init_digest = params_digest(model)
-    model = ray.train.torch.prepare_model(model)
-    if cfg.compile:
-        model = torch.compile(model)
-    bare = model.module if hasattr(model, "module") else model  # eval and saving skip DDP's collectives
-    bare = getattr(bare, "_orig_mod", bare)
 
-    steps_per_epoch = max(1, math.ceil(job["train_size"] / world / per_worker))
-    optimizer = build_optimizer(cfg, model)
-    scheduler = build_scheduler(cfg, optimizer, steps_per_epoch)
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16")
-    normalize = Normalize(job["preset"]["mean"], job["preset"]["std"]).to(device)
-    mix_cfg = job["preset"].get("mix")
-    mix = (
-        MixUpCutMix(num_classes=num_classes, **({"label_smoothing": cfg.label_smoothing} | mix_cfg))
-        if mix_cfg
-        else None
-    )
+# --------------------------------------------------------------------------- the loop
+
+
+def train_loop(job: dict) -> None:
+    """Ray Train's per-worker function: restore, build, then per epoch train, evaluate,
+    record and checkpoint."""
+    cfg, ctx = TrainConfig(**job["config"]), ray.train.get_context()
+    quiet_worker_logs(cfg.verbose)
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = setup_worker(cfg, job["threads_per_worker"])
+    state, resumed_from = restore(device)
+    first, last = state["epoch"] + 1, last_epoch(cfg, state["epoch"] + 1)
+    data = EpochData(job, cfg, rank, world, device)
+    feed = data.feed(first) if first < last else None  # the first batch is on its way while the model builds
+    learner, init_digest = build_learner(cfg, job, world, device)
     ranks = _all_gather({"rank": rank, "node_id": ray.get_runtime_context().get_node_id(), "init_digest": init_digest})
-    if checkpoint:
-        bare.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        torch.set_rng_state(state["rng"]["cpu"].cpu())  # map_location moved it to the device
-        if master:
-            _say(job, f"resumed from {checkpoint.path} at epoch {start_epoch + 1}")
-
-    run_dir = artifacts.join(cfg.storage_path, cfg.name)
-    for epoch in range(start_epoch, last_epoch):
-        batches = first_epoch_batches if epoch == start_epoch else epoch_batches(epoch)
+    data.watch = IngestWatch(job["ingest"], [r["node_id"] for r in ranks], job["stall"])
+    if feed is not None:
+        feed.watch = data.watch
+    resumed = resume_or_seed(learner, state, resumed_from, rank, world)
+    if resumed and rank == 0:
+        _say(job, resumed)
+    state |= {"ranks": ranks, "resumed_at_epochs": state["resumed_at_epochs"] + ([first + 1] if resumed_from else [])}
+    for epoch in range(first, last):
         bar = EpochProgress(job["board"].post.remote, rank=rank, epoch=epoch, enabled=job["progress"])  # every rank
-        stats = train_epoch(
-            model,
-            batches,
-            optimizer,
-            scheduler,
-            scaler,
-            normalize,
-            cfg,
-            device,
-            epoch=epoch,
-            rank=rank,
-            mix=mix,
-            bar=bar,
-        )
+        stats = train_epoch(learner, feed or data.feed(epoch), epoch=epoch, rank=rank, bar=bar)
         bar.close()
-        if val_shard is None:  # every rank asks at once: a barrier
-            val_shard = ray.train.get_dataset_shard("val")
-        stats |= evaluate(
-            bare, val_shard.iter_torch_batches(batch_size=per_worker, device=device), normalize, num_classes, device
-        )
-        seen_per_epoch.append(stats.pop("seen"))
-        epoch_first_step_at = stats.pop("first_step_at")
-        if epoch == start_epoch and epoch_first_step_at is not None:
-            first_steps.append(epoch_first_step_at)
-        confusion = stats.pop("confusion")
-        row = {"epoch": epoch + 1, "lr": round(scheduler.get_last_lr()[0], 8)}
-        row |= {k: round(v, 6) if isinstance(v, float) else v for k, v in stats.items() if k not in TIMING_COLUMNS}
-        timing = {
-            "epoch": epoch + 1,
-            "epoch_s": round(stats["epoch_s"], 3),
-            "images_per_s": round(stats["train_images"] / stats["epoch_s"], 1),
-            "data_wait_frac": round(stats["data_wait_frac"], 4),
-        }
-        history.append(row)
-        timings.append(timing)
-        if master:
-            artifacts.write_csv(artifacts.join(run_dir, "metrics.csv"), history)
-            artifacts.write_csv(artifacts.join(run_dir, "timings.csv"), timings)
-            _say(job, format_row(row | timing, cfg.epochs, job["sizes"] is not None), epoch)
-        state = (
-            {
-                "model": bare.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "scaler": scaler.state_dict(),
-                "rng": {"cpu": torch.get_rng_state()},
-                "epoch": epoch,
-                "history": history,
-                "timings": timings,
-                "confusion": confusion,
-                "seen": seen_per_epoch,  # per epoch, per rank: images trained on and their key sum
-                "resumed_at_epochs": resumed_at,  # epochs a restart or a rerun continued from
-                "ranks": ranks,
-                "first_steps": first_steps,
-            }
-            if master
-            else None
-        )
-        report(row | timing, state, epoch)
+        feed = None
+        stats |= evaluate(learner, data.validation(), len(job["class_names"]))
+        row = record_epoch(state, epoch, stats, lr=learner.scheduler.get_last_lr()[0], first=epoch == first)
+        rng = _all_gather(rng_state(device))  # every rank's stream, restored per rank on resume
+        if rank == 0:
+            write_records(cfg, job, state, row)
+        report(row, state | learner.state_dict() | {"rng": rng} if rank == 0 else None, epoch)
+
+
+def setup_worker(cfg: TrainConfig, threads: int) -> torch.device:
+    device = ray.train.torch.get_device()
+    if device.type == "cpu":
+        torch.set_num_threads(threads)
+    if cfg.deterministic:
+        ray.train.torch.enable_reproducibility(cfg.seed)
+    return device
+
+
+def fresh_state() -> dict:
+    return {"epoch": -1, "history": [], "timings": [], "seen": [], "resumed_at_epochs": [], "first_steps": []}
+
+
+def restore(device: torch.device) -> tuple[dict, str | None]:
+    """The last checkpoint's state and where it lies, or a fresh state and None. A resumed
+    run knows where to start before anything else: that decides the first epoch's data."""
+    checkpoint = ray.train.get_checkpoint()
+    if not checkpoint:
+        return fresh_state(), None
+    with checkpoint.as_directory() as d:
+        state = torch.load(os.path.join(d, CHECKPOINT_FILE), map_location=device, weights_only=True)
+    return fresh_state() | state, checkpoint.path
+
+
+def last_epoch(cfg: TrainConfig, first: int) -> int:
+    return cfg.epochs if not cfg.stop_after else min(cfg.epochs, first + cfg.stop_after)
+
+
+def resume_or_seed(learner: Learner, state: dict, resumed_from: str | None, rank: int, world: int) -> str | None:
+    """A fresh run seeds each rank's own stream; a resumed one loads the learner and puts each
+    rank's stream back where the checkpoint left it (a new stream per rank if the world size
+    changed, or the checkpoint predates per-rank streams). Returns the line to print on resume."""
+    cfg = learner.cfg
+    if resumed_from is None:
+        seed_rank(cfg.seed, rank)
+        return None
+    learner.load_state_dict(state)
+    for key in ("model", "optimizer", "scheduler", "scaler"):  # the learner holds them now
+        del state[key]
+    saved = state.get("rng")
+    if isinstance(saved, list) and len(saved) == world:
+        set_rng_state(saved[rank], learner.device)
+    else:
+        seed_rank(cfg.seed + state["epoch"] + 1, rank)
+    streams = f"{len(saved)} rank streams" if isinstance(saved, list) else "no rank streams"
+    note = "" if isinstance(saved, list) and len(saved) == world else f" ({streams} saved: fresh ones)"
+    return f"resumed from {resumed_from} at epoch {state['epoch'] + 2}{note}"
+
+
+def record_epoch(state: dict, epoch: int, stats: dict, *, lr: float, first: bool) -> dict:
+    """Adds the epoch to the state's history, timings, coverage and start-up records; returns
+    the row printed and reported (metrics and timings)."""
+    state["seen"].append(stats.pop("seen"))
+    first_step_at = stats.pop("first_step_at")
+    if first and first_step_at is not None:  # this attempt's start-up ended there
+        state["first_steps"].append(first_step_at)
+    state["confusion"] = stats.pop("confusion")
+    row = {"epoch": epoch + 1, "lr": round(lr, 8)}
+    row |= {k: round(v, 6) if isinstance(v, float) else v for k, v in stats.items() if k not in TIMING_COLUMNS}
+    timing = {
+        "epoch": epoch + 1,
+        "epoch_s": round(stats["epoch_s"], 3),
+        "images_per_s": round(stats["train_images"] / stats["epoch_s"], 1),
+        "data_wait_frac": round(stats["data_wait_frac"], 4),
+    }
+    state["history"].append(row)
+    state["timings"].append(timing)
+    state["epoch"] = epoch
+    return row | timing
+
+
+def write_records(cfg: TrainConfig, job: dict, state: dict, row: dict) -> None:
+    run_dir = artifacts.join(cfg.storage_path, cfg.name)
+    artifacts.write_csv(artifacts.join(run_dir, "metrics.csv"), state["history"])
+    artifacts.write_csv(artifacts.join(run_dir, "timings.csv"), state["timings"])
+    _say(job, format_row(row, cfg.epochs, job["sizes"] is not None), row["epoch"] - 1)
 
 
 def report(metrics: dict, state: dict | None, epoch: int) -> None:

@@ -13,7 +13,8 @@ def uses_small_stem(setting: str, image_size: int) -> bool:
 
 def resnet18(num_classes: int, *, small_stem: bool) -> torch.nn.Module:
     """Random init from torch's global RNG: seed it first so every rank builds the same weights."""
-    import torchvision  # here, not at the top: its import pulls torch._dynamo (~2 s), which the driver never needs
+    # here, not at the top: its import pulls torch._dynamo (seconds; docs/benchmarks.md), which the driver never needs
+    import torchvision
 
     model = torchvision.models.resnet18(weights=None, num_classes=num_classes)
     if small_stem:

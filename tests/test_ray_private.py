@@ -1,0 +1,47 @@
+"""The private Ray APIs of training/ray_private.py are still there and behave as used. After a
+Ray upgrade, a failure here names what changed and the function that needs a new source."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from training import ray_private
+
+
+@pytest.mark.parametrize("name, users, check", ray_private.CHECKS, ids=[c[0] for c in ray_private.CHECKS])
+def test_private_ray_api_is_still_there(name, users, check):
+    problem = check()
+    assert problem is None, (
+        f"Ray {ray.__version__}: {problem}; training/ray_private.py {name}() needs a new source (used by {users})"
+    )
+
+
+def test_a_cluster_the_job_owns_runs_ray_train_without_the_placement_group_cleaner(tmp_path):
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    kwargs = {
+        "scaling_config": ray.train.ScalingConfig(num_workers=1),
+        "run_config": ray.train.RunConfig(name="owned", storage_path=str(tmp_path)),
+    }
+    owned_cls = ray_private.trainer_without_placement_group_cleaner()
+    plain = {type(c).__name__ for c in TorchTrainer(lambda: None, **kwargs)._create_default_callbacks()}
+    owned = {type(c).__name__ for c in owned_cls(lambda: None, **kwargs)._create_default_callbacks()}
+    assert "PlacementGroupCleanerCallback" in plain  # else the filter has nothing to do on this Ray
+    assert owned == plain - {"PlacementGroupCleanerCallback"}
+
+
+def test_the_train_loops_own_error_is_found_inside_ray_trains_wrapper():
+    from ray.train.v2._internal.util import construct_user_exception_with_traceback
+
+    from training.job import worker_error
+    from training.loop import IngestStalled
+
+    try:
+        raise IngestStalled("no batch for 31 s: the train workers hold every CPU")
+    except IngestStalled as e:
+        wrapped = construct_user_exception_with_traceback(e)
+    error = ray.train.WorkerGroupError("rank 0 failed", {0: wrapped})
+    assert worker_error(error) == "no batch for 31 s: the train workers hold every CPU"
+    assert worker_error(RuntimeError("boom")) == "RuntimeError: boom"

@@ -1,0 +1,152 @@
+"""Every private Ray API the project uses, in one place, with why no public one does the job.
+
+Tested with Ray 2.60 (pyproject.toml pins that range). `CHECKS` lists what each function
+relies on; tests/test_ray_private.py runs them, so after a Ray upgrade it names what
+changed, which function here needs a new source and who calls it. Where Ray grows a
+public API for one of these, use it and delete the entry.
+
+Light at import (no torch, no Ray Train): training/console.py imports it in the entry
+point's process. Each function imports what it needs.
+"""
+
+from __future__ import annotations
+
+import json
+
+
+def autoscaler_ceiling() -> dict | None:
+    """The most of each resource the cluster's autoscaler may reach (autoscaler v2, KubeRay),
+    or None. Ray Train checks its workers against the same figure; no public API has it.
+    Used by training/job.py, cluster_capacity."""
+    from ray._private.state import state
+
+    return state.get_max_resources_from_cluster_config()
+
+
+def v1_autoscaler_runs() -> bool:
+    """True when `ray up`'s (v1) autoscaler manages this cluster. Every cluster's monitor
+    writes a status; without an autoscaling config its read-only provider names each node's
+    type "node_<node id>", while a real autoscaler uses the config's node types. `ray status`
+    reads the same key; no public API exposes it. Used by training/job.py, cluster_capacity."""
+    from ray._private import ray_constants
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    raw = _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS)
+    if not raw:
+        return False
+    mapping = json.loads(raw).get("autoscaler_report", {}).get("node_type_mapping") or {}
+    return any(node_type != f"node_{node_id}" for node_id, node_type in mapping.items())
+
+
+def pending_demands() -> list[tuple[dict, int]]:
+    """(resources, count) of the tasks and actors that wait for a node with room, as the
+    GCS reports them to the autoscaler (what `ray status` shows as "Pending"). The public
+    state API needs the dashboard, which a local run does not start. Used by
+    training/loop.py, IngestWatch."""
+    import ray
+    from ray.autoscaler.v2.sdk import get_cluster_status
+
+    status = get_cluster_status(ray.get_runtime_context().gcs_address)
+    return [
+        (dict(req.bundle), int(req.count))
+        for demand in status.resource_demands.ray_task_actor_demand
+        for req in demand.bundles_by_count
+    ]
+
+
+def trainer_without_placement_group_cleaner():
+    """TorchTrainer less Ray Train's placement-group cleaner: a detached actor that frees the
+    run's placement group should the controller die. A cluster this process started ends
+    with it, so the cleaner has nothing to outlive; it would cost one more process at
+    start-up, and without the dashboard it polls a state API that is not there, warning
+    every few seconds. Ray Train has no switch for it (the preemption watcher has an
+    environment variable; the cleaner has none), so this overrides the private hook that
+    builds the default callbacks. Used by training/job.py, _fit."""
+    from ray.train.torch import TorchTrainer
+
+    class OwnClusterTorchTrainer(TorchTrainer):
+        def _create_default_callbacks(self):
+            callbacks = super()._create_default_callbacks()
+            return [c for c in callbacks if type(c).__name__ != "PlacementGroupCleanerCallback"]
+
+    return OwnClusterTorchTrainer
+
+
+def worker_exception(failure: BaseException) -> BaseException:
+    """The exception a train worker's function raised, from the wrapper Ray Train 2.60 puts in
+    `WorkerGroupError.worker_failures` (it keeps the original only as a private attribute).
+    Used by training/job.py, worker_error."""
+    return getattr(failure, "_base_exc", failure)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _has(module: str, *names: str) -> str | None:
+    import importlib
+
+    try:
+        obj = importlib.import_module(module)
+    except ImportError as e:
+        return f"module {module} is gone ({e})"
+    path = module
+    for name in names:
+        path += f".{name}"
+        if not hasattr(obj, name):
+            return f"{path} is gone"
+        obj = getattr(obj, name)
+    return None
+
+
+def _check_ceiling():
+    return _has("ray._private.state", "state", "get_max_resources_from_cluster_config")
+
+
+def _check_v1_status():
+    return _has("ray._private.ray_constants", "DEBUG_AUTOSCALING_STATUS") or _has(
+        "ray.experimental.internal_kv", "_internal_kv_get"
+    )
+
+
+def _check_demands():
+    problem = _has("ray.autoscaler.v2.sdk", "get_cluster_status")
+    if problem:
+        return problem
+    from ray.autoscaler.v2.schema import RayTaskActorDemand, ResourceDemandSummary, ResourceRequestByCount
+
+    fields = {
+        ResourceDemandSummary: "ray_task_actor_demand",
+        RayTaskActorDemand: "bundles_by_count",
+        ResourceRequestByCount: "bundle",
+    }
+    for cls, field in fields.items():
+        if field not in cls.__dataclass_fields__:
+            return f"ray.autoscaler.v2.schema.{cls.__name__} has no field {field!r}"
+    return None
+
+
+def _check_trainer_hook():
+    from ray.train.torch import TorchTrainer
+
+    if not hasattr(TorchTrainer, "_create_default_callbacks"):
+        return "ray.train.torch.TorchTrainer._create_default_callbacks is gone"
+    return _has("ray.train.v2._internal.callbacks.placement_group_callback", "PlacementGroupCleanerCallback")
+
+
+def _check_worker_exception():
+    from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+
+    wrapped = UserExceptionWithTraceback(ValueError("x"), traceback_str="")
+    if not isinstance(worker_exception(wrapped), ValueError):
+        return "ray.train.v2._internal.exceptions.UserExceptionWithTraceback no longer keeps _base_exc"
+    return None
+
+
+# (function here, its callers, check): a check returns None or what changed
+CHECKS = [
+    ("autoscaler_ceiling", "training/job.py cluster_capacity", _check_ceiling),
+    ("v1_autoscaler_runs", "training/job.py cluster_capacity", _check_v1_status),
+    ("pending_demands", "training/loop.py IngestWatch", _check_demands),
+    ("trainer_without_placement_group_cleaner", "training/job.py _fit", _check_trainer_hook),
+    ("worker_exception", "training/job.py worker_error", _check_worker_exception),
+]
