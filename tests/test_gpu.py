@@ -1,0 +1,111 @@
+"""The GPU path against the CPU path (`pytest -m gpu`; each test skips, saying why, where
+torch sees no CUDA device): the keyed generator, every built-in preset, and a whole
+`jobs.train --device cuda --amp bf16` run with its augment actors on shares of the GPU.
+nvjpeg's batched decode is tested in tests/test_decode.py."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from augment.batch import augment_batch
+from augment.presets import PRESETS, Pipeline
+from augment.rng import KeyedRng
+from bench.augment import synthetic_photo
+
+REPO = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; torch sees none on this machine"),
+]
+
+
+def _photos(n: int, seed: int = 0) -> np.ndarray:
+    """A ragged batch of photo-like images, 40 to 300 px a side."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(40, 300, size=(n, 2))
+    images = np.empty(n, dtype=object)
+    images[:] = [synthetic_photo(int(h), int(w), i) for i, (h, w) in enumerate(sizes)]
+    return images
+
+
+def test_the_keyed_generator_draws_the_same_numbers_on_cuda():
+    keys = torch.tensor([0, 1, -1, 2**62, -(2**63), 123456789], dtype=torch.int64)
+    for stream in (1, 2, 7):
+        cpu, gpu = KeyedRng(keys, 11, 3), KeyedRng(keys.cuda(), 11, 3)
+        assert torch.equal(cpu.uniform(stream, 5), gpu.uniform(stream, 5).cpu())
+        assert torch.equal(cpu.seeds(stream, 3), gpu.seeds(stream, 3).cpu())
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_each_preset_gives_the_cpus_output_on_cuda(name):
+    """Eval: within 1/255 of the CPU everywhere. Train: the same sampled parameters, and
+    pixels that differ only by resampling arithmetic."""
+    preset = PRESETS[name]
+    images, keys = _photos(24), torch.arange(24, dtype=torch.int64) * 7919
+    sizes = torch.tensor([im.shape[:2] for im in images], dtype=torch.int64)
+    gpu = torch.device("cuda")
+    for specs in (preset.eval, preset.train):
+        cpu_pipe, gpu_pipe = Pipeline(specs, seed=5), Pipeline(specs, seed=5).to(gpu)
+        cpu_geo = cpu_pipe.geometry(sizes, keys, 2)
+        gpu_geo = gpu_pipe.geometry(sizes.to(gpu), keys.to(gpu), 2)
+        assert cpu_geo.keys() == gpu_geo.keys()
+        for k in cpu_geo:
+            assert torch.equal(torch.as_tensor(cpu_geo[k]).cpu(), torch.as_tensor(gpu_geo[k]).cpu()), k
+        on_cpu = augment_batch(cpu_pipe, images, keys, 2, CPU)
+        on_gpu = augment_batch(gpu_pipe, images, keys, 2, gpu)
+        assert on_gpu.device.type == "cuda" and on_gpu.shape == on_cpu.shape
+        diff = (on_gpu.cpu().int() - on_cpu.int()).abs()
+        if specs is preset.eval:
+            assert int(diff.max()) <= 1, f"{name} eval differs by {int(diff.max())}/255"
+        else:
+            mean = float(diff.float().mean())
+            assert mean < 1.0, f"{name} train differs by {mean:.2f}/255 on average"
+
+
+@pytest.fixture(scope="module")
+def jpeg_tree(tmp_path_factory):
+    """4 classes x 40 JPEGs of 160-320 px, plus a corrupt one that the run must skip."""
+    root = tmp_path_factory.mktemp("photos")
+    rng = np.random.default_rng(0)
+    for c in range(4):
+        (root / f"c{c}").mkdir()
+        for i in range(40):
+            h, w = (int(v) for v in rng.integers(160, 320, size=2))
+            tint = np.array([60 * c, 255 - 60 * c, 128], dtype=np.float32)
+            img = np.clip(synthetic_photo(h, w, c * 100 + i) * 0.5 + tint * 0.5, 0, 255).astype(np.uint8)
+            Image.fromarray(img).save(root / f"c{c}" / f"{i:03d}.jpg", quality=90)
+    good = io.BytesIO()
+    Image.fromarray(synthetic_photo(200, 200, 9)).save(good, format="JPEG")
+    (root / "c0" / "truncated.jpg").write_bytes(good.getvalue()[: len(good.getvalue()) // 2])
+    return root
+
+
+def test_a_cuda_bf16_run_augments_on_gpu_shares_and_covers_every_image(jpeg_tree, tmp_path):
+    args = [sys.executable, "-m", "jobs.train", "--data", str(jpeg_tree), "--preset", "imagenet"]
+    args += ["--device", "cuda", "--amp", "bf16", "--epochs", "2", "--batch-size", "32", "--val-fraction", "0.25"]
+    args += ["--storage-path", str(tmp_path), "--name", "gpu"]
+    done = subprocess.run(
+        args, cwd=REPO, env={**os.environ, "RAY_ADDRESS": ""}, capture_output=True, text=True, timeout=600
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert re.search(r"augment actor\(s\) x \(0?\.\d+ GPU", out), out[-4000:]  # a share of the trainer's GPU
+    assert "nvjpeg" in out  # the plan line's decode choice
+    summary = json.loads((tmp_path / "gpu" / "summary.json").read_text())
+    assert summary["device"] == "cuda" and summary["epochs"] == 2 and summary["bad_files"] == 1
+    assert all(c["exactly_once"] for c in summary["coverage"]), summary["coverage"]
+    assert summary["train_images"] + summary["val_images"] == 161  # the split counts the bad file too
+    assert summary["val_acc"] > 0.25  # four tinted classes: better than chance after two epochs
