@@ -144,12 +144,16 @@ def decode_cuda(datas: list[bytes], jpeg: list[bool], device) -> list:
     """Full-size decode of a batch on a GPU: uint8 (H, W, 3) tensors on `device`, or a
     BadImage in the place of a file no decoder reads. The JPEGs nvjpeg takes (`jpeg`, from
     read_header) go in one batched call; if nvjpeg refuses the batch, they go one by one;
-    what it refuses then, and every other file, is decoded by Pillow and uploaded."""
+    what it refuses then, and every other file, is decoded by Pillow and uploaded.
+
+    nvjpeg decodes a truncated stream without an error (the missing rows come back grey),
+    where the CPU decoders report it: a JPEG that does not end in its end-of-image marker
+    is decoded on the CPU, so that a cut-off file is skipped and listed on every device."""
     import torch
     from torchvision.io import ImageReadMode, decode_jpeg
 
     out: list = [None] * len(datas)
-    idx = [i for i, ok in enumerate(jpeg) if ok]
+    idx = [i for i, ok in enumerate(jpeg) if ok and ends_complete(datas[i])]
     if idx:
         with warnings.catch_warnings():  # bytes are read-only; nvjpeg only reads them
             warnings.simplefilter("ignore", UserWarning)
@@ -167,6 +171,11 @@ def decode_cuda(datas: list[bytes], jpeg: list[bool], device) -> list:
             except BadImage as e:
                 out[i] = e
     return out
+
+
+def ends_complete(data: bytes) -> bool:
+    """Whether a JPEG ends in its end-of-image marker (FF D9), trailing zero padding allowed."""
+    return data[-2:] == b"\xff\xd9" or bytes(data).rstrip(b"\x00")[-2:] == b"\xff\xd9"
 
 
 def _nvjpeg_one(encoded, device):

@@ -134,6 +134,29 @@ def test_the_gpu_paths_batched_decode_runs_the_same_code_on_cpu_tensors(encoded)
     assert int((gpu_path.int() - cpu.int()).abs().max()) <= 1
 
 
+def test_a_truncated_jpeg_is_not_left_to_nvjpeg(monkeypatch):
+    """nvjpeg decodes a cut-off JPEG without an error (seen on an H200: the run trained on it
+    and listed no bad file). Here torchvision's decode_jpeg is made as lenient, and the
+    truncated file must still come back as a BadImage from the CPU decoder."""
+    import torchvision.io
+
+    from augment.decode import decode_cuda, ends_complete
+
+    whole = _jpeg(120, 160, 3)
+    cut = whole[: len(whole) // 2]
+    assert ends_complete(whole) and ends_complete(whole + b"\x00\x00") and not ends_complete(cut)
+    given = []
+
+    def lenient(tensors, mode, device):
+        given.extend(bytes(t.numpy()) for t in tensors)
+        return [torch.zeros((3, 120, 160), dtype=torch.uint8) for _ in tensors]
+
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", lenient)
+    good, bad = decode_cuda([whole, cut], [True, True], CPU)
+    assert given == [whole]  # only the complete file went to the batched call
+    assert good.shape == (120, 160, 3) and isinstance(bad, BadImage) and "truncated" in str(bad)
+
+
 def test_the_stage_decodes_bytes_and_reports_bad_files_by_path(encoded):
     from augment.stage import AugmentStage
 
@@ -169,7 +192,9 @@ def test_nvjpeg_decodes_a_batch_like_the_cpu(encoded):
     for data, image in zip(encoded[:7], images, strict=True):
         ref = torch.from_numpy(decode_image(data))
         assert image.shape == ref.shape and image.device.type == "cuda"
-        assert float((image.cpu().float() - ref.float()).abs().mean()) < 1.0  # nvjpeg's IDCT differs slightly
+        # nvjpeg's IDCT and chroma upsampling differ from libjpeg-turbo's: 1.25 levels on average
+        # for one of these photos on an H200 (docs/benchmarks.md, "GPU")
+        assert float((image.cpu().float() - ref.float()).abs().mean()) < 2.0
     pipeline = Pipeline(PRESETS["imagenet"].train, seed=5).to("cuda")
     keys = torch.arange(len(encoded), dtype=torch.int64)
     out, kept, bad = decode_augment(pipeline, encoded, keys, 1, torch.device("cuda"), shrink=False)
