@@ -136,7 +136,9 @@ def prepared(tree: str, out: str) -> str:
 # --------------------------------------------------------------------------- variants (child processes)
 
 
-def run_ray(data: str, preset_name: str, epochs: int, batch: int, stats_path: str, decode: str = "auto") -> dict:
+def run_ray(
+    data: str, preset_name: str, epochs: int, batch: int, stats_path: str, decode: str = "auto", **overrides
+) -> dict:
     import ray
 
     from augment.presets import load_preset
@@ -149,7 +151,7 @@ def run_ray(data: str, preset_name: str, epochs: int, batch: int, stats_path: st
     from training.inputs import scan_data
 
     connect()
-    cfg = TrainConfig(data=data, preset=preset_name, batch_size=batch, epochs=epochs, decode=decode)
+    cfg = TrainConfig(data=data, preset=preset_name, batch_size=batch, epochs=epochs, decode=decode, **overrides)
     tree, preset = scan_data(data, cfg.val_fraction), load_preset(preset_name)
     plan = job.plan_resources(cfg, job.cluster_capacity())
     decode = choose_decode(cfg.decode, tree.train, preset.train, plan.use_gpu)
@@ -205,7 +207,9 @@ def summarize(result: dict) -> dict:
 
 def child(args) -> None:
     if args.variant == "ray":
-        result = run_ray(args.data, args.preset, args.epochs, args.batch_size, args.stats, args.decode)
+        pairs = (("augment_actors", args.augment_actors), ("augment_gpus", args.augment_gpus))
+        overrides = {k: v for k, v in pairs if v}
+        result = run_ray(args.data, args.preset, args.epochs, args.batch_size, args.stats, args.decode, **overrides)
     else:
         result = run_seed(args.data, args.preset, args.epochs, args.batch_size)
     print(json.dumps(summarize(result)), flush=True)
@@ -215,7 +219,8 @@ def run_variant(variant: str, case: str, data: str, seed_data: str, args) -> dic
     cmd = [sys.executable, "-m", "bench.throughput", "--child", variant, "--preset", CASES[case]["preset"]]
     cmd += ["--data", data if variant == "ray" else seed_data, "--epochs", str(args.epochs)]
     cmd += ["--batch-size", str(args.batch_size), "--stats", os.path.join(args.work, f"stats-{case}.txt")]
-    cmd += ["--decode", args.decode]
+    cmd += ["--decode", args.decode, "--augment-actors", str(args.augment_actors)]
+    cmd += ["--augment-gpus", str(args.augment_gpus)]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         raise RuntimeError(f"{variant} on {case} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
@@ -231,6 +236,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--work", default="/tmp/bench-throughput", help="generated trees and Ray Data's stats go here")
     ap.add_argument("--json", metavar="FILE", help="write every round's figures here")
     ap.add_argument("--decode", default="auto", help="jobs.train's --decode for the ray variant (default: auto)")
+    ap.add_argument("--augment-actors", type=int, default=0, help="jobs.train's --augment-actors for the ray variant")
+    ap.add_argument("--augment-gpus", type=float, default=0.0, help="jobs.train's --augment-gpus for the ray variant")
+    ap.add_argument("--files", type=int, default=0, help="images per generated tree (default: the case's count)")
     ap.add_argument(
         "--make-tree",
         nargs=3,
@@ -254,7 +262,7 @@ def main(argv=None) -> list[dict]:
     os.makedirs(args.work, exist_ok=True)
     rows = []
     for case in args.cases:
-        spec = CASES[case]
+        spec = CASES[case] | ({"count": args.files} if args.files else {})
         tree = make_tree(os.path.join(args.work, f"{spec['tree']}-{spec['count']}"), spec["tree"], spec["count"])
         data = prepared(tree, tree + "-prepared") if spec.get("prepared") else tree
         for r in range(args.rounds):
