@@ -19,29 +19,16 @@ import time
 
 import torch
 
-from augment.ops import Normalize
 from training.config import TrainConfig
-from training.loop import BatchFeed, Learner, build_optimizer, build_scheduler, train_step, view_digest
+from training.loop import BatchFeed, Learner, train_step, view_digest
 from training.model import resnet18
 
 SHAPES = {"cifar 64 x 32 px": (64, 32, True), "imagenet 32 x 224 px": (32, 224, False)}
 
 
 def _learner(size_small: bool) -> Learner:
-    cfg = TrainConfig(batch_size=64)
     torch.manual_seed(0)
-    model = resnet18(10, small_stem=size_small)
-    optimizer = build_optimizer(cfg, model)
-    return Learner(
-        cfg=cfg,
-        device=torch.device("cpu"),
-        model=model,
-        bare=model,
-        optimizer=optimizer,
-        scheduler=build_scheduler(cfg, optimizer, 100),
-        scaler=torch.amp.GradScaler("cpu", enabled=False),
-        normalize=Normalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25)),
-    )
+    return Learner.on_cpu(TrainConfig(batch_size=64), resnet18(10, small_stem=size_small), 100)
 
 
 def _time(fn, repeat: int) -> float:

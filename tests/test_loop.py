@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from augment.ops import Normalize
 from training import loop
 from training.config import TrainConfig
 from training.loop import (
@@ -37,18 +36,7 @@ def _tiny_model() -> torch.nn.Module:
 
 def _learner(cfg: TrainConfig, model: torch.nn.Module | None = None, steps_per_epoch: int = 2) -> Learner:
     torch.manual_seed(0)
-    model = model or resnet18(3, small_stem=True)
-    optimizer = build_optimizer(cfg, model)
-    return Learner(
-        cfg=cfg,
-        device=torch.device("cpu"),
-        model=model,
-        bare=model,
-        optimizer=optimizer,
-        scheduler=build_scheduler(cfg, optimizer, steps_per_epoch),
-        scaler=torch.amp.GradScaler("cpu", enabled=False),
-        normalize=Normalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25)),
-    )
+    return Learner.on_cpu(cfg, model or resnet18(3, small_stem=True), steps_per_epoch)
 
 
 def _batches(n: int, *, epoch: int, stale_at: int | None = None) -> list[dict]:

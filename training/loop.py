@@ -173,6 +173,22 @@ class Learner:
     normalize: torch.nn.Module  # uint8 (B, H, W, 3) -> float (B, 3, H, W) channels_last, on the device
     mix: MixUpCutMix | None = None
 
+    @classmethod
+    def on_cpu(cls, cfg: TrainConfig, model: torch.nn.Module, steps_per_epoch: int) -> Learner:
+        """A single-process CPU learner (no DDP, a mid-grey Normalize): for tests and benchmarks
+        that run steps outside Ray Train."""
+        optimizer = build_optimizer(cfg, model)
+        return cls(
+            cfg=cfg,
+            device=torch.device("cpu"),
+            model=model,
+            bare=model,
+            optimizer=optimizer,
+            scheduler=build_scheduler(cfg, optimizer, steps_per_epoch),
+            scaler=torch.amp.GradScaler("cpu", enabled=False),
+            normalize=Normalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25)),
+        )
+
     def autocast(self):
         if self.cfg.amp == "off":
             return contextlib.nullcontext()
