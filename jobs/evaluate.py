@@ -11,7 +11,6 @@ and prints the accuracy and the per-class table. Exit codes: 0 done; 2 bad input
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from jobs.predict import add_inference_arguments
@@ -40,10 +39,10 @@ def parse(argv=None):
 def main(argv=None) -> int:
     args = parse(argv)
     from jobs.train import connect
-    from training import artifacts, inference, plots
+    from training import artifacts, inference, plots, storage
     from training.data import DataError
 
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.model)), "eval")
+    out = args.out or artifacts.join(storage.parent(args.model), "eval")
     try:
         info = inference.load_model_file(args.model)
         val_fraction = float(info.get("config", {}).get("val_fraction", 0.2))
@@ -54,7 +53,8 @@ def main(argv=None) -> int:
                 f"{list(info['class_names'])[:10]}; evaluation needs labels "
                 "(use jobs.predict for unlabelled images)"
             )
-    except (inference.ModelFileError, DataError) as e:
+        storage.check_writable(out, "--out")
+    except (inference.ModelFileError, DataError, storage.StorageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     connect()

@@ -50,16 +50,17 @@ def parse(argv=None):
 def main(argv=None) -> int:
     args = parse(argv)
     from jobs.train import connect
-    from training import inference
+    from training import inference, storage
     from training.data import DataError
 
     if args.batch_size <= 0 or args.actors <= 0:
         print("error: --batch-size and --actors must be positive", file=sys.stderr)
         return 2
-    try:
+    try:  # bad --model, --data or --out: exit 2 before Ray starts
         info = inference.load_model_file(args.model)
-        splits = inference.input_splits(args.data, info)  # bad --data: exit 2 before Ray starts
-    except (inference.ModelFileError, DataError) as e:
+        splits = inference.input_splits(args.data, info)
+        storage.check_writable(storage.parent(args.out), "--out")
+    except (inference.ModelFileError, DataError, storage.StorageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     connect()

@@ -6,7 +6,8 @@
 
 Each row keeps the encoded file as it was (no re-encoding), its label, its key, its size and
 its path relative to DIR; OUT/_prepared.json records the class names, the split and the
-counts. Exit codes: 0 written; 2 bad input (unusable tree, OUT not empty), one line on stderr.
+counts. Exit codes: 0 written; 2 bad input (unusable tree, OUT not empty or not writable, storage
+that refuses the credentials), one line on stderr, before any file is read.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def main(argv=None) -> int:
     args = parse(argv)
     from training.data import DataError
     from training.parquet import prepare_tree
+    from training.storage import StorageError
 
     if args.shard_mb <= 0 or args.threads <= 0:
         print("error: --shard-mb and --threads must be positive", file=sys.stderr)
@@ -65,7 +67,7 @@ def main(argv=None) -> int:
             seed=args.seed,
             threads=args.threads,
         )
-    except DataError as e:
+    except (DataError, StorageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     splits = manifest["splits"]

@@ -22,6 +22,7 @@ from training import console
 from training.config import ConfigError, add_arguments, parse_config
 from training.data import DataError
 from training.inputs import check_inputs
+from training.storage import StorageError
 
 
 def parser() -> argparse.ArgumentParser:
@@ -151,7 +152,7 @@ def main(argv=None) -> int:
             from augment.presets import load_preset
 
             preset = load_preset(cfg.preset)
-    except (DataError, ConfigError, PresetError) as e:
+    except (DataError, ConfigError, PresetError, StorageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     # Two threads import at once below. Safe: the preload thread's torch imports no Ray module
@@ -178,7 +179,7 @@ def main(argv=None) -> int:
             own_cluster=own_cluster,
             bar_stream=bar,
         )
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, StorageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except job.Interrupted as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import re
 from pathlib import Path
 
@@ -59,9 +60,26 @@ def _stop_shared_cluster():
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
+def s3(tmp_path_factory):
+    """A real S3 server on loopback for the whole session (tests/s3server.py), with this
+    process's environment pointing at it as a user's would point at MinIO. The Ray cluster
+    starts after it (ray_cluster depends on it), so every Ray process has the same settings."""
+    from tests.s3server import S3Server, without_aws_settings
+
+    saved = without_aws_settings()
+    server = S3Server()
+    os.environ.update(server.environment(tmp_path_factory.mktemp("aws")))
+    yield server
+    server.stop()
+    without_aws_settings()
+    os.environ.update(saved)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(s3):
     """One Ray cluster for the whole test session: two nodes (ray.cluster_utils.Cluster), so
-    the same runs that test training also test placement across nodes."""
+    the same runs that test training also test placement across nodes, and their storage
+    may be the session's S3 server."""
     import ray
     from ray.cluster_utils import Cluster
 

@@ -7,18 +7,22 @@ import io
 import json
 import os
 
+from training import storage
+
 
 def _fs(uri: str):
-    import pyarrow.fs as pafs
-
-    if "://" in uri:
-        return pafs.FileSystem.from_uri(uri)
-    return pafs.LocalFileSystem(), os.path.abspath(uri)
+    fs, path, _ = storage.filesystem(uri)
+    return fs, path
 
 
 def write_bytes(uri: str, data: bytes) -> None:
-    """Write a whole file, creating its directory; atomic on local disk."""
+    """Write a whole file, creating its directory; atomic: readers see the old file or the new one.
+    An object store's upload is atomic already (a move there is a copy and a delete)."""
     fs, path = _fs(uri)
+    if storage.is_uri(uri):
+        with fs.open_output_stream(path) as f:
+            f.write(data)
+        return
     fs.create_dir(os.path.dirname(path), recursive=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with fs.open_output_stream(tmp) as f:

@@ -24,6 +24,8 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
+from training import storage
+
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 
 
@@ -119,17 +121,6 @@ class ImageTree:
         )
 
 
-def filesystem(root: str):
-    """(pyarrow filesystem, path inside it, prefix that turns such a path into a URI)."""
-    import pyarrow.fs as pafs
-
-    if "://" in root:
-        fs, path = pafs.FileSystem.from_uri(root)
-        scheme = root.split("://", 1)[0]
-        return fs, path.rstrip("/"), f"{scheme}://"
-    return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(root)), ""
-
-
 def list_images(fs, directory: str) -> list[tuple[str, int]]:
     """(path, size) of every image below `directory`, hidden files and folders skipped."""
     import pyarrow.fs as pafs
@@ -165,13 +156,21 @@ def _is_dir(fs, path: str) -> bool:
 
 
 def scan_tree(root: str, val_fraction: float = 0.2) -> ImageTree:
-    """Find classes and files and split them. Raises DataError for anything unusable.
+    """Find classes and files and split them. Raises DataError for anything unusable, and
+    storage.StorageError when object storage refuses (credentials, bucket, permissions).
     (training.inputs.scan_data also takes a jobs.prepare directory.)"""
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"--val-fraction must be in [0, 1), got {val_fraction}")
-    fs, base, uri_prefix = filesystem(root)
+    storage.check_bucket(root)
+    with storage.errors(root):
+        return _scan(root, val_fraction)
+
+
+def _scan(root: str, val_fraction: float) -> ImageTree:
+    fs, base, uri_prefix = storage.filesystem(root)
     if not _is_dir(fs, base):
-        raise DataError(f"{root}: no such directory; pass --data with a folder laid out as <class>/<image>")
+        missing = "no objects under this prefix" if storage.is_uri(root) else "no such directory"
+        raise DataError(f"{root}: {missing}; pass --data with a folder laid out as <class>/<image>")
 
     layout = "train/val" if _is_dir(fs, f"{base}/train") and _is_dir(fs, f"{base}/val") else "hash"
     train_root = f"{base}/train" if layout == "train/val" else base

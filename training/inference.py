@@ -21,7 +21,8 @@ from pathlib import PurePosixPath
 import numpy as np
 import torch
 
-from training.data import DataError, Split, filesystem, label_of, list_images, make_split, scan_tree
+from training import storage
+from training.data import DataError, Split, label_of, list_images, make_split, scan_tree
 from training.parquet import is_prepared, scan_prepared
 
 MODEL_KEYS = ("arch", "state_dict", "class_names", "image_size", "small_stem", "eval_transform")
@@ -31,13 +32,27 @@ class ModelFileError(ValueError):
     """The --model file is missing or not a model.pt written by jobs.train."""
 
 
+def _model_source(path: str):
+    """What torch.load reads: a local path, or the bytes behind a URI. ModelFileError when
+    there is no such file, storage.StorageError when object storage refuses."""
+    if storage.is_uri(path):
+        import pyarrow.fs as pafs
+
+        storage.check_bucket(path)
+        fs, inner, _ = storage.filesystem(path)
+        with storage.errors(path):
+            if fs.get_file_info(inner).type == pafs.FileType.File:
+                with fs.open_input_stream(inner) as f:
+                    return io.BytesIO(f.read())
+    elif os.path.isfile(path):
+        return path
+    raise ModelFileError(f"--model {path}: no such file; give the model.pt of a run directory (runs/<name>/model.pt)")
+
+
 def load_model_file(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise ModelFileError(
-            f"--model {path}: no such file; give the model.pt of a run directory (runs/<name>/model.pt)"
-        )
+    source = _model_source(path)
     try:
-        info = torch.load(path, map_location="cpu", weights_only=True)
+        info = torch.load(source, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - pickle, zip and torch errors alike mean "not a model.pt"
         raise ModelFileError(f"--model {path}: not a model.pt written by jobs.train ({type(e).__name__})") from None
     missing = [k for k in MODEL_KEYS if not isinstance(info, dict) or k not in info]
@@ -54,16 +69,19 @@ def list_inputs(root: str, class_names, split: str = "all", val_fraction: float 
     """The images to predict, as a Split whose labels are the model's classes of their
     directories (-1: not a class). split="val": the validation split training used (DIR/val,
     or the hash split by val_fraction); "all": every image below DIR."""
-    fs, base, prefix = filesystem(root)
+    fs, base, prefix = storage.filesystem(root)
     if split == "val":
         val = scan_tree(root, val_fraction).val
         rel, sizes = list(val.rel_paths), val.sizes
     else:
         import pyarrow.fs as pafs
 
-        if fs.get_file_info(base).type != pafs.FileType.Directory:
-            raise DataError(f"{root}: no such directory; pass --data with a folder of images")
-        listed = list_images(fs, base)
+        storage.check_bucket(root)
+        with storage.errors(root):
+            if fs.get_file_info(base).type != pafs.FileType.Directory:
+                missing = "no objects under this prefix" if storage.is_uri(root) else "no such directory"
+                raise DataError(f"{root}: {missing}; pass --data with a folder of images")
+            listed = list_images(fs, base)
         rel, sizes = [str(PurePosixPath(p).relative_to(base)) for p, _ in listed], [n for _, n in listed]
     if not rel:
         raise DataError(

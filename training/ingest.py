@@ -41,7 +41,8 @@ from ray.data.datasource import Datasource, ReadTask
 
 from augment.decode import SHRINKING_OPS, BadImage, decode_image, stack_images
 from augment.stage import AugmentStage, augment_task
-from training.data import Split, filesystem, label_of, stable_hash
+from training.data import Split, label_of, stable_hash
+from training.storage import filesystem
 
 ROWS_PER_TASK = 256  # at most this many files per read task (one augment call each on CPUs)
 MIN_TASKS, MIN_ROWS_PER_TASK = 8, 16  # a small split still gets a few tasks, of 16 rows at least

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from augment.schedule import parse_resize, parse_schedule
-from training import artifacts
+from training import artifacts, storage
 from training.config import ConfigError, TrainConfig, check_amp
 from training.data import ImageTree, default_dataset_dir, scan_tree
 from training.parquet import is_prepared, scan_prepared
@@ -16,15 +16,17 @@ from training.parquet import is_prepared, scan_prepared
 
 def scan_data(root: str, val_fraction: float = 0.2) -> ImageTree:
     """An image tree, or the Parquet shards `python -m jobs.prepare` wrote (its split is the
-    one fixed when preparing). DataError for anything unusable."""
+    one fixed when preparing). DataError for anything unusable, storage.StorageError for
+    object storage that refuses."""
     if is_prepared(root):
         return scan_prepared(root)
     return scan_tree(root, val_fraction)
 
 
 def check_inputs(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree]:
-    """Resolve defaults, scan the tree, check the flags that name things; DataError or
-    ConfigError (exit 2) for anything wrong. The preset is checked by augment.presets.load_preset."""
+    """Resolve defaults, scan the tree, check the flags that name things; DataError, ConfigError
+    or storage.StorageError (exit 2) for anything wrong. The preset is checked by
+    augment.presets.load_preset."""
     cfg = cfg.with_defaults_resolved()
     root = cfg.data or str(default_dataset_dir())
     tree = scan_data(root, cfg.val_fraction)
@@ -44,14 +46,8 @@ def check_inputs(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree]:
             "torch.save"
         )
     run_dir = artifacts.join(cfg.storage_path, cfg.name)
-    if cfg.fresh and artifacts.exists(run_dir):
-        artifacts.remove_tree(run_dir)  # Ray Train would otherwise resume from its checkpoints
-    if "://" not in cfg.storage_path:
-        try:
-            os.makedirs(os.path.join(cfg.storage_path, cfg.name), exist_ok=True)
-        except OSError as e:
-            raise ConfigError(
-                f"--storage-path {cfg.storage_path}: cannot create the run directory ({e.strerror}); choose a "
-                "writable path"
-            ) from None
+    storage.check_writable(run_dir, "--storage-path")  # Ray Train, rank 0 and the driver all write there
+    with storage.errors(run_dir, "writing"):
+        if cfg.fresh and artifacts.exists(run_dir):
+            artifacts.remove_tree(run_dir)  # Ray Train would otherwise resume from its checkpoints
     return cfg, tree

@@ -26,7 +26,8 @@ from pathlib import PurePosixPath
 
 import numpy as np
 
-from training.data import DataError, ImageTree, Split, filesystem, make_split, scan_tree
+from training import storage
+from training.data import DataError, ImageTree, Split, make_split, scan_tree
 
 MANIFEST = "_prepared.json"
 FORMAT = "ray-gpu-augment/prepared/1"
@@ -49,8 +50,10 @@ def is_prepared(root: str) -> bool:
     """Is `root` the output of jobs.prepare (has its manifest)?"""
     import pyarrow.fs as pafs
 
-    fs, base, _ = filesystem(root)
-    return fs.get_file_info(f"{base}/{MANIFEST}").type == pafs.FileType.File
+    storage.check_bucket(root)  # the first request to --data: bad credentials are named here
+    fs, base, _ = storage.filesystem(root)
+    with storage.errors(root):
+        return fs.get_file_info(f"{base}/{MANIFEST}").type == pafs.FileType.File
 
 
 def _image_size(data: bytes) -> tuple[int | None, int | None]:
@@ -74,6 +77,22 @@ def _read_all(fs, paths: list[str], threads: int) -> list[bytes]:
         return list(pool.map(read, paths))
 
 
+def _check_out(out: str):
+    """OUT must be new or empty, and writable. Returns storage.filesystem(out)."""
+    import pyarrow.fs as pafs
+
+    storage.check_bucket(out)
+    fs, base, prefix = storage.filesystem(out)
+    with storage.errors(out):
+        info = fs.get_file_info(base)
+        if info.type == pafs.FileType.File:
+            raise DataError(f"{out}: is a file; give a directory for the prepared shards")
+        if info.type == pafs.FileType.Directory and fs.get_file_info(pafs.FileSelector(base, recursive=False)):
+            raise DataError(f"{out}: already exists and is not empty; choose a new directory or delete it")
+    storage.check_writable(out, "OUT")
+    return fs, base, prefix
+
+
 def prepare_tree(
     root: str,
     out: str,
@@ -87,20 +106,15 @@ def prepare_tree(
     """Convert the image tree `root` into Parquet shards under `out`; returns the manifest.
 
     Raises DataError for an unusable tree (as training would) or an `out` that already holds
-    files (prepared data is never overwritten in place).
+    files (prepared data is never overwritten in place), storage.StorageError for storage
+    that refuses either; all before the first file is read.
     """
     import pyarrow as pa
-    import pyarrow.fs as pafs
     import pyarrow.parquet as pq
 
     tree = scan_tree(root, val_fraction)
-    src_fs, src_base, _ = filesystem(root)
-    fs, base, prefix = filesystem(out)
-    info = fs.get_file_info(base)
-    if info.type == pafs.FileType.File:
-        raise DataError(f"{out}: is a file; give a directory for the prepared shards")
-    if info.type == pafs.FileType.Directory and fs.get_file_info(pafs.FileSelector(base, recursive=False)):
-        raise DataError(f"{out}: already exists and is not empty; choose a new directory or delete it")
+    src_fs, src_base, _ = storage.filesystem(root)
+    fs, base, prefix = _check_out(out)
     shard_bytes = max(1, int(shard_mb * 2**20))
     manifest = {
         "format": FORMAT,
@@ -145,7 +159,7 @@ def prepare_tree(
 
 
 def read_manifest(root: str) -> dict:
-    fs, base, _ = filesystem(root)
+    fs, base, _ = storage.filesystem(root)
     with fs.open_input_stream(f"{base}/{MANIFEST}") as f:
         manifest = json.loads(f.read())
     if manifest.get("format") != FORMAT:
@@ -163,7 +177,7 @@ def scan_prepared(root: str) -> ImageTree:
     import pyarrow.parquet as pq
 
     manifest = read_manifest(root)
-    fs, base, prefix = filesystem(root)
+    fs, base, prefix = storage.filesystem(root)
     source = manifest["source"].rstrip("/")
     splits = {}
     for name in SPLITS:

@@ -1,0 +1,155 @@
+"""Local paths and object storage URIs (s3://, gs://) behind one interface: the pyarrow
+filesystem for a path, access checks, and object storage's errors turned into one line that
+names the problem and the fix (the entry points exit 2 with it, before training).
+
+pyarrow's S3 client (the AWS SDK) finds the endpoint and the credentials as every AWS tool
+does, so the job's flags carry only URIs: AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3) names an
+S3-compatible server such as MinIO; the credentials come from AWS_ACCESS_KEY_ID and
+AWS_SECRET_ACCESS_KEY, from AWS_PROFILE and ~/.aws/credentials, or from the machine's role
+(README.md, "Object storage"). Ray Train (checkpoints) and Ray Data (reads) use the same
+client in every process, so each node needs the same settings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+# (substrings of the SDK's error, what they mean). The AWS SDK names errors in upper case
+# (ACCESS_DENIED), S3-compatible servers and GCS in their own words; the first match wins.
+_CAUSES = (
+    (("INVALID_ACCESS_KEY_ID", "InvalidAccessKeyId"), "credentials"),
+    (("SIGNATURE_DOES_NOT_MATCH", "SignatureDoesNotMatch"), "credentials"),
+    (("EXPIRED_TOKEN", "ExpiredToken", "InvalidToken", "TokenRefreshRequired"), "credentials"),
+    (("NO_SUCH_BUCKET", "NoSuchBucket", "The specified bucket does not exist"), "bucket"),
+    (("ACCESS_DENIED", "AccessDenied", "Forbidden"), "denied"),
+    (("NETWORK_CONNECTION", "curlCode", "Could not connect", "Could not resolve"), "network"),
+)
+_PROBE = ".ray-gpu-augment-access-check"  # a key nobody writes: listing it costs one request
+
+
+class StorageError(ValueError):
+    """Object storage refused or cannot find what a path names; the message says how to fix it."""
+
+
+def is_uri(path: str) -> bool:
+    return "://" in path
+
+
+def filesystem(path: str):
+    """(pyarrow filesystem, the path inside it, the prefix that turns such a path back into a URI)."""
+    import pyarrow.fs as pafs
+
+    if not is_uri(path):
+        return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(path)), ""
+    with errors(path):  # resolving an AWS bucket's region is already a request
+        fs, inner = pafs.FileSystem.from_uri(path)
+    return fs, inner.rstrip("/"), path.split("://", 1)[0] + "://"
+
+
+def parent(path: str) -> str:
+    """The directory holding `path` (a URI stays a URI)."""
+    if is_uri(path):
+        return path.rstrip("/").rsplit("/", 1)[0]
+    return os.path.dirname(os.path.abspath(os.path.expanduser(path)))
+
+
+def endpoint(path: str) -> str:
+    """Where requests for `path` go, as a user would recognise it in a message."""
+    scheme = path.split("://", 1)[0]
+    if scheme == "s3":
+        return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3"
+    return {"gs": "Google Cloud Storage", "gcs": "Google Cloud Storage"}.get(scheme, scheme)
+
+
+def explain(path: str, err: OSError, action: str = "reading") -> str:
+    """One line for an error of object storage: what went wrong at which server, and the fix."""
+    text = str(err)
+    cause = next((c for keys, c in _CAUSES if any(k in text for k in keys)), None)
+    where = endpoint(path)
+    bucket = path.split("://", 1)[-1].split("/", 1)[0]
+    s3 = path.startswith("s3://")
+    if cause == "credentials":
+        code = next(k for keys, c in _CAUSES if c == cause for k in keys if k in text)
+        fix = (
+            "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE with ~/.aws/credentials, to a key "
+            "that server accepts"
+            if s3
+            else "check the credentials (GOOGLE_APPLICATION_CREDENTIALS for gs://)"
+        )
+        return f"{path}: {where} rejected the credentials ({code}); {fix}"
+    if cause == "bucket":
+        return f"{path}: bucket {bucket!r} does not exist at {where}; create it or correct the name" + (
+            " (for MinIO or another S3-compatible server, set AWS_ENDPOINT_URL)" if where == "AWS S3" else ""
+        )
+    if cause == "denied":
+        need = {"reading": "s3:ListBucket and s3:GetObject", "writing": "s3:PutObject and s3:DeleteObject"}[action]
+        need = need if s3 else f"permission for {action}"
+        return f"{path}: access denied at {where} when {action}; the credentials need {need} there"
+    if cause == "network":
+        return f"{path}: cannot reach {where} ({_first_line(text)}); check AWS_ENDPOINT_URL and the network"
+    return f"{path}: {where} failed when {action}: {_first_line(text)}"
+
+
+def _first_line(text: str) -> str:
+    """The SDK's own words, without the request it was making ("When listing ... operation: ")."""
+    text = text.strip().rsplit("Details: ", 1)[-1]
+    return text.splitlines()[0][:300] if text else "no details"
+
+
+@contextlib.contextmanager
+def errors(path: str, action: str = "reading"):
+    """Turns an OSError from object storage inside the block into a StorageError with one
+    line from `explain`. Local paths keep their own errors (their messages are clear)."""
+    try:
+        yield
+    except StorageError:
+        raise
+    except OSError as e:
+        if not is_uri(path):
+            raise
+        raise StorageError(explain(path, e, action)) from None
+
+
+def check_bucket(path: str) -> None:
+    """StorageError unless the credentials work and the bucket of `path` exists; nothing for
+    a local path. One request, a listing of a key nobody writes: it names bad credentials and
+    a missing bucket (an object's HEAD request answers both with a bare 403 or 404)."""
+    import pyarrow.fs as pafs
+
+    if not is_uri(path):
+        return
+    fs, inner, _ = filesystem(path)
+    bucket = inner.split("/", 1)[0]
+    with errors(path):
+        try:
+            fs.get_file_info(pafs.FileSelector(f"{bucket}/{_PROBE}"))
+        except FileNotFoundError:  # the bucket is there, the key is not: as expected
+            pass
+
+
+def check_writable(path: str, flag: str) -> None:
+    """StorageError unless a file can be written and deleted in directory `path` (created if
+    missing); `flag` names the setting in the message. Run before work that would otherwise
+    be lost when the first write fails."""
+    probe = f"{_PROBE}-{os.getpid()}"
+    if not is_uri(path):
+        try:
+            os.makedirs(path, exist_ok=True)
+            with open(os.path.join(path, probe), "wb"):
+                pass
+            os.remove(os.path.join(path, probe))
+        except OSError as e:
+            raise StorageError(
+                f"{flag} {path}: cannot write there ({e.strerror or e}); choose a writable path"
+            ) from None
+        return
+    try:
+        check_bucket(path)
+        fs, inner, _ = filesystem(path)
+        with errors(path, "writing"):
+            with fs.open_output_stream(f"{inner}/{probe}") as f:
+                f.write(b"")
+            fs.delete_file(f"{inner}/{probe}")
+    except StorageError as e:
+        raise StorageError(f"{flag} {e}") from None
