@@ -31,8 +31,10 @@ def write_bytes(uri: str, data: bytes) -> None:
 
 
 def read_bytes(uri: str) -> bytes:
+    """The whole file. An input file, not a stream: on object storage a stream's read() fetches
+    256 KiB per request, the file one range for all of it."""
     fs, path = _fs(uri)
-    with fs.open_input_stream(path) as f:
+    with fs.open_input_file(path) as f:
         return f.read()
 
 

@@ -42,7 +42,7 @@ def _model_source(path: str):
         fs, inner, _ = storage.filesystem(path)
         with storage.errors(path):
             if fs.get_file_info(inner).type == pafs.FileType.File:
-                with fs.open_input_stream(inner) as f:
+                with fs.open_input_file(inner) as f:
                     return io.BytesIO(f.read())
     elif os.path.isfile(path):
         return path

@@ -70,7 +70,7 @@ def _image_size(data: bytes) -> tuple[int | None, int | None]:
 
 def _read_all(fs, paths: list[str], threads: int) -> list[bytes]:
     def read(path: str) -> bytes:
-        with fs.open_input_stream(path.split("://", 1)[-1]) as f:
+        with fs.open_input_file(path.split("://", 1)[-1]) as f:
             return f.read()
 
     with ThreadPoolExecutor(max_workers=threads) as pool:  # object storage: latency-bound, so threads
@@ -160,7 +160,7 @@ def prepare_tree(
 
 def read_manifest(root: str) -> dict:
     fs, base, _ = storage.filesystem(root)
-    with fs.open_input_stream(f"{base}/{MANIFEST}") as f:
+    with fs.open_input_file(f"{base}/{MANIFEST}") as f:
         manifest = json.loads(f.read())
     if manifest.get("format") != FORMAT:
         raise DataError(
