@@ -61,13 +61,16 @@ def _stop_shared_cluster():
 
 @pytest.fixture(scope="session")
 def s3(tmp_path_factory):
-    """A real S3 server on loopback for the whole session (tests/s3server.py), with this
-    process's environment pointing at it as a user's would point at MinIO. The Ray cluster
-    starts after it (ray_cluster depends on it), so every Ray process has the same settings."""
+    """A real S3 server on loopback for the whole session (tests/s3server.py) with buckets
+    `data` and `runs`, and this process's environment pointing at it as a user's would point
+    at MinIO. The Ray cluster starts after it (ray_cluster depends on it), so every Ray
+    process, and every job a test starts as a subprocess, has the same settings."""
     from tests.s3server import S3Server, without_aws_settings
 
     saved = without_aws_settings()
     server = S3Server()
+    for bucket in ("data", "runs"):  # tests use prefixes of their own inside these
+        server.client.create_bucket(Bucket=bucket)
     os.environ.update(server.environment(tmp_path_factory.mktemp("aws")))
     yield server
     server.stop()

@@ -275,32 +275,43 @@ def _raylets() -> set[int]:
     return {int(pid) for pid in out.stdout.split()}
 
 
-def test_ctrl_c_stops_cleanly_and_the_next_run_resumes(ray_cluster, fault_data, tmp_path):
+def test_ctrl_c_while_a_checkpoint_goes_to_s3_stops_cleanly_and_the_next_run_resumes(ray_cluster, s3, fault_data):
+    """The job as users run it on object storage (tests/test_storage.py has the rest): an s3://
+    tree with bad files in it, --storage-path s3://, credentials and endpoint from the
+    environment. Ctrl-C comes while epoch 2's checkpoint is being uploaded; the rerun resumes
+    from epoch 1's, the last complete one."""
+    data = s3.upload(fault_data, "s3://data/fault")
+    for name, content in (("empty.png", b""), ("text.jpg", b"a text file with an image's name\n")):
+        s3.client.put_object(Bucket="data", Key=f"fault/a/{name}", Body=content)
     before = _raylets()
     args = [
         sys.executable,
         "-m",
         "jobs.train",
         "--data",
-        str(fault_data),
+        data,
         "--epochs",
-        "3",
+        "2",
         "--batch-size",
         "16",
         "--val-fraction",
         "0.25",
         "--storage-path",
-        str(tmp_path),
+        "s3://runs",
         "--name",
         "interrupted",
     ]
     env = {**os.environ, "RAY_ADDRESS": ""}
+    s3.gate.hold("/runs/interrupted/checkpoint_epoch_0002/checkpoint.pt")
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    run_dir = tmp_path / "interrupted"
-    _wait_for_checkpoint(run_dir, 1, lambda: proc.poll() is None)
-    assert proc.poll() is None, proc.stdout.read()[-3000:]
-    proc.send_signal(signal.SIGINT)  # the fault: Ctrl-C
-    out, _ = proc.communicate(timeout=120)
+    try:
+        while not s3.gate.arrived.wait(timeout=1) and proc.poll() is None:
+            pass
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        proc.send_signal(signal.SIGINT)  # the fault: Ctrl-C, while the upload hangs
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        s3.gate.release()
     assert proc.returncode == 130, out[-3000:]
     assert "rerun with the same --name to resume" in out
     # a plain local run starts Ray without the dashboard; Ray Train's cleaner must not warn about it
@@ -310,10 +321,16 @@ def test_ctrl_c_stops_cleanly_and_the_next_run_resumes(ray_cluster, fault_data, 
     while _raylets() - before and time.time() < deadline:  # its embedded cluster went with it
         time.sleep(0.5)
     assert not _raylets() - before
+    snapshot = json.loads(s3.read("s3://runs/interrupted/checkpoint_manager_snapshot.json"))
+    assert snapshot["latest_checkpoint_result"]["checkpoint_dir_name"] == "checkpoint_epoch_0001"
+    assert "checkpoint_epoch_0002/checkpoint.pt" not in s3.objects("s3://runs/interrupted")  # never completed
 
     done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "Reporting training result" not in done.stdout + done.stderr  # Ray Train's per-report INFO dump
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["epochs"] == 3 and summary["resumed_at_epochs"] and summary["resumed_at_epochs"][0] >= 2
+    summary = json.loads(s3.read("s3://runs/interrupted/summary.json"))
+    assert summary["epochs"] == 2 and summary["resumed_at_epochs"] == [2]  # from the last complete checkpoint
     assert 0 < summary["startup_s"] < summary["wall_s"]  # the rerun's own start-up, not the first run's
+    bad = list(csv.DictReader(io.StringIO(s3.read("s3://runs/interrupted/bad_files.csv").decode())))
+    assert sorted(r["path"] for r in bad) == [f"{data}/a/empty.png", f"{data}/a/text.jpg"]
+    assert summary["bad_files"] == 2 and all(c["exactly_once"] for c in summary["coverage"])

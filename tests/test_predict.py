@@ -4,6 +4,7 @@ not trained: the tests check the plumbing, the CSV and the arithmetic, not the a
 from __future__ import annotations
 
 import csv
+import io
 import re
 
 import pytest
@@ -99,7 +100,7 @@ def test_predict_matches_torchvisions_eval_transform_and_the_model(model_and_tre
     np.testing.assert_allclose(got["prob"], probs.max(1).values.numpy(), atol=1e-5)
 
 
-def test_evaluate_on_a_prepared_directory(ray_cluster, model_and_tree, tmp_path, capsys):
+def test_evaluate_on_a_prepared_directory(ray_cluster, s3, model_and_tree, tmp_path, capsys):
     """jobs.evaluate reads a jobs.prepare directory: confusion.png, a per-class table that
     agrees with its predictions.csv, and the same predictions as from the image tree."""
     import shutil
@@ -130,9 +131,14 @@ def test_evaluate_on_a_prepared_directory(ray_cluster, model_and_tree, tmp_path,
         else:  # undefined: nothing was predicted as this class
             assert stats["precision"] == ""
         assert re.search(rf"^{name}\s+6\s", printed, re.M)
-    # the same images as files give the same predictions
-    assert predict(["--model", str(model), "--data", str(labelled_only), "--out", str(tmp_path / "p.csv")]) == 0
-    assert [(r["path"], r["predicted"], r["label"]) for r in _csv(tmp_path / "p.csv")] == [
+    # the same images as files give the same predictions, here with the model, the files and
+    # the CSV on object storage (tests/test_storage.py)
+    s3.upload(labelled_only, "s3://data/predict/labelled")
+    s3.client.upload_file(str(model), "runs", "predict/model.pt")
+    argv = ["--model", "s3://runs/predict/model.pt", "--data", "s3://data/predict/labelled"]
+    assert predict([*argv, "--out", "s3://runs/predict/p.csv"]) == 0
+    from_s3 = list(csv.DictReader(io.StringIO(s3.read("s3://runs/predict/p.csv").decode())))
+    assert [(r["path"], r["predicted"], r["label"]) for r in from_s3] == [
         (r["path"], r["predicted"], r["label"]) for r in rows
     ]
 
