@@ -13,6 +13,9 @@ code, then times three things, local and S3 alternating within every round:
   shards  the prepared copy: its manifest and small columns (scan_prepared), then every
           shard whole, as training from prepared data reads it
 
+and, on S3 only, one 45 MB object (a model.pt's size) read whole as an input stream and as an
+input file (training/artifacts.py reads the second way).
+
 Needs the test extras (moto, Flask). moto is a Python server: on loopback it adds no network
 latency, but it serves requests with one core's worth of Python, so the ratios show what a
 request costs next to opening a file, not what AWS S3 or MinIO would give.
@@ -106,6 +109,20 @@ def time_shards(prepared: str) -> tuple[int, float]:
     return rows, time.perf_counter() - start
 
 
+BIG = "bench/big.bin"
+
+
+def time_big(how: str) -> tuple[int, float]:
+    """One large object read whole from S3, as an input stream or an input file."""
+    from training import storage
+
+    fs, _, _ = storage.filesystem("s3://bench")
+    start = time.perf_counter()
+    with (fs.open_input_stream if how == "stream" else fs.open_input_file)(BIG) as f:
+        f.read()
+    return 1, time.perf_counter() - start
+
+
 def make_data(tmp: str, files: int, endpoint: str) -> tuple[dict, float]:
     """The tree on disk and on the server, each prepared beside it: ({where: (tree, prepared)},
     seconds the upload took)."""
@@ -120,6 +137,8 @@ def make_data(tmp: str, files: int, endpoint: str) -> tuple[dict, float]:
     start = time.perf_counter()
     pafs.copy_files(local, "bench/tree", destination_filesystem=s3, use_threads=False)
     upload_s = time.perf_counter() - start
+    with s3.open_output_stream(BIG) as f:
+        f.write(os.urandom(45 * 2**20))
     roots = {"local": (local, os.path.join(tmp, "prepared")), "s3": ("s3://bench/tree", "s3://bench/prepared")}
     for tree_root, prepared in roots.values():
         prepare_tree(tree_root, prepared, log=lambda *a: None)
@@ -143,6 +162,10 @@ def measure(roots: dict, rounds: int) -> list[dict]:
                     f"round {r + 1}  {where:<5}  {op:<6}  {n:>6} files  {seconds:8.3f} s  {n / seconds:10.0f} files/s",
                     flush=True,
                 )
+        for how in ("stream", "file") if r % 2 == 0 else ("file", "stream"):
+            _, seconds = time_big(how)
+            rows.append({"round": r + 1, "where": "s3", "op": f"45 MB as {how}", "files": 1, "s": round(seconds, 4)})
+            print(f"round {r + 1}  s3     45 MB as input {how}: {seconds:.3f} s", flush=True)
     return rows
 
 
@@ -160,6 +183,12 @@ def report(rows: list[dict]) -> dict:
             f"{op:14} {statistics.median(rate['local']):10.0f} {statistics.median(rate['s3']):10.0f} "
             f"{statistics.median(ratios):10.1f}x   {', '.join(f'{x:.1f}x' for x in ratios)}"
         )
+    stream, file = ([x["s"] for x in rows if x["op"] == f"45 MB as {how}"] for how in ("stream", "file"))
+    summary["45 MB object"] = {"stream_s": stream, "file_s": file}
+    print(
+        f"45 MB object from S3, median s: input stream {statistics.median(stream):.2f}, input file "
+        f"{statistics.median(file):.2f} ({statistics.median(a / b for a, b in zip(stream, file, strict=True)):.1f}x)"
+    )
     return summary
 
 
