@@ -123,6 +123,8 @@ def test_prepare_writes_shards_to_s3_that_hold_the_tree(trees, prepared, s3):
             id="empty-prefix",
         ),
         pytest.param(["--data", "s3://data/notes"], None, "no images in the class directories", id="no-images"),
+        pytest.param(["--data", "s3://"], None, "s3://: no bucket in the URI", id="no-bucket-in-uri"),
+        pytest.param(["--data", "sftp://host/photos"], None, "Unrecognized filesystem type", id="unknown-scheme"),
         pytest.param(
             ["--data", "s3://data/hash", "--storage-path", "s3://runs"],
             lambda keys: dict(zip(("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"), keys["reader"], strict=True)),

@@ -38,12 +38,18 @@ def is_uri(path: str) -> bool:
 
 def filesystem(path: str):
     """(pyarrow filesystem, the path inside it, the prefix that turns such a path back into a URI)."""
+    import pyarrow as pa
     import pyarrow.fs as pafs
 
     if not is_uri(path):
         return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(path)), ""
-    with errors(path):  # resolving an AWS bucket's region is already a request
-        fs, inner = pafs.FileSystem.from_uri(path)
+    try:
+        with errors(path):  # resolving an AWS bucket's region is already a request
+            fs, inner = pafs.FileSystem.from_uri(path)
+    except pa.ArrowInvalid as e:  # a scheme pyarrow does not know, no bucket
+        raise StorageError(f"{path}: {e}; give a local path, s3://bucket/prefix or gs://bucket/prefix") from None
+    if not inner.strip("/") and not isinstance(fs, pafs.LocalFileSystem):
+        raise StorageError(f"{path}: no bucket in the URI; give s3://bucket/prefix or gs://bucket/prefix")
     return fs, inner.rstrip("/"), path.split("://", 1)[0] + "://"
 
 
