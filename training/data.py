@@ -174,15 +174,15 @@ def _scan(root: str, val_fraction: float) -> ImageTree:
 
     layout = "train/val" if _is_dir(fs, f"{base}/train") and _is_dir(fs, f"{base}/val") else "hash"
     train_root = f"{base}/train" if layout == "train/val" else base
+    shown = uri_prefix + train_root  # as the user wrote it: s3://bucket/photos/train
     class_names = _class_dirs(fs, train_root)
     if not class_names:
         raise DataError(
-            f"{train_root}: no class directories; put each class's images in its own "
-            "sub-directory (<root>/<class>/<image>)"
+            f"{shown}: no class directories; put each class's images in its own sub-directory (<root>/<class>/<image>)"
         )
     if len(class_names) < 2:
         raise DataError(
-            f"{train_root}: only one class directory ({class_names[0]!r}); a classifier needs "
+            f"{shown}: only one class directory ({class_names[0]!r}); a classifier needs "
             "at least 2 classes, one sub-directory each"
         )
     if layout == "train/val":
@@ -190,8 +190,8 @@ def _scan(root: str, val_fraction: float) -> ImageTree:
         unknown = sorted(set(_class_dirs(fs, val_root)) - set(class_names))
         if unknown:
             raise DataError(
-                f"{val_root}: validation classes {unknown} are not among the training classes "
-                f"{list(class_names)}; rename them or add them under {train_root}"
+                f"{uri_prefix}{val_root}: validation classes {unknown} are not among the training classes "
+                f"{list(class_names)}; rename them or add them under {shown}"
             )
         train = _collect(fs, base, "train", class_names, uri_prefix)
         val = _collect(fs, base, "val", class_names, uri_prefix)
@@ -202,7 +202,7 @@ def _scan(root: str, val_fraction: float) -> ImageTree:
 
     if len(train) == 0:
         raise DataError(
-            f"{train_root}: no images in the class directories (looked for "
+            f"{shown}: no images in the class directories (looked for "
             f"{', '.join(IMAGE_EXTENSIONS)}); add images or point --data elsewhere"
         )
     return ImageTree(root=root, layout=layout, class_names=tuple(class_names), train=train, val=val)
