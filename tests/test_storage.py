@@ -226,8 +226,8 @@ def test_bad_files_of_an_s3_tree_are_skipped_and_listed(s3_run, s3):
     for name, reason in BAD.items():
         assert reasons[f"s3://data/split/train/b/{name}"].startswith(reason), reasons
     assert summary["bad_files"] == 3 and summary["val_images"] == 6 and summary["train_images"] == 23
-    (cov,) = summary["coverage"]  # every good file trained on once, bar what the equal split drops
-    assert cov["expected"] == 20 and cov["duplicated"] == 0 and cov["missing"] <= cov["dropped_for_equal_split"], cov
+    (cov,) = summary["coverage"]  # every good file trained on once, bar a row the equal split may drop
+    assert cov["expected"] == 20 and cov["repeated"] == 0 and cov["as_expected"], cov
 
 
 def test_evaluate_with_model_and_data_on_s3(s3_run, trees, s3, capsys):
