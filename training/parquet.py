@@ -173,7 +173,13 @@ def read_manifest(root: str) -> dict:
 def scan_prepared(root: str) -> ImageTree:
     """The ImageTree of a prepared directory: paths, labels and keys read from the shards'
     small columns (not the image bytes), and each shard's row groups from its footer. The
-    split is the one fixed by jobs.prepare."""
+    split is the one fixed by jobs.prepare. DataError for a broken directory,
+    storage.StorageError for object storage that refuses."""
+    with storage.errors(root):
+        return _scan_prepared(root)
+
+
+def _scan_prepared(root: str) -> ImageTree:
     import pyarrow.parquet as pq
 
     manifest = read_manifest(root)
