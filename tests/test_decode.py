@@ -192,8 +192,7 @@ def test_nvjpeg_decodes_a_batch_like_the_cpu(encoded):
     for data, image in zip(encoded[:7], images, strict=True):
         ref = torch.from_numpy(decode_image(data))
         assert image.shape == ref.shape and image.device.type == "cuda"
-        # nvjpeg's IDCT and chroma upsampling differ from libjpeg-turbo's: 1.25 levels on average
-        # for one of these photos on an H200 (docs/benchmarks.md, "GPU")
+        # nvjpeg's IDCT and chroma upsampling differ from libjpeg-turbo's (docs/benchmarks.md, "GPU")
         assert float((image.cpu().float() - ref.float()).abs().mean()) < 2.0
     pipeline = Pipeline(PRESETS["imagenet"].train, seed=5).to("cuda")
     keys = torch.arange(len(encoded), dtype=torch.int64)

@@ -105,3 +105,16 @@ def test_resolution_mistakes_exit_2_before_ray_starts(tree, tmp_path, capsys):
     with pytest.raises(ConfigError, match="starts at 32 px, not below the training size 32 px"):
         sized_preset(TrainConfig(progressive_resize="32"), PRESETS["cifar"])
     assert sized_preset(TrainConfig(progressive_resize="32", image_size=48), PRESETS["cifar"]).train_size == 48
+
+
+def test_a_kornia_op_that_does_not_fit_a_runs_size_is_a_config_error_before_training():
+    """A blur that fits the preset's 64 px but not the 8 px a progressive resize starts at: one
+    line from job.sized_preset (called before Ray Data starts), not a failed Ray task."""
+    from training.job import sized_preset
+
+    blur = {"kornia.RandomGaussianBlur": {"kernel_size": [31, 31], "sigma": [0.1, 2.0], "p": 1.0}}
+    train = [{"random_resized_crop": {"size": 64}}, blur]
+    preset = preset_from_dict({"name": "blur", "train": train, "eval": [{"center_crop": {"size": 64}}]})
+    assert sized_preset(TrainConfig(image_size=16), preset).train_size == 16  # 16 px still fits a 31-px kernel
+    with pytest.raises(ConfigError, match=r"train ops at 8 px: .*RandomGaussianBlur.*cannot filter an image this"):
+        sized_preset(TrainConfig(progressive_resize="8", epochs=3), preset)

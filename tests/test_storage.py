@@ -134,7 +134,7 @@ def test_prepare_writes_shards_to_s3_that_hold_the_tree(trees, prepared, s3):
         pytest.param(
             ["--data", "s3://data/hash", "--storage-path", "s3://runs"],
             lambda keys: dict(zip(("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"), keys["reader"], strict=True)),
-            "--storage-path s3://runs/x: access denied at http://127.0.0.1:",
+            "when writing; the credentials need s3:PutObject, s3:GetObject and s3:DeleteObject there",
             id="read-only-storage",
         ),
         pytest.param(
@@ -178,6 +178,31 @@ def test_prepare_predict_and_evaluate_refuse_storage_they_cannot_use(s3, trees, 
     assert evaluate(["--model", "s3://no-such-bucket/model.pt", "--data", trees["hash"][1]]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "bucket 'no-such-bucket' does not exist" in err
+
+
+def test_the_access_check_lists_under_the_users_prefix_and_takes_gcs_not_found(monkeypatch):
+    """check_bucket lists a key under the path itself (a policy may allow listing only there)
+    and takes a bare OSError "No such file or directory", which is how pyarrow's GCS says the
+    key is not there, as an answer; a refusal is still a StorageError."""
+    from training import storage
+
+    asked = []
+
+    class Fs:
+        def __init__(self, err):
+            self.err = err
+
+        def get_file_info(self, selector):
+            asked.append(selector.base_dir)
+            raise self.err
+
+    for err in (OSError("GetObjectMetadata: No such file or directory"), FileNotFoundError("not there")):
+        monkeypatch.setattr(storage, "filesystem", lambda path, err=err: (Fs(err), "bucket/photos/train", "gs://"))
+        storage.check_bucket("gs://bucket/photos/train")
+    assert asked == ["bucket/photos/train/.ray-gpu-augment-access-check"] * 2
+    monkeypatch.setattr(storage, "filesystem", lambda path: (Fs(OSError("403 Forbidden")), "bucket/x", "gs://"))
+    with pytest.raises(storage.StorageError, match="access denied at Google Cloud Storage"):
+        storage.check_bucket("gs://bucket/x")
 
 
 # --------------------------------------------------------------------------- a training run

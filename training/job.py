@@ -26,7 +26,8 @@ import ray.train
 import torch
 from ray.train.torch import TorchTrainer
 
-from augment.presets import Preset, load_preset
+from augment.errors import PresetError
+from augment.presets import Pipeline, Preset, load_preset, scale_geometry
 from augment.schedule import parse_resize, resize_side
 from augment.stage import EpochClock
 from training import artifacts, plots, ray_private
@@ -278,7 +279,26 @@ def sized_preset(cfg: TrainConfig, preset: Preset) -> Preset:
             f"--progressive-resize {cfg.progressive_resize}: starts at {resize[0]} px, not below the training size "
             f"{preset.train_size} px; give a smaller FROM or a larger --image-size"
         )
+    check_sizes(cfg, preset)
     return preset
+
+
+def check_sizes(cfg: TrainConfig, preset: Preset) -> None:
+    """Builds the preset's pipelines at every size the run uses (each epoch's training size, and
+    evaluation's), so that an op that does not fit one of them (a Kornia kernel larger than the
+    image) stops the run here with one line, not in a Ray Data task."""
+
+    full = preset.train_size
+    for side in sorted(set(train_sizes(cfg, preset))):
+        first = preset.train[0] if side == full else scale_geometry(preset.train[0], side, full)
+        try:
+            Pipeline((first, *preset.train[1:]), seed=0)
+        except PresetError as e:
+            raise ConfigError(f"preset {preset.name!r}: its train ops at {side} px: {e}") from None
+    try:
+        Pipeline(preset.eval, seed=0)
+    except PresetError as e:
+        raise ConfigError(f"preset {preset.name!r}: its eval ops at {preset.image_size} px: {e}") from None
 
 
 def train_sizes(cfg: TrainConfig, preset: Preset) -> list[int]:
@@ -388,21 +408,10 @@ def job_spec(
     }
 
 
-def _fit(cfg, tree, preset, plan, job, bad_log, *, decode, console, own_cluster) -> tuple[dict, dict]:
-    """Build the datasets, run the TorchTrainer while the console follows its progress; returns
-    the last checkpoint's state and the files that failed to decode."""
-    log = console["log"]
-    run_dir = artifacts.join(cfg.storage_path, cfg.name)
-    datasets = build_datasets(cfg, tree, preset, plan, job["clock"], bad_log, decode)
-    bad = ray.get(bad_log.get.remote()) if cfg.strict else {}  # --strict decoded every file above
-    if bad:
-        _write_bad_files(run_dir, bad)
-        first = next(iter(sorted(bad.items())))
-        raise DataError(
-            f"{len(bad)} unreadable image(s), e.g. {first[0]}: {first[1]}; see "
-            f"{artifacts.join(run_dir, 'bad_files.csv')}; drop --strict to skip them"
-        )
-    trainer = (ray_private.trainer_without_placement_group_cleaner() if own_cluster else TorchTrainer)(
+def make_trainer(cfg: TrainConfig, plan: ResourcePlan, job: dict, datasets: dict, *, own_cluster: bool):
+    """The TorchTrainer for the plan: workers and their resources, the run directory with one
+    checkpoint kept (the best val_acc), and the datasets split as SplitValUnequally says."""
+    return (ray_private.trainer_without_placement_group_cleaner() if own_cluster else TorchTrainer)(
         train_loop,
         train_loop_config=job,
         scaling_config=ray.train.ScalingConfig(
@@ -426,6 +435,23 @@ def _fit(cfg, tree, preset, plan, job, bad_log, *, decode, console, own_cluster)
         datasets=datasets,
         dataset_config=SplitValUnequally(plan.num_workers),
     )
+
+
+def _fit(cfg, tree, preset, plan, job, bad_log, *, decode, console, own_cluster) -> tuple[dict, dict]:
+    """Build the datasets, run the TorchTrainer while the console follows its progress; returns
+    the last checkpoint's state and the files that failed to decode."""
+    log = console["log"]
+    run_dir = artifacts.join(cfg.storage_path, cfg.name)
+    datasets = build_datasets(cfg, tree, preset, plan, job["clock"], bad_log, decode)
+    bad = ray.get(bad_log.get.remote()) if cfg.strict else {}  # --strict decoded every file above
+    if bad:
+        _write_bad_files(run_dir, bad)
+        first = next(iter(sorted(bad.items())))
+        raise DataError(
+            f"{len(bad)} unreadable image(s), e.g. {first[0]}: {first[1]}; see "
+            f"{artifacts.join(run_dir, 'bad_files.csv')}; drop --strict to skip them"
+        )
+    trainer = make_trainer(cfg, plan, job, datasets, own_cluster=own_cluster)
     follower = ConsoleFollower(
         lambda seen: ray.get(job["board"].read.remote(seen)),
         total=len(tree.train),

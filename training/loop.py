@@ -316,7 +316,7 @@ def train_epoch(learner: Learner, batches, *, epoch: int, rank: int, bar=None) -
             break
         if step == 0:
             check_stamp(batch["epoch"], epoch)
-        side = batch["image"].shape[2]  # the resolution trained at (progressive resizing changes it by epoch)
+        side = batch["image"].shape[1]  # the height trained at, as Preset.train_size (progressive resizing changes it)
         loss, logits = train_step(learner, batch, epoch=epoch, step=step, rank=rank)
         step += 1
         y = batch["label"]
@@ -651,7 +651,10 @@ def report(metrics: dict, state: dict | None, epoch: int) -> None:
 def _say(job: dict, line: str, epoch: int = -1) -> None:
     """A line for the run's console: the driver prints it (training/console.py), after closing the
     bar of `epoch` when the line ends one."""
-    ray.get(job["board"].say.remote(epoch, line))
+    try:
+        ray.get(job["board"].say.remote(epoch, line))
+    except ray.exceptions.RayActorError:  # the console's actor is gone: lose the line, not the run
+        pass
 
 
 def format_row(row: dict, epochs: int, show_size: bool = False) -> str:

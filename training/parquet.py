@@ -112,9 +112,9 @@ def prepare_tree(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    fs, base, prefix = _check_out(out)  # before listing the tree, which can take minutes on object storage
     tree = scan_tree(root, val_fraction)
     src_fs, src_base, _ = storage.filesystem(root)
-    fs, base, prefix = _check_out(out)
     shard_bytes = max(1, int(shard_mb * 2**20))
     manifest = {
         "format": FORMAT,

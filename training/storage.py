@@ -89,7 +89,8 @@ def explain(path: str, err: OSError, action: str = "reading") -> str:
             " (for MinIO or another S3-compatible server, set AWS_ENDPOINT_URL)" if where == "AWS S3" else ""
         )
     if cause == "denied":
-        need = {"reading": "s3:ListBucket and s3:GetObject", "writing": "s3:PutObject and s3:DeleteObject"}[action]
+        writing = "s3:PutObject, s3:GetObject and s3:DeleteObject"  # pyarrow's delete reads the object first
+        need = {"reading": "s3:ListBucket and s3:GetObject", "writing": writing}[action]
         need = need if s3 else f"permission for {action}"
         return f"{path}: access denied at {where} when {action}; the credentials need {need} there"
     if cause == "network":
@@ -119,19 +120,21 @@ def errors(path: str, action: str = "reading"):
 
 def check_bucket(path: str) -> None:
     """StorageError unless the credentials work and the bucket of `path` exists; nothing for
-    a local path. One request, a listing of a key nobody writes: it names bad credentials and
-    a missing bucket (an object's HEAD request answers both with a bare 403 or 404)."""
+    a local path. One request, a listing of a key nobody writes, under `path` itself (a policy
+    may allow listing only there): it names bad credentials and a missing bucket (an object's
+    HEAD request answers both with a bare 403 or 404)."""
     import pyarrow.fs as pafs
 
     if not is_uri(path):
         return
     fs, inner, _ = filesystem(path)
-    bucket = inner.split("/", 1)[0]
     with errors(path):
         try:
-            fs.get_file_info(pafs.FileSelector(f"{bucket}/{_PROBE}"))
-        except FileNotFoundError:  # the bucket is there, the key is not: as expected
-            pass
+            fs.get_file_info(pafs.FileSelector(f"{inner.rstrip('/')}/{_PROBE}"))
+        except OSError as e:  # the bucket is there, the key is not: as expected
+            # pyarrow's S3 raises FileNotFoundError; its GCS a bare OSError with the same words
+            if not isinstance(e, FileNotFoundError) and "No such file or directory" not in str(e):
+                raise
 
 
 def check_writable(path: str, flag: str) -> None:
