@@ -287,7 +287,6 @@ def check_sizes(cfg: TrainConfig, preset: Preset) -> None:
     """Builds the preset's pipelines at every size the run uses (each epoch's training size, and
     evaluation's), so that an op that does not fit one of them (a Kornia kernel larger than the
     image) stops the run here with one line, not in a Ray Data task."""
-
     full = preset.train_size
     for side in sorted(set(train_sizes(cfg, preset))):
         first = preset.train[0] if side == full else scale_geometry(preset.train[0], side, full)
