@@ -50,6 +50,28 @@ def synthetic_photo(h: int, w: int, seed: int) -> np.ndarray:
     return (np.clip(img, 0, 1) * 255 + 0.5).astype(np.uint8)
 
 
+def generate_tree(out: str, count: int, write, *, classes=10, ext="jpg", names=(2, 6), chunksize=16) -> str:
+    """OUT/class<k>/<i>.<ext>: `count` images in `classes` classes, each written by
+    `write((path, i))` in a process pool (so a module-level function, or a partial of one);
+    nothing is written again once OUT/.complete exists. `names`: the digits of the class and
+    file numbers."""
+    import os
+    from multiprocessing import Pool
+
+    done = os.path.join(out, ".complete")
+    if os.path.exists(done):
+        return out
+    jobs = []
+    for i in range(count):
+        folder = os.path.join(out, f"class{i % classes:0{names[0]}d}")
+        os.makedirs(folder, exist_ok=True)
+        jobs.append((os.path.join(folder, f"{i:0{names[1]}d}.{ext}"), i))
+    with Pool() as pool:
+        pool.map(write, jobs, chunksize=chunksize)
+    open(done, "w").close()
+    return out
+
+
 def torchvision_pipeline(preset: str, train: bool):
     """The seed's per-image pipelines (torchvision's CIFAR recipe and classification reference)."""
     import torchvision.transforms as T

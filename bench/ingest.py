@@ -54,19 +54,9 @@ def _write_small_photo(job: tuple[str, int]) -> None:
 
 
 def make_tree(out: str, count: int, classes: int = 100) -> str:
-    from multiprocessing import Pool
+    from bench.augment import generate_tree
 
-    if os.path.exists(os.path.join(out, ".complete")):
-        return out
-    jobs = []
-    for i in range(count):
-        folder = os.path.join(out, f"class{i % classes:03d}")
-        os.makedirs(folder, exist_ok=True)
-        jobs.append((os.path.join(folder, f"{i:07d}.jpg"), i))
-    with Pool() as pool:
-        pool.map(_write_small_photo, jobs, chunksize=256)
-    open(os.path.join(out, ".complete"), "w").close()
-    return out
+    return generate_tree(out, count, _write_small_photo, classes=classes, names=(3, 7), chunksize=256)
 
 
 def _record_pickles(sizes: dict) -> None:

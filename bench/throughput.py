@@ -32,6 +32,7 @@ state (epochs 2+) are reported apart; `ratio` = ray / seed img/s in the same rou
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -63,7 +64,7 @@ def photo_size(kind: str, i: int) -> tuple[int, int]:
     return (short, long) if rng.random() < 0.7 else (long, short)  # most photos are landscape
 
 
-def write_image(job: tuple[str, str, int]) -> None:
+def write_image(kind: str, job: tuple[str, int]) -> None:
     """One file of a generated tree. Camera photos: a smooth photo at 1/8 size, enlarged,
     with grain, so that the JPEG's size and decode time are a camera's (a few MB)."""
     import numpy as np
@@ -71,7 +72,7 @@ def write_image(job: tuple[str, str, int]) -> None:
 
     from bench.augment import synthetic_photo
 
-    path, kind, i = job
+    path, i = job
     if kind == "labelled":  # the accuracy check: 1200x900 photos whose class (i % 10) shows
         Image.fromarray(labelled_photo(i)).save(path, quality=90)
         return
@@ -107,22 +108,11 @@ def labelled_photo(i: int, classes: int = 10):
 
 
 def make_tree(out: str, kind: str, count: int, classes: int = 10) -> str:
-    """OUT/class<k>/<i>.<ext>: `count` generated images in `classes` classes, once."""
-    from multiprocessing import Pool
+    """OUT/class<k>/<i>.<ext>: `count` generated images of `kind` in `classes` classes, once."""
+    from bench.augment import generate_tree
 
-    done = os.path.join(out, ".complete")
-    if os.path.exists(done):
-        return out
     ext = "png" if kind == "cifar" else "jpg"  # labelled photos: JPEGs too
-    jobs = []
-    for i in range(count):
-        folder = os.path.join(out, f"class{i % classes:02d}")
-        os.makedirs(folder, exist_ok=True)
-        jobs.append((os.path.join(folder, f"{i:06d}.{ext}"), kind, i))
-    with Pool() as pool:
-        pool.map(write_image, jobs, chunksize=16)
-    open(done, "w").close()
-    return out
+    return generate_tree(out, count, functools.partial(write_image, kind), classes=classes, ext=ext)
 
 
 def prepared(tree: str, out: str) -> str:

@@ -102,16 +102,9 @@ def _write_photo(job: tuple[str, int]) -> None:
 def make_photos(out: str, count: int, classes: int = 10) -> str:
     """COUNT smooth synthetic JPEG photos (300x400 .. 427x640) as OUT/<class>/<i>.jpg, for
     the imagenet preset where no photo tree is at hand (the GPU benchmark)."""
-    from multiprocessing import Pool
+    from bench.augment import generate_tree
 
-    jobs = []
-    for i in range(count):
-        folder = os.path.join(out, f"class{i % classes:02d}")
-        os.makedirs(folder, exist_ok=True)
-        jobs.append((os.path.join(folder, f"{i:06d}.jpg"), i))
-    with Pool() as pool:
-        pool.map(_write_photo, jobs, chunksize=64)
-    return out
+    return generate_tree(out, count, _write_photo, classes=classes, chunksize=64)
 
 
 # --------------------------------------------------------------------------- variants

@@ -227,7 +227,7 @@ def _read_row_groups(
         table = table.take(np.random.default_rng(list(order_seed)).permutation(table.num_rows))
     rel = table.column("path").to_pylist()
     columns = {
-        "bytes": table.column("bytes").to_pylist(),
+        "bytes": table.column("bytes"),  # stays Arrow unless this task decodes (_block)
         "path": rel if relative_paths else [f"{root}/{r}" for r in rel],
         "label": table.column("label").to_numpy(),
         "key": table.column("key").to_numpy(),
@@ -241,12 +241,13 @@ def _block(columns: dict, decode: bool | str, bad_log):
     the bad files, {path, reason}, for the caller to record."""
     import pyarrow as pa
 
+    datas = columns["bytes"]  # a list of bytes (files), or a prepared shard's Arrow column
     if not decode:
-        return pa.table(
-            {"bytes": pa.array(columns["bytes"], type=pa.binary())} | {k: columns[k] for k in ("path", "label", "key")}
-        )
+        if not isinstance(datas, pa.ChunkedArray):
+            datas = pa.array(datas, type=pa.binary())
+        return pa.table({"bytes": datas} | {k: columns[k] for k in ("path", "label", "key")})
     images, keep, bad = [], [], []
-    for i, data in enumerate(columns["bytes"]):
+    for i, data in enumerate(datas.to_pylist() if isinstance(datas, pa.ChunkedArray) else datas):
         try:
             images.append(decode_image(data))
             keep.append(i)
