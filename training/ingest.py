@@ -41,6 +41,7 @@ from ray.data.datasource import Datasource, ReadTask
 
 from augment.decode import SHRINKING_OPS, BadImage, decode_image, stack_images
 from augment.stage import AugmentStage, augment_task
+from training import ray_private
 from training.data import Split, label_of, stable_hash
 from training.storage import filesystem
 
@@ -158,6 +159,7 @@ class SplitSource(Datasource):
         return self._bytes
 
     def get_read_tasks(self, parallelism: int, per_task_row_limit=None, data_context=None) -> list[ReadTask]:
+        ray_private.data_limits_from_the_start()  # this process is about to execute the dataset
         epoch = ray.get(self._clock.get.remote()) if self._shuffle and self._clock is not None else 0
         units = ray.get(self._units)
         order = epoch_order(self._n, self._seed, epoch) if self._shuffle else np.arange(self._n)

@@ -11,6 +11,7 @@ point's process. Each function imports what it needs.
 
 from __future__ import annotations
 
+import functools
 import json
 
 
@@ -79,6 +80,34 @@ def worker_exception(failure: BaseException) -> BaseException:
     return getattr(failure, "_base_exc", failure)
 
 
+def data_limits_from_the_start() -> None:
+    """Ray Data 2.60's executor learns what the cluster lends it from the autoscaling
+    coordinator actor, asynchronously: its first ask answers nothing (the reply comes with
+    the next ask), and ResourceManager.get_global_limits keeps that answer for a second
+    (GLOBAL_LIMITS_UPDATE_INTERVAL_S). Every execution (each epoch's, each split's) therefore
+    starts with limits of zero and runs one task at a time for its first second, which on
+    short epochs is a fifth of the epoch or more (docs/benchmarks.md, "Ingest"). This asks
+    again at each scheduling step while the limits are still zero, then keeps Ray's one-second
+    refresh. Idempotent; it must run in the process that executes the dataset (the train
+    worker, or with several workers the split coordinator), so SplitSource.get_read_tasks
+    calls it (training/ingest.py). No setting of Ray's does this."""
+    from ray.data._internal.execution.resource_manager import ResourceManager
+
+    original = ResourceManager.get_global_limits
+    if getattr(original, "asks_until_known", False):
+        return
+
+    @functools.wraps(original)
+    def get_global_limits(self):
+        limits = original(self)
+        if not limits.cpu and not limits.gpu:  # no answer yet: ask again at the next step
+            self._global_limits_last_update_time = 0
+        return limits
+
+    get_global_limits.asks_until_known = True
+    ResourceManager.get_global_limits = get_global_limits
+
+
 # --------------------------------------------------------------------------- checks
 
 
@@ -142,6 +171,21 @@ def _check_worker_exception():
     return None
 
 
+def _check_data_limits():
+    problem = _has("ray.data._internal.execution.resource_manager", "ResourceManager", "get_global_limits")
+    if problem:
+        return problem
+    import inspect
+
+    from ray.data._internal.execution.resource_manager import ResourceManager
+
+    source = inspect.getsource(ResourceManager)
+    for name in ("_global_limits_last_update_time", "GLOBAL_LIMITS_UPDATE_INTERVAL_S"):
+        if name not in source:
+            return f"ray.data's ResourceManager no longer has {name}"
+    return None
+
+
 # (function here, its callers, check): a check returns None or what changed
 CHECKS = [
     ("autoscaler_ceiling", "training/job.py cluster_capacity", _check_ceiling),
@@ -149,4 +193,5 @@ CHECKS = [
     ("pending_demands", "training/loop.py IngestWatch", _check_demands),
     ("trainer_without_placement_group_cleaner", "training/job.py _fit", _check_trainer_hook),
     ("worker_exception", "training/job.py worker_error", _check_worker_exception),
+    ("data_limits_from_the_start", "training/ingest.py SplitSource.get_read_tasks", _check_data_limits),
 ]
