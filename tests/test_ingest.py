@@ -4,6 +4,8 @@ happens where the plan line says (docs/design.md, "Data flow")."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import ray
@@ -13,7 +15,7 @@ from ray import cloudpickle
 from augment.presets import PRESETS
 from tests.conftest import write_tree
 from training import job
-from training.config import TrainConfig
+from training.config import ConfigError, TrainConfig
 from training.data import ImageTree, make_split
 from training.ingest import build_datasets, choose_decode
 
@@ -156,6 +158,60 @@ def test_decode_rule_by_device_preset_and_file_size():
     assert (gpu.where, gpu.shrink) == ("augment", False) and "nvjpeg" in gpu.describe()
     assert not choose_decode("augment-full", tree.train, imagenet, use_gpu=False).shrink
     assert choose_decode("read", tree.train, imagenet, use_gpu=False).where == "read"
+
+
+def test_thumbnails_decoded_in_the_read_task_go_1024_to_a_task_unless_the_flag_says_otherwise():
+    from training.ingest import augment_rows
+
+    photos, thumbs = _fake_tree(100).train, make_split("/x", ["a/1.png"], [0], [3_000])
+    imagenet, cifar = PRESETS["imagenet"].train, PRESETS["cifar"].train
+    read_thumbs = choose_decode("auto", thumbs, cifar, use_gpu=False)
+    assert augment_rows(0, thumbs, read_thumbs) == 1024
+    assert augment_rows(64, thumbs, read_thumbs) == 64  # --augment-batch-size wins
+    assert augment_rows(0, photos, choose_decode("auto", photos, imagenet, use_gpu=False)) == 256
+    assert augment_rows(0, photos, choose_decode("auto", photos, cifar, use_gpu=False)) == 256  # not thumbnails
+    assert augment_rows(0, thumbs, choose_decode("auto", thumbs, cifar, use_gpu=True)) == 256  # the GPU decodes
+    with pytest.raises(ConfigError, match="--augment-batch-size must be 0"):
+        TrainConfig(augment_batch_size=-1)
+
+
+def test_a_read_task_that_decodes_yields_a_block_per_cap_of_pixels(tmp_path, monkeypatch):
+    """Every file once, in blocks of at most DECODED_BLOCK_BYTES of pixels (3 images of 32x32
+    here), and a bad file reported once, by the task's last block."""
+    from training import ingest
+    from training.inputs import scan_data
+
+    root = write_tree(tmp_path / "t", {"a": 4, "b": 4}, size=(32, 32))
+    (root / "b" / "broken.png").write_bytes(b"not an image")
+    tree = scan_data(str(root), 0.0)
+    monkeypatch.setattr(ingest, "DECODED_BLOCK_BYTES", 3 * 32 * 32 * 3)
+
+    reported = []
+    log = SimpleNamespace(add=SimpleNamespace(remote=reported.append))  # the BadFileLog actor's handle
+    blocks = list(
+        ingest._read_files(
+            _arrow(tree.train.rel_paths),
+            root=str(root),
+            shards=(),
+            class_names=tuple(tree.class_names),
+            label_part=tree.train.label_part,
+            decode=True,
+            bad_log=log,
+            relative_paths=True,
+        )
+    )
+    assert [b.num_rows for b in blocks] == [3, 3, 2]
+    paths = [p for b in blocks for p in b.column("path").to_pylist()]
+    assert sorted(paths) == sorted(p for p in tree.train.rel_paths if "broken" not in p)
+    labels = [int(x) for b in blocks for x in b.column("label").to_pylist()]
+    assert labels == [tree.class_names.index(p.split("/")[0]) for p in paths]
+    assert [[path for path, _ in bad] for bad in reported] == [["b/broken.png"]]
+
+
+def _arrow(strings):
+    import pyarrow as pa
+
+    return pa.array(list(strings), type=pa.string())
 
 
 def _task_spans(ds) -> list[tuple[float, float]]:

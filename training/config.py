@@ -95,7 +95,9 @@ class TrainConfig:
         0.0, "GPU per augment actor; 0 = a 0.25 share of a trainer's GPU; 1 = a dedicated GPU each"
     )
     augment_batch_size: int = _f(
-        256, "images per augment call, and at most per read task on CPUs (larger is faster on a GPU)"
+        0,
+        "images per augment call, and at most per read task on CPUs (larger is faster on a GPU); 0 = 256, or "
+        "1024 for thumbnails decoded in the read task (files averaging under 8 KB)",
     )
     decode: str = _f(
         "auto",
@@ -145,11 +147,12 @@ class TrainConfig:
     )
 
     def __post_init__(self):
-        positive = ["epochs", "batch_size", "augment_batch_size"]
+        positive = ["epochs", "batch_size"]
         for field in positive:
             if getattr(self, field) <= 0:
                 raise ConfigError(f"--{field.replace('_', '-')} must be positive, got {getattr(self, field)}")
-        for field in ("num_workers", "threads_per_worker", "cpus_per_worker", "augment_actors", "augment_gpus"):
+        automatic = ("num_workers", "threads_per_worker", "cpus_per_worker", "augment_actors", "augment_gpus")
+        for field in (*automatic, "augment_batch_size"):
             if getattr(self, field) < 0:
                 raise ConfigError(
                     f"--{field.replace('_', '-')} must be 0 (automatic) or positive, got {getattr(self, field)}"

@@ -46,6 +46,13 @@ from training.data import Split, label_of, stable_hash
 from training.storage import filesystem
 
 ROWS_PER_TASK = 256  # at most this many files per read task (one augment call each on CPUs)
+# Thumbnails decoded in the read task (files averaging under THUMBNAIL_BYTES, e.g. CIFAR's 32 px
+# PNGs of ~3 KB) go THUMBNAIL_ROWS to a task: 256 of them take ~65 ms, short enough that Ray
+# Data's round trip per task held the cifar case to 2-3 tasks at a time; 1,024-row tasks gave
+# about a third more img/s (docs/benchmarks.md, "Ingest"). DECODED_BLOCK_BYTES caps the pixels
+# of one block, whatever the files hold (a small PNG may be a large flat image).
+THUMBNAIL_BYTES, THUMBNAIL_ROWS = 8 * 1024, 1024
+DECODED_BLOCK_BYTES = 64 * 2**20
 MIN_TASKS, MIN_ROWS_PER_TASK = 8, 16  # a small split still gets a few tasks, of 16 rows at least
 MAX_TASKS = 4096  # Ray Data warns of "excessive task creation" from 5,000 read tasks on
 TASK_BYTES = 64 * 2**20  # encoded bytes per read task at most (camera photos: a few files each)
@@ -82,6 +89,15 @@ def choose_decode(setting: str, split: Split, train_preset: tuple, use_gpu: bool
         return DecodePlan("augment", True, f"CPU, files average {mean_kb:.0f} KB")
     small = f"files average {mean_kb:.0f} KB" if crops else f"the preset's crop is {next(iter(train_preset[0]))}"
     return DecodePlan("read", False, f"CPU, {small}")
+
+
+def augment_rows(setting: int, split: Split, decode: DecodePlan) -> int:
+    """Images per augment call and at most per read task: --augment-batch-size, or (0) 256,
+    and THUMBNAIL_ROWS for thumbnails decoded in the read task."""
+    if setting:
+        return setting
+    thumbnails = decode.where == "read" and split.mean_file_bytes < THUMBNAIL_BYTES
+    return THUMBNAIL_ROWS if thumbnails else ROWS_PER_TASK
 
 
 def _bad_schema():
@@ -208,7 +224,7 @@ def _read_files(rel_paths, *, root, shards, class_names, label_part, decode, bad
         "label": np.array([label_of(r, index, label_part) for r in rel], dtype=np.int64),
         "key": np.array([stable_hash(r) for r in rel], dtype=np.int64),
     }
-    yield _block(columns, decode, bad_log)
+    yield from _blocks(columns, decode, bad_log)
 
 
 def _read_row_groups(
@@ -234,31 +250,46 @@ def _read_row_groups(
         "label": table.column("label").to_numpy(),
         "key": table.column("key").to_numpy(),
     }
-    yield _block(columns, decode, bad_log)
+    yield from _blocks(columns, decode, bad_log)
 
 
-def _block(columns: dict, decode: bool | str, bad_log):
-    """The Arrow block of a read task: the encoded files, or (decode) the decoded images of
-    those that decode, the rest reported to the bad-file log; decode="check" returns only
-    the bad files, {path, reason}, for the caller to record."""
+def _blocks(columns: dict, decode: bool | str, bad_log):
+    """The Arrow blocks of a read task: the encoded files, or (decode) the decoded images of
+    those that decode, a block per DECODED_BLOCK_BYTES of pixels at most, the rest reported to
+    the bad-file log; decode="check" yields only the bad files, {path, reason}, for the caller
+    to record."""
     import pyarrow as pa
 
     datas = columns["bytes"]  # a list of bytes (files), or a prepared shard's Arrow column
     if not decode:
         if not isinstance(datas, pa.ChunkedArray):
             datas = pa.array(datas, type=pa.binary())
-        return pa.table({"bytes": datas} | {k: columns[k] for k in ("path", "label", "key")})
-    images, keep, bad = [], [], []
+        yield pa.table({"bytes": datas} | {k: columns[k] for k in ("path", "label", "key")})
+        return
+    images, keep, bad, held, blocks = [], [], [], 0, 0
     for i, data in enumerate(datas.to_pylist() if isinstance(datas, pa.ChunkedArray) else datas):
         try:
-            images.append(decode_image(data))
-            keep.append(i)
+            image = decode_image(data)
         except BadImage as e:
             bad.append((str(columns["path"][i]), str(e)))
+            continue
+        if decode != "check":
+            images.append(image)
+            keep.append(i)
+            held += image.nbytes
+        if held >= DECODED_BLOCK_BYTES:
+            yield _decoded_block(columns, images, keep)
+            images, keep, held, blocks = [], [], 0, blocks + 1
     if decode == "check":
-        return pa.table({"path": [p for p, _ in bad], "reason": [r for _, r in bad]}, schema=_bad_schema())
+        yield pa.table({"path": [p for p, _ in bad], "reason": [r for _, r in bad]}, schema=_bad_schema())
+        return
     if bad and bad_log is not None:
         bad_log.add.remote(bad)  # fire and forget: the driver reads the log after training
+    if images or not blocks:
+        yield _decoded_block(columns, images, keep)
+
+
+def _decoded_block(columns: dict, images: list, keep: list[int]):
     out = {
         "image": stack_images(images),
         "label": np.asarray(columns["label"])[keep],
@@ -335,7 +366,7 @@ def build_datasets(cfg, tree, preset, plan, clock, bad_log=None, decode: DecodeP
             decode=decode.where == "read",
             bad_log=bad_log,
             num_cpus=plan.augment_cpus,
-            rows_per_task=cfg.augment_batch_size,
+            rows_per_task=augment_rows(cfg.augment_batch_size, split, decode),
         )
         kwargs = {
             "preset": preset.to_dict(),
@@ -360,7 +391,7 @@ def build_datasets(cfg, tree, preset, plan, clock, bad_log=None, decode: DecodeP
                 compute=ray.data.ActorPoolStrategy(size=plan.augment_actors),
                 num_gpus=plan.augment_gpus,
                 batch_format="numpy",
-                batch_size=cfg.augment_batch_size,
+                batch_size=augment_rows(cfg.augment_batch_size, split, decode),
                 num_cpus=plan.augment_cpus,
             )
     return out
