@@ -95,20 +95,26 @@ def decode_augment(
             headers.append((i, *read_header(data)))
         except BadImage as e:
             bad.append((i, str(e)))
+    if not headers:
+        return _empty(pipeline, epoch, device), [], bad
     step = pipeline.cpu_chunk if not nvjpeg else max(1, len(headers))
+    n = len(headers)
+    all_rows = torch.tensor([h[0] for h in headers], dtype=torch.int64)
+    all_sizes = torch.tensor([h[1:3] for h in headers], dtype=torch.int64, device=device).view(-1, 2)
+    all_keys = keys[all_rows].to(device)
+    # every image's parameters drawn once for the batch, then taken a chunk at a time
+    all_params, rest = pipeline.geometry(all_sizes, all_keys, epoch), pipeline.draw_rest(all_keys, epoch)
+    all_factors = pipeline.ops[0].max_shrink(all_params) if shrink else None
+    if all_factors is None:
+        all_factors = torch.ones(n, dtype=torch.int64, device=device)
     outs, kept = [], []
-    for c in range(0, len(headers), step):
-        chunk = headers[c : c + step]
-        rows = torch.tensor([h[0] for h in chunk], dtype=torch.int64)
-        sizes = torch.tensor([h[1:3] for h in chunk], dtype=torch.int64, device=device)
-        chunk_keys = keys[rows].to(device)
-        params = pipeline.geometry(sizes, chunk_keys, epoch)
-        factors = pipeline.ops[0].max_shrink(params) if shrink else None
-        if factors is None:
-            factors = torch.ones(len(chunk), dtype=torch.int64, device=device)
+    for c in range(0, n, step):
+        chunk, span = headers[c : c + step], torch.arange(c, min(c + step, n), device=device)
+        rows, sizes, chunk_keys, factors = all_rows[c : c + step], all_sizes[span], all_keys[span], all_factors[span]
         images, good = _decode_chunk(encoded, chunk, factors, device, bad, nvjpeg)
         if not good:
             continue
+        params, chunk_rest = _rows(all_params, span, n), [r if r is None else _rows(r, span, n) for r in rest]
         sel = torch.tensor(good, dtype=torch.int64, device=device)
         if not nvjpeg and pipeline.ops[0].takes_image_list and pipeline.ops[0].method != "matmul":
             # each image is resampled on its own: no copy into a canvas
@@ -118,12 +124,17 @@ def decode_augment(
             canvas, decoded = to_canvas(images)
         params = _rows(params, sel, len(chunk))
         params = _fit_to_decoded(pipeline, params, sizes[sel], decoded, factors[sel], chunk_keys[sel], epoch)
-        outs.append(pipeline.augment(canvas, decoded, chunk_keys[sel], epoch, params))
+        chunk_rest = [r if r is None else _rows(r, sel, len(chunk)) for r in chunk_rest]
+        outs.append(pipeline.augment(canvas, decoded, chunk_keys[sel], epoch, params, chunk_rest))
         kept += rows[sel.cpu()].tolist()
     if not outs:
-        out_h, out_w = pipeline.size_at(epoch)  # the epoch's size (progressive resizing)
-        return torch.empty((0, out_h, out_w, 3), dtype=torch.uint8, device=device), [], bad
+        return _empty(pipeline, epoch, device), [], bad
     return torch.cat(outs), kept, bad
+
+
+def _empty(pipeline: Pipeline, epoch: int, device) -> torch.Tensor:
+    out_h, out_w = pipeline.size_at(epoch)  # the epoch's size (progressive resizing)
+    return torch.empty((0, out_h, out_w, 3), dtype=torch.uint8, device=device)
 
 
 def _rows(params: dict, sel: torch.Tensor, n: int) -> dict:

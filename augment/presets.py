@@ -33,7 +33,7 @@ import torch
 from augment.errors import PresetError, check_preset_name  # PresetError: raised here, importable from here
 from augment.kornia_ops import check_kornia_params, is_kornia
 from augment.mix import check_mix
-from augment.ops import OPS, KorniaOp, check_params
+from augment.ops import OPS, KorniaOp, Op, check_params
 from augment.rng import KeyedRng
 from augment.schedule import MIN_IMAGE_SIZE, parse_resize, parse_schedule, resize_side, strength
 
@@ -293,20 +293,32 @@ class Pipeline(torch.nn.Module):
         return self.ops[0].sample(KeyedRng(keys, self.seed, epoch), sizes)
 
     @torch.no_grad()
-    def augment(self, canvas, sizes, keys, epoch: int, geometry: dict) -> torch.Tensor:
-        """`forward` for one chunk whose geometry parameters are given (by `geometry`, then
-        perhaps the op's shrink_params for images decoded at a reduced size): uint8 (B, S, S, 3)."""
+    def draw_rest(self, keys: torch.Tensor, epoch: int) -> list[dict]:
+        """The parameters of every op after the first, for a whole batch at once: `augment`
+        then applies them a chunk at a time. Each image's come from its own key, so they are
+        those a chunk would draw; drawing once saves the per-call cost of many small tensor
+        ops in every chunk (docs/benchmarks.md, "Ingest"). An op with a `forward` of its own
+        (one that samples from the batch it is given) gets None and draws in each chunk."""
         self._set_epoch(epoch)
-        return self._run(canvas, sizes, keys, epoch, geometry).contiguous()
+        rng = KeyedRng(keys, self.seed, epoch)
+        return [op.sample(rng, None) if type(op).forward is Op.forward else None for op in self.ops[1:]]
 
-    def _run(self, canvas, sizes, keys, epoch, geometry=None) -> torch.Tensor:
+    @torch.no_grad()
+    def augment(self, canvas, sizes, keys, epoch: int, geometry: dict, rest: list[dict] | None = None) -> torch.Tensor:
+        """`forward` for one chunk whose geometry parameters are given (by `geometry`, then
+        perhaps the op's shrink_params for images decoded at a reduced size), and perhaps the
+        other ops' too (`draw_rest`'s rows for the chunk): uint8 (B, S, S, 3)."""
+        self._set_epoch(epoch)
+        return self._run(canvas, sizes, keys, epoch, geometry, rest).contiguous()
+
+    def _run(self, canvas, sizes, keys, epoch, geometry=None, rest=None) -> torch.Tensor:
         rng = KeyedRng(keys, self.seed, epoch)
         first = self.ops[0]
         x = first(canvas, rng, sizes) if geometry is None else first.apply(canvas, geometry, sizes)  # (B, 3, S, S)
         if x.device.type == "cpu":  # planar: the pixel ops' broadcasts are faster on it there (docs/benchmarks.md)
             x = x.contiguous()
-        for op in self.ops[1:]:
-            x = op(x, rng)
+        for i, op in enumerate(self.ops[1:]):
+            x = op(x, rng) if rest is None or rest[i] is None else op.apply(x, rest[i])
         # back to uint8 NHWC (for a channels_last x, on a GPU, this permute is already contiguous)
         return x.mul(255.0).round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
 

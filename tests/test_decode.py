@@ -94,10 +94,22 @@ def encoded():
     return files + [png.getvalue(), b"not an image", files[0][:300]]
 
 
-@pytest.mark.parametrize("train", [True, False])
-def test_full_size_decode_augment_equals_decoding_then_augmenting(encoded, train):
+# an op with a forward of its own (random_erasing) and a Kornia op after the first; at 224 px
+# the CPU takes 4 images a chunk, so the 7 images of `encoded` span two
+OTHER_OPS = (
+    {"random_resized_crop": {"size": 224}},
+    {"random_erasing": {"p": 0.7}},
+    {"kornia.RandomGaussianBlur": {"kernel_size": [5, 5], "sigma": [0.1, 2.0], "p": 0.6}},
+    {"horizontal_flip": {"p": 0.5}},
+)
+
+
+@pytest.mark.parametrize("specs", ["train", "eval", "other"])
+def test_full_size_decode_augment_equals_decoding_then_augmenting(encoded, specs):
+    """decode_augment draws every op's parameters once for the batch and applies them a
+    chunk at a time; augment_batch draws in each chunk: the same images, to the bit."""
     preset = PRESETS["imagenet"]
-    pipeline = Pipeline(preset.train if train else preset.eval, seed=5)
+    pipeline = Pipeline({"train": preset.train, "eval": preset.eval, "other": OTHER_OPS}[specs], seed=5)
     keys = torch.arange(len(encoded), dtype=torch.int64) * 7919
     out, kept, bad = decode_augment(pipeline, encoded, keys, 3, CPU, shrink=False)
     assert kept == list(range(7)) and sorted(r for r, _ in bad) == [7, 8]
