@@ -175,37 +175,48 @@ def test_thumbnails_decoded_in_the_read_task_go_1024_to_a_task_unless_the_flag_s
         TrainConfig(augment_batch_size=-1)
 
 
-def test_a_read_task_that_decodes_yields_a_block_per_cap_of_pixels(tmp_path, monkeypatch):
-    """Every file once, in blocks of at most DECODED_BLOCK_BYTES of pixels (3 images of 32x32
-    here), and a bad file reported once, by the task's last block."""
+@pytest.mark.parametrize(
+    "layout, rows",
+    [
+        ("gggxggggg", [3, 3, 2]),  # a bad file in the middle of a block
+        ("xgggggggg", [3, 3, 2]),  # first
+        ("ggggggggx", [3, 3, 2]),  # last
+        ("gggggg", [3, 3]),  # the good images fill the last block exactly: no empty one after it
+        ("xx", [0]),  # every file bad: one empty block
+    ],
+)
+def test_a_read_task_that_decodes_yields_a_block_per_cap_of_pixels(tmp_path, monkeypatch, layout, rows):
+    """Every good file once, in order, in blocks of at most DECODED_BLOCK_BYTES of pixels (3
+    images of 32x32 here); the bad files (x) reported once, by the task's last block."""
     from training import ingest
-    from training.inputs import scan_data
 
-    root = write_tree(tmp_path / "t", {"a": 4, "b": 4}, size=(32, 32))
-    (root / "b" / "broken.png").write_bytes(b"not an image")
-    tree = scan_data(str(root), 0.0)
+    root = write_tree(tmp_path / "t", {"a": 5, "b": 5}, size=(32, 32))
+    good = iter(f"{c}/{i:03d}.png" for i in range(5) for c in "ab")
+    rel = [next(good) if kind == "g" else f"a/broken{i}.png" for i, kind in enumerate(layout)]
+    for r in rel:
+        if "broken" in r:
+            (root / r).write_bytes(b"not an image")
     monkeypatch.setattr(ingest, "DECODED_BLOCK_BYTES", 3 * 32 * 32 * 3)
-
     reported = []
     log = SimpleNamespace(add=SimpleNamespace(remote=reported.append))  # the BadFileLog actor's handle
     blocks = list(
         ingest._read_files(
-            _arrow(tree.train.rel_paths),
+            _arrow(rel),
             root=str(root),
             shards=(),
-            class_names=tuple(tree.class_names),
-            label_part=tree.train.label_part,
+            class_names=("a", "b"),
+            label_part=0,
             decode=True,
             bad_log=log,
             relative_paths=True,
         )
     )
-    assert [b.num_rows for b in blocks] == [3, 3, 2]
+    assert [b.num_rows for b in blocks] == rows
     paths = [p for b in blocks for p in b.column("path").to_pylist()]
-    assert sorted(paths) == sorted(p for p in tree.train.rel_paths if "broken" not in p)
-    labels = [int(x) for b in blocks for x in b.column("label").to_pylist()]
-    assert labels == [tree.class_names.index(p.split("/")[0]) for p in paths]
-    assert [[path for path, _ in bad] for bad in reported] == [["b/broken.png"]]
+    assert paths == [r for r in rel if "broken" not in r]
+    assert [int(x) for b in blocks for x in b.column("label").to_pylist()] == [int(p[0] == "b") for p in paths]
+    bad = [r for r in rel if "broken" in r]
+    assert [[path for path, _ in batch] for batch in reported] == ([bad] if bad else [])
 
 
 def _arrow(strings):

@@ -45,7 +45,7 @@ from training import ray_private
 from training.data import Split, label_of, stable_hash
 from training.storage import filesystem
 
-ROWS_PER_TASK = 256  # at most this many files per read task (one augment call each on CPUs)
+ROWS_PER_TASK = 256  # at most this many files per read task (one augment call per block on CPUs)
 # Thumbnails decoded in the read task (files averaging under THUMBNAIL_BYTES, e.g. CIFAR's 32 px
 # PNGs of ~3 KB) go THUMBNAIL_ROWS to a task: 256 of them take ~65 ms, short enough that Ray
 # Data's round trip per task held the cifar case to 2-3 tasks at a time; 1,024-row tasks gave

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 
 
 def autoscaler_ceiling() -> dict | None:
@@ -80,6 +81,9 @@ def worker_exception(failure: BaseException) -> BaseException:
     return getattr(failure, "_base_exc", failure)
 
 
+ASK_AGAIN_S = 5.0  # data_limits_from_the_start: the reply takes milliseconds; a second is what it saves
+
+
 def data_limits_from_the_start() -> None:
     """Ray Data 2.60's executor learns what the cluster lends it from the autoscaling
     coordinator actor, asynchronously: its first ask answers nothing (the reply comes with
@@ -87,8 +91,10 @@ def data_limits_from_the_start() -> None:
     (GLOBAL_LIMITS_UPDATE_INTERVAL_S). Every execution (each epoch's, each split's) therefore
     starts with limits of zero and runs one task at a time for its first second, which on
     short epochs is a fifth of the epoch or more (docs/benchmarks.md, "Ingest"). This asks
-    again at each scheduling step while the limits are still zero, then keeps Ray's one-second
-    refresh. Idempotent; it must run in the process that executes the dataset (the train
+    again at each scheduling step while the limits are still zero, for the execution's first
+    ASK_AGAIN_S at most (limits that stay zero, e.g. a cluster that other work holds, are
+    then refreshed each second as Ray does), and keeps Ray's one-second refresh once they are
+    known. Idempotent; it must run in the process that executes the dataset (the train
     worker, or with several workers the split coordinator), so SplitSource.get_read_tasks
     calls it (training/ingest.py). No setting of Ray's does this."""
     from ray.data._internal.execution.resource_manager import ResourceManager
@@ -101,7 +107,9 @@ def data_limits_from_the_start() -> None:
     def get_global_limits(self):
         limits = original(self)
         if not limits.cpu and not limits.gpu:  # no answer yet: ask again at the next step
-            self._global_limits_last_update_time = 0
+            first = self.__dict__.setdefault("_first_asked", time.monotonic())
+            if time.monotonic() - first < ASK_AGAIN_S:
+                self._global_limits_last_update_time = 0
         return limits
 
     get_global_limits.asks_until_known = True
