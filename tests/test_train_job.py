@@ -92,6 +92,10 @@ def test_run_directory_has_sane_contents(two_worker_run):
     config = json.loads((run_dir / "config.json").read_text())
     assert config["config"]["num_workers"] == 2 and config["class_names"] == ["blue", "cyan", "gray", "green", "red"]
     assert config["git_commit"] == _head_commit()  # None only outside a git checkout
+    # 32 px PNGs are thumbnails decoded in the read task: the plan says 1,024 per call at most
+    assert config["plan"]["decode"]["where"] == "read" and config["plan"]["augment_batch_size"] == 1024
+    _, lines = two_worker_run[3]
+    assert any(line.startswith("plan: ") and line.endswith("; at most 1024 images per augment call") for line in lines)
 
     (row,) = _rows(run_dir / "metrics.csv")
     assert int(row["epoch"]) == 1 and {"val_top5", "val_loss", "lr", "train_loss"} <= set(row)

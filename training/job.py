@@ -34,7 +34,7 @@ from training import artifacts, plots, ray_private
 from training.config import ConfigError, TrainConfig, check_amp
 from training.console import ConsoleFollower, ProgressBoard
 from training.data import BadFileLog, DataError, ImageTree
-from training.ingest import SplitValUnequally, build_datasets, choose_decode
+from training.ingest import SplitValUnequally, augment_rows, build_datasets, choose_decode
 from training.inputs import check_inputs
 from training.loop import (
     CHECKPOINT_FILE,
@@ -350,12 +350,13 @@ def run(
         raise ConfigError(f"--batch-size {cfg.batch_size} is smaller than the {plan.num_workers} workers; raise it")
     decode = choose_decode(cfg.decode, tree.train, preset.train, plan.use_gpu)
     log(f"data: {tree.describe()}")
-    log(f"plan: {plan.describe()}; {decode.describe()}")
+    rows = augment_rows(cfg.augment_batch_size, tree.train, decode)
+    log(f"plan: {plan.describe()}; {decode.describe()}; at most {rows} images per augment call")
     artifacts.write_json(
         artifacts.join(run_dir, "config.json"),
         {
             "config": cfg.to_dict(),
-            "plan": dataclasses.asdict(plan) | {"decode": dataclasses.asdict(decode)},
+            "plan": dataclasses.asdict(plan) | {"decode": dataclasses.asdict(decode), "augment_batch_size": rows},
             "preset": preset.to_dict(),
             "image_size": preset.image_size,  # evaluation's, and training's at the end
             "train_image_sizes": train_sizes(cfg, preset),  # per epoch
