@@ -109,24 +109,24 @@ def decode_augment(
         all_factors = torch.ones(n, dtype=torch.int64, device=device)
     outs, kept = [], []
     for c in range(0, n, step):
-        chunk, span = headers[c : c + step], torch.arange(c, min(c + step, n), device=device)
-        rows, sizes, chunk_keys, factors = all_rows[c : c + step], all_sizes[span], all_keys[span], all_factors[span]
-        images, good = _decode_chunk(encoded, chunk, factors, device, bad, nvjpeg)
+        chunk = headers[c : c + step]
+        images, good = _decode_chunk(encoded, chunk, all_factors[c : c + step], device, bad, nvjpeg)
         if not good:
             continue
-        params, chunk_rest = _rows(all_params, span, n), [r if r is None else _rows(r, span, n) for r in rest]
-        sel = torch.tensor(good, dtype=torch.int64, device=device)
+        sel = torch.tensor(good, dtype=torch.int64, device=device) + c  # the decoded images' rows among the n
         if not nvjpeg and pipeline.ops[0].takes_image_list and pipeline.ops[0].method != "matmul":
             # each image is resampled on its own: no copy into a canvas
             canvas = [torch.from_numpy(a) for a in images]
             decoded = torch.tensor([a.shape[:2] for a in images], dtype=torch.int64)
         else:
             canvas, decoded = to_canvas(images)
-        params = _rows(params, sel, len(chunk))
-        params = _fit_to_decoded(pipeline, params, sizes[sel], decoded, factors[sel], chunk_keys[sel], epoch)
-        chunk_rest = [r if r is None else _rows(r, sel, len(chunk)) for r in chunk_rest]
-        outs.append(pipeline.augment(canvas, decoded, chunk_keys[sel], epoch, params, chunk_rest))
-        kept += rows[sel.cpu()].tolist()
+        keys_sel = all_keys[sel]
+        params = _fit_to_decoded(
+            pipeline, _rows(all_params, sel, n), all_sizes[sel], decoded, all_factors[sel], keys_sel, epoch
+        )
+        chunk_rest = [r if r is None else _rows(r, sel, n) for r in rest]
+        outs.append(pipeline.augment(canvas, decoded, keys_sel, epoch, params, chunk_rest))
+        kept += all_rows[sel.cpu()].tolist()
     if not outs:
         return _empty(pipeline, epoch, device), [], bad
     return torch.cat(outs), kept, bad
