@@ -116,19 +116,26 @@ def augment_task(
     bad_log=None,
     resize: str = "none",
 ) -> dict:
-    """map_batches *function* form of AugmentStage for Ray Data tasks (CPU): the worker
-    processes outlive the epoch, so nothing is rebuilt when the next epoch starts, while an
-    actor pool is started afresh for each epoch's execution."""
+    """map_batches *function* form of AugmentStage for Ray Data tasks: the worker processes
+    outlive the epoch (on a GPU share too: training/ingest.py task_resources), so nothing is
+    rebuilt when the next epoch starts, while an actor pool is started afresh for each
+    epoch's execution. The task runs on the GPU when Ray gave it one.
+
+    A process keeps the GPU it first used: CUDA fixes the visible devices when it starts, so on
+    a node of several GPUs a later task that Ray assigned another GPU still runs on the first."""
     import json
 
-    key = json.dumps([preset, train, seed, schedule, epochs, shrink, resize], sort_keys=True)
+    import ray
+
+    device = "cuda" if ray.get_gpu_ids() else "cpu"
+    key = json.dumps([preset, train, seed, schedule, epochs, shrink, resize, device], sort_keys=True)
     stage = _STAGES.get(key)
     if stage is None:
         stage = _STAGES[key] = AugmentStage(
             preset,
             train=train,
             seed=seed,
-            device="cpu",
+            device=device if device == "cpu" else "auto",
             schedule=schedule,
             epochs=epochs,
             shrink=shrink,

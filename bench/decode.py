@@ -1,7 +1,7 @@
 """Decode + augment in one call, from encoded JPEGs to the augmented uint8 batch (not a test).
 
     python -m bench.decode                          # CPU, one thread: ImageNet- and camera-size JPEGs
-    python -m bench.decode --device cuda --batch-sizes 256 1024 --json decode-cuda.json   # bench/gpu.sh
+    python -m bench.decode --device cuda --batch-sizes 256 1024 --processes 4 8 --json decode-cuda.json  # bench/gpu.sh
 
 The `imagenet` train preset at 224 px on photo-like JPEGs (quality 90) held in memory:
 ImageNet-size (shorter side 333-500) and, with --camera, camera-size (longer side
@@ -11,6 +11,9 @@ ImageNet-size (shorter side 333-500) and, with --camera, camera-size (longer sid
                      rows: on the CPU with reduced-size JPEG decoding, on a GPU with one
                      batched nvjpeg call per batch (the files are uploaded inside the timing);
 * full-size decode   the same call with reduced-size decoding off (CPU only);
+* decode only        the batched nvjpeg call alone (GPU only);
+* N processes        decode+augment in N processes at once on the one GPU, img/s summed
+                     (--processes; the job runs 4 augment tasks per GPU);
 * seed (PIL)         the seed's per image work in this process: PIL decode, then
                      RandomResizedCrop(224), flip, ColorJitter(0.2, 0.2, 0.2), ToTensor,
                      Normalize (bench.seed_train.seed_transforms), CPU only.
@@ -69,6 +72,51 @@ def time_decode_augment(files, batch: int, device: torch.device, shrink: bool, s
     return n / (time.perf_counter() - start)
 
 
+def time_decode_only(files, batch: int, device: torch.device, seconds: float) -> float:
+    """The batched nvjpeg call alone (augment.decode.decode_cuda), files uploaded inside the timing."""
+    from augment.decode import decode_cuda, read_header
+
+    jpeg = [read_header(f)[2] for f in files]
+
+    def one(i: int) -> int:
+        idx = [(i * batch + j) % len(files) for j in range(batch)]
+        out = decode_cuda([files[j] for j in idx], [jpeg[j] for j in idx], device)
+        torch.cuda.synchronize(device)
+        return len(out)
+
+    one(0)
+    start, n, i = time.perf_counter(), 0, 1
+    while time.perf_counter() - start < seconds:
+        n, i = n + one(i), i + 1
+    return n / (time.perf_counter() - start)
+
+
+def _process(files, batch, device, seconds, barrier, results):
+    """One of --processes: warm up, wait for the others, then time decode_augment."""
+    torch.set_num_threads(1)
+    time_decode_augment(files, batch, torch.device(device), True, 0.5)  # warm-up
+    barrier.wait()
+    results.put(time_decode_augment(files, batch, torch.device(device), True, seconds))
+
+
+def time_processes(files, batch: int, device: str, seconds: float, processes: int) -> float:
+    """decode_augment in `processes` processes at once on one device (as the job's augment
+    tasks share a GPU): the sum of their img/s."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(processes), ctx.Queue()
+    procs = [
+        ctx.Process(target=_process, args=(files, batch, device, seconds, barrier, results)) for _ in range(processes)
+    ]
+    for p in procs:
+        p.start()
+    rates = [results.get(timeout=seconds + 120) for _ in procs]
+    for p in procs:
+        p.join()
+    return sum(rates)
+
+
 def time_seed(files, seconds: float) -> float:
     from PIL import Image
 
@@ -90,6 +138,13 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--images", type=int, default=256, help="distinct ImageNet-size JPEGs (cycled)")
     ap.add_argument("--camera", type=int, default=12, help="distinct camera-size JPEGs (0: skip that row)")
     ap.add_argument("--seconds", type=float, default=10.0, help="timing per column")
+    ap.add_argument(
+        "--processes",
+        type=int,
+        nargs="*",
+        default=[],
+        help="cuda: also decode+augment in N processes at once (img/s summed)",
+    )
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -102,6 +157,12 @@ def main(argv=None) -> list[dict]:
         for batch in args.batch_sizes if kind == "imagenet" else [min(args.batch_sizes)]:
             row = {"photos": kind, "batch": batch, "device": args.device}
             row["decode_augment"] = round(time_decode_augment(files, batch, device, True, args.seconds), 1)
+            if device.type == "cuda":
+                row["decode_only"] = round(time_decode_only(files, batch, device, args.seconds), 1)
+                for p in args.processes if kind == "imagenet" else []:
+                    row[f"decode_augment_{p}_processes"] = round(
+                        time_processes(files, batch, args.device, args.seconds, p), 1
+                    )
             if device.type == "cpu":
                 row["full_size_decode"] = round(time_decode_augment(files, batch, device, False, args.seconds), 1)
                 row["seed_pil"] = round(time_seed(files, args.seconds), 1)

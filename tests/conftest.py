@@ -112,6 +112,18 @@ def ray_cluster(s3):
     _stop_shared_cluster()
 
 
+@pytest.fixture()
+def gpu_node(ray_cluster):
+    """A node with one GPU, for Ray to schedule by, added to the shared cluster for one test
+    (torch sees no CUDA here: what runs on it runs on the CPU)."""
+    cluster = _shared["cluster"]
+    node = cluster.add_node(num_cpus=2, num_gpus=1)
+    cluster.wait_for_nodes()
+    yield node
+    cluster.remove_node(node)
+    cluster.wait_for_nodes()
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `own_cluster` start and stop whole Ray clusters (`ray start`, `ray stop`),
     which would take the shared cluster down with them: they run last, after it is stopped."""

@@ -103,13 +103,18 @@ def test_an_autoscaler_without_published_limits_is_not_refused():
 
 def test_gpu_plans_share_or_dedicate_gpus_and_refuse_the_impossible():
     shared = plan_resources(TrainConfig(), Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False))
+    # 4 augment tasks of 1/16 GPU beside each trainer (a quarter of its GPU), or an actor of 1/4 each
     assert (shared.num_workers, shared.gpus_per_worker, shared.augment_actors, shared.augment_gpus) == (
         4,
         0.75,
-        4,
-        0.25,
+        0,
+        0.0625,
     )
-    assert shared.placement == "PACK"
+    assert shared.placement == "PACK" and shared.ingest_tasks() == [(1.0, 0.0), (1.0, 0.0625)]
+    actors = plan_resources(TrainConfig(augment_actors=4), Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False))
+    assert (actors.gpus_per_worker, actors.augment_gpus) == (0.75, 0.25)
+    with pytest.raises(ConfigError, match="4 augment tasks per GPU x 0.3 GPU leave no GPU for 4 train"):
+        plan_resources(TrainConfig(augment_gpus=0.3), Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False))
     dedicated = plan_resources(
         TrainConfig(num_workers=2, augment_actors=2, augment_gpus=1),
         Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False),
@@ -184,7 +189,8 @@ def test_every_plan_the_planner_accepts_leaves_ray_data_room_to_run(cluster):
         gpu_share = plan.gpus_per_worker if plan.use_gpu else 0.0
         free = [(c - k * plan.cpus_per_worker, g - k * gpu_share) for (c, g), k in zip(nodes, counts, strict=True)]
         assert all(c >= -1e-9 and g >= -1e-9 for c, g in free), (cluster, cfg, plan.describe())
-        tasks = [(plan.augment_cpus, 0.0)] + [(plan.augment_cpus, plan.augment_gpus)] * plan.augment_actors
+        on_gpu = plan.augment_actors or (1 if plan.use_gpu else 0)  # actors, or one GPU augment task
+        tasks = [(plan.augment_cpus, 0.0)] + [(plan.augment_cpus, plan.augment_gpus)] * on_gpu
         assert _all_run_at_once(free, tasks), (cluster, cfg, plan.describe())
         assert min(plan.cpus_per_worker, plan.augment_cpus) >= 0.25
         assert plan.cpus_per_worker == (cpus_per_worker or plan.cpus_per_worker)  # a given share is kept

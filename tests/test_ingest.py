@@ -266,3 +266,47 @@ def test_an_execution_runs_tasks_side_by_side_from_its_first_second(ray_cluster,
             ResourceManager.get_global_limits = patched
     assert _started_together(control) == 1, control  # else Ray no longer has the gap: drop the workaround
     assert _started_together(ours) >= 3, ours  # 4 CPUs, 0.5 each: up to 8 at once
+
+
+def _task_processes(split, class_names, args: dict, executions: int) -> list[dict[str, int]]:
+    """{task id: worker process (pid)} of an augment-like map's tasks, per execution; every task
+    must have held a GPU."""
+    import os
+
+    from training.ingest import read_split
+
+    def who(batch):
+        task = ray.get_runtime_context().get_task_id()
+        return {"pid": np.array([os.getpid()]), "task": np.array([task]), "gpus": np.array([len(ray.get_gpu_ids())])}
+
+    ds = read_split(split, class_names, num_cpus=0.5)
+    ds = ds.map_batches(who, batch_size=32, batch_format="numpy", **args)  # Ray wants a size where tasks hold GPUs
+    pids = []
+    for _ in range(executions):
+        rows = ds.take_all()
+        assert len(rows) == -(-len(split) // 32) and all(int(r["gpus"]) == 1 for r in rows)
+        pids.append({str(r["task"]): int(r["pid"]) for r in rows})
+    return pids
+
+
+def test_gpu_augment_tasks_run_in_processes_that_outlive_the_epoch(gpu_node, order_tree):
+    """On a GPU share the augment tasks' worker processes outlive the execution
+    (task_resources: max_calls=0), as CPU tasks' do. Ray's default for GPU tasks, the control,
+    is a fresh process per task, and on a GPU each fresh process pays CUDA's start-up in its
+    first batch (about 7 s on an H200). The GPU is a fake node's: Ray schedules by it; torch
+    sees no CUDA."""
+    from training.ingest import task_resources
+    from training.inputs import scan_data
+
+    plan = job.plan_resources(TrainConfig(device="cuda"), job.Capacity(cpus=16, gpus=1, hosts=1))
+    assert plan.augment_tasks and "augment tasks x (0.0625 GPU + 1 CPU)" in plan.describe()
+    assert task_resources(plan) == {"num_gpus": 0.0625, "max_calls": 0} and plan.gpus_per_worker == 0.75
+    args = task_resources(plan) | {"num_cpus": 0.5}  # the fake node's 2 CPUs take 4 tasks at once
+    tree = scan_data(str(order_tree), 0.1)
+    ours = _task_processes(tree.train, tree.class_names, args, executions=2)
+    # Ray ends idle workers beyond a node's CPU count, so some of the first processes may be gone
+    first, second = (set(tasks.values()) for tasks in ours)
+    assert first & second and len(first) + len(second) < len(ours[0]) + len(ours[1]), ours
+    rays_default = {k: v for k, v in args.items() if k != "max_calls"}
+    (control,) = _task_processes(tree.train, tree.class_names, rays_default, executions=1)
+    assert len(set(control.values())) == len(control) >= 4, control  # a process per task

@@ -88,11 +88,13 @@ class TrainConfig:
     )
     augment_actors: int = _f(
         0,
-        "augment actors per split (train, val); 0 = one per GPU train worker, or Ray Data tasks on CPU (their "
-        "processes outlive the epoch; an actor pool restarts every epoch)",
+        "augment actors per split (train, val); 0 = Ray Data tasks, which read, decode and augment in one "
+        "process that outlives the epoch (an actor pool restarts every epoch)",
     )
     augment_gpus: float = _f(
-        0.0, "GPU per augment actor; 0 = a 0.25 share of a trainer's GPU; 1 = a dedicated GPU each"
+        0.0,
+        "GPU per augment task or actor; 0 = a quarter of a trainer's GPU for augmentation (4 tasks of 0.0625, "
+        "or an actor of 0.25); 1 = a dedicated GPU each",
     )
     augment_batch_size: int = _f(
         0,

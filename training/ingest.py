@@ -82,7 +82,7 @@ def choose_decode(setting: str, split: Split, train_preset: tuple, use_gpu: bool
         shrink = setting == "augment" and not use_gpu
         return DecodePlan("augment", shrink, f"--decode {setting}" + (", nvjpeg on the GPU" if use_gpu else ""))
     if use_gpu:
-        return DecodePlan("augment", False, "GPU: nvjpeg in the augment actor")
+        return DecodePlan("augment", False, "GPU: nvjpeg in the augment call")
     mean_kb = split.mean_file_bytes / 1024
     crops = next(iter(train_preset[0])) in SHRINKING_OPS
     if crops and mean_kb >= SHRINK_MIN_FILE_BYTES / 1024:
@@ -327,6 +327,18 @@ def read_split(
     return ray.data.read_datasource(source, num_cpus=num_cpus, override_num_blocks=source.num_tasks)
 
 
+def task_resources(plan) -> dict:
+    """Ray remote args of an augment task. On a GPU share, `max_calls=0`: Ray ends a GPU
+    task's worker process after each task by default, and a fresh process pays the CUDA context,
+    nvjpeg and kernel loading (about 7 s on an H200) in its first block; with 0 the processes
+    outlive the epoch and keep their pipeline on the device (augment_task), as CPU tasks do.
+    A GPU task's 1 CPU is Ray Data's default, left unsaid: Ray Data warns when both are given."""
+    if not plan.augment_gpus:
+        return {"num_cpus": plan.augment_cpus}
+    cpus = {} if plan.augment_cpus == 1 else {"num_cpus": plan.augment_cpus}
+    return {"num_gpus": plan.augment_gpus, "max_calls": 0} | cpus
+
+
 def check_decodes(split: Split, class_names, *, num_cpus: float) -> dict[str, str]:
     """--strict: decode every file of the split once, now; {path: reason} of those that fail."""
     ds = read_split(split, class_names, decode="check", num_cpus=num_cpus)
@@ -340,13 +352,13 @@ def build_datasets(cfg, tree, preset, plan, clock, bad_log=None, decode: DecodeP
     """{"train", "val"}: read -> decode -> augment, lazily; each epoch streams them anew.
 
     Where the augmentation runs (plan.augment_gpus, plan.augment_actors):
-    - GPU: an actor pool per split; each actor keeps its pipeline on its GPU share and
-      decodes the JPEGs of a batch with nvjpeg.
-    - CPU, the default: Ray Data tasks, fused with the read (one task reads, decodes and
-      augments its files). Ray starts a fresh actor pool for every epoch's execution (3-5 s
-      of process start and imports on a small machine, each epoch); task worker processes
-      stay alive between epochs and keep their pipeline (augment_task).
-    - CPU with --augment-actors N: an actor pool of N, as on a GPU.
+    - The default, CPU or GPU: Ray Data tasks. Ray starts a fresh actor pool for every epoch's
+      execution (3-5 s of process start and imports on a small machine, each epoch, and on a
+      GPU about 7 s more in each actor's first block); task worker processes stay alive between
+      epochs and keep their pipeline (augment_task). On CPUs the augment call is fused with the
+      read (one task reads, decodes and augments its files). On a GPU each augment task holds a
+      share of it (task_resources) and decodes a batch of JPEGs with nvjpeg.
+    - --augment-actors N: an actor pool of N per split, on a GPU share each where there is one.
     Nothing is decoded up front (but with --strict): the first step waits for the first batch.
     """
     decode = decode or choose_decode(cfg.decode, tree.train, preset.train, plan.use_gpu)
@@ -380,9 +392,12 @@ def build_datasets(cfg, tree, preset, plan, clock, bad_log=None, decode: DecodeP
             "bad_log": bad_log,
         }
         if plan.augment_tasks:
-            # batch_size None: one call per read task's block, so Ray Data fuses read and augment
+            # CPU: one call per read task's block, so Ray Data fuses read and augment. GPU: Ray fuses
+            # no read with a map that holds GPUs (it wants a batch size there), so read tasks pass
+            # the encoded files to augment tasks, a batch at a time
+            batch = augment_rows(cfg.augment_batch_size, split, decode) if plan.augment_gpus else None
             out[split_name] = ds.map_batches(
-                augment_task, fn_kwargs=kwargs, batch_format="numpy", batch_size=None, num_cpus=plan.augment_cpus
+                augment_task, fn_kwargs=kwargs, batch_format="numpy", batch_size=batch, **task_resources(plan)
             )
         else:
             out[split_name] = ds.map_batches(

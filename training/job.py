@@ -123,6 +123,12 @@ def check_storage(storage_path: str, capacity: Capacity, log=print) -> None:
         )
 
 
+# On GPUs each trainer's GPU keeps GPU_INGEST_SHARE for augmentation: by default GPU_TASKS_PER_GPU
+# Ray Data tasks at once, each its own process that reads, decodes (nvjpeg) and augments, and
+# that outlives the epoch (docs/benchmarks.md, "GPU"); with --augment-actors, the share per actor.
+GPU_INGEST_SHARE, GPU_TASKS_PER_GPU = 0.25, 4
+
+
 @dataclasses.dataclass(frozen=True)
 class ResourcePlan:
     use_gpu: bool
@@ -157,10 +163,12 @@ class ResourcePlan:
         return (self.cpus_per_worker, self.gpus_per_worker if self.use_gpu else 0.0)
 
     def ingest_tasks(self) -> list[Node]:
-        """What Ray Data must run at once to make progress: one read/decode task, plus the
-        augment actors of an actor pool (a pool starts all of its actors)."""
-        actor = (self.augment_cpus, self.augment_gpus)
-        return [(self.augment_cpus, 0.0)] + [actor] * self.augment_actors
+        """What Ray Data must run at once to make progress: one read task (on CPUs it augments
+        too), plus an augment task on a GPU share, or the augment actors of an actor pool (a
+        pool starts all of its actors)."""
+        on_gpu = (self.augment_cpus, self.augment_gpus)
+        augment = [on_gpu] * (self.augment_actors or (1 if self.augment_gpus else 0))
+        return [(self.augment_cpus, 0.0)] + augment
 
 
 def plan_resources(cfg: TrainConfig, capacity: Capacity) -> ResourcePlan:
@@ -178,23 +186,27 @@ def plan_resources(cfg: TrainConfig, capacity: Capacity) -> ResourcePlan:
         raise ConfigError("--device cuda: the Ray cluster has no GPUs and cannot get any; use --device cpu or auto")
     check_amp(cfg.amp, on_gpu=use_gpu)
     workers = cfg.num_workers or (max(gpus, 1) if use_gpu else 1)
-    actors = cfg.augment_actors or (workers if use_gpu else 0)  # CPU: tasks (see training.ingest)
-    augment_gpus = (cfg.augment_gpus or 0.25) if use_gpu else 0.0
+    actors = cfg.augment_actors  # 0: Ray Data tasks, on CPUs and GPUs (see training.ingest)
+    gpu_share = GPU_INGEST_SHARE / GPU_TASKS_PER_GPU if not actors else GPU_INGEST_SHARE
+    augment_gpus = (cfg.augment_gpus or gpu_share) if use_gpu else 0.0
     gpus_per_worker = 1.0
     if use_gpu:
         dedicated = augment_gpus >= 1
-        needed = workers + (actors * augment_gpus if dedicated else 0)
+        # what runs beside each trainer at once: the actors placed on its GPU, or GPU_TASKS_PER_GPU tasks
+        beside = math.ceil(actors / max(workers, 1)) if actors else GPU_TASKS_PER_GPU
+        needed = workers + ((actors or 1) * augment_gpus if dedicated else 0)
         if needed > gpus and capacity.bounded:
             raise ConfigError(
                 f"--num-workers {workers}"
                 + (f" + {actors} dedicated augment GPUs" if dedicated else "")
                 + f" need {needed:g} GPUs but the cluster has at most {gpus}; lower --num-workers"
             )
-        if not dedicated:  # each GPU keeps room for the augment actors placed on it
-            gpus_per_worker = 1.0 - augment_gpus * math.ceil(actors / max(workers, 1))
+        if not dedicated:  # each GPU keeps room for the augment actors or tasks beside its trainer
+            gpus_per_worker = 1.0 - augment_gpus * beside
             if gpus_per_worker <= 0:
+                who = f"--augment-actors {actors}" if actors else f"{GPU_TASKS_PER_GPU} augment tasks per GPU"
                 raise ConfigError(
-                    f"--augment-actors {actors} x {augment_gpus:g} GPU leave no GPU for {workers} train worker(s)"
+                    f"{who} x {augment_gpus:g} GPU leave no GPU for {workers} train worker(s); lower --augment-gpus"
                 )
     cpus_per_worker = cfg.cpus_per_worker or max(1, cpus // 2 // workers)
     if cfg.cpus_per_worker and workers * cpus_per_worker > cpus and capacity.bounded:
