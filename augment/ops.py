@@ -323,12 +323,16 @@ def resample_boxes(canvas, box, resized, offset, out_hw, method: str = "auto") -
                 crop = F.interpolate(crop, size=(rh, rw), mode="bilinear", antialias=True, align_corners=False)
             out[b] = crop[0, :, oy : oy + oh, ox : ox + ow]
         return out.float().div_(255.0)
-    wy = aa_weights(box[:, 0], box[:, 2], resized[:, 0], offset[:, 0], oh, canvas.shape[1])  # (B, oh, Hmax)
-    wx = aa_weights(box[:, 1], box[:, 3], resized[:, 1], offset[:, 1], ow, canvas.shape[2])  # (B, ow, Wmax)
-    x = canvas.float()  # (B, Hmax, Wmax, 3)
+    # on a GPU in float16 (tensor cores; cuBLAS accumulates in float32): pixels 0-255 are exact
+    # in it and the result is off by ~0.1 of a level, where float32 made these two matmuls a
+    # third of an H200's decode + augment time (docs/benchmarks.md, "GPU")
+    dtype = torch.float16 if canvas.device.type == "cuda" else torch.float32
+    wy = aa_weights(box[:, 0], box[:, 2], resized[:, 0], offset[:, 0], oh, canvas.shape[1]).to(dtype)  # (B, oh, Hmax)
+    wx = aa_weights(box[:, 1], box[:, 3], resized[:, 1], offset[:, 1], ow, canvas.shape[2]).to(dtype)  # (B, ow, Wmax)
+    x = canvas.to(dtype)  # (B, Hmax, Wmax, 3)
     x = torch.einsum("byh,bhwc->bywc", wy, x)  # rows first: (B, oh, Wmax, 3)
     x = torch.einsum("bxw,bywc->byxc", wx, x)  # (B, oh, ow, 3)
-    return x.div_(255.0).clamp_(0.0, 1.0).permute(0, 3, 1, 2)
+    return x.float().div_(255.0).clamp_(0.0, 1.0).permute(0, 3, 1, 2)
 
 
 def _first_valid(ok: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
