@@ -659,7 +659,8 @@ def _say(job: dict, line: str, epoch: int = -1) -> None:
 
 def format_row(row: dict, epochs: int, show_size: bool = False) -> str:
     waiting = row["data_wait_frac"]
-    verdict = "  << input-bound: the model waited for data; leave Ray Data more CPUs or GPU (README)" if waiting > 0.3 else ""
+    hint = "  << input-bound: the model waited for data; leave Ray Data more CPUs or GPU (README)"
+    verdict = hint if waiting > 0.3 else ""
     size = f"  {row['image_size']}px" if show_size else ""
     return (
         f"epoch {row['epoch']:>3}/{epochs}{size}  loss {row['train_loss']:.4f}  acc {row['train_acc']:.4f}  "
