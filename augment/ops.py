@@ -179,7 +179,13 @@ class HorizontalFlip(Op):
         return {"flip": rng.uniform(self.stream, 1)[:, 0] < self.p}
 
     def apply(self, x, params, sizes=None):
-        return torch.where(params["flip"][:, None, None, None], x.flip(-1), x)
+        if x.device.type != "cpu":  # one kernel for the batch
+            return torch.where(params["flip"][:, None, None, None], x.flip(-1), x)
+        # CPU: a copy, then only the images that flip; a third of torch.where's time on a chunk
+        out = x.clone()
+        for i in params["flip"].nonzero()[:, 0].tolist():
+            out[i] = x[i].flip(-1)
+        return out
 
 
 @register
