@@ -88,8 +88,8 @@ class TrainConfig:
     )
     augment_actors: int = _f(
         0,
-        "augment actors per split (train, val); 0 = Ray Data tasks, which read, decode and augment in one "
-        "process that outlives the epoch (an actor pool restarts every epoch)",
+        "augment actors per split (train, val); 0 = Ray Data tasks, whose worker processes outlive the epoch "
+        "(an actor pool restarts every epoch)",
     )
     augment_gpus: float = _f(
         0.0,

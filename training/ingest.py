@@ -5,7 +5,7 @@ they are split between the ranks.
         --(augment stage: decode + augment in one call)--> {image uint8 (B, S, S, 3), label, key}
 
 Where decoding happens (`choose_decode`, printed in the plan line; docs/design.md,
-"Decoding"): on a GPU, in the augment actor (nvjpeg); on CPUs, in the augment call too,
+"Decoding"): on a GPU, in the augment task (nvjpeg); on CPUs, in the augment call too,
 each JPEG at the smallest scale its crop allows, when the train preset crops photos
 (random_resized_crop) and the files are large enough for that to pay; otherwise (tiny
 images such as 32 px PNGs) in the read task, at full size.

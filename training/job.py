@@ -124,8 +124,8 @@ def check_storage(storage_path: str, capacity: Capacity, log=print) -> None:
 
 
 # On GPUs each trainer's GPU keeps GPU_INGEST_SHARE for augmentation: by default GPU_TASKS_PER_GPU
-# Ray Data tasks at once, each its own process that reads, decodes (nvjpeg) and augments, and
-# that outlives the epoch (docs/benchmarks.md, "GPU"); with --augment-actors, the share per actor.
+# Ray Data tasks at once, each a process that decodes (nvjpeg) and augments a batch and outlives
+# the epoch (docs/benchmarks.md, "GPU"); with --augment-actors, the share per actor.
 GPU_INGEST_SHARE, GPU_TASKS_PER_GPU = 0.25, 4
 
 
@@ -134,10 +134,10 @@ class ResourcePlan:
     use_gpu: bool
     num_workers: int
     cpus_per_worker: float  # below 1 only where whole CPUs would leave Ray Data none
-    gpus_per_worker: float  # < 1 when augment actors share the trainers' GPUs
+    gpus_per_worker: float  # < 1 when augment tasks or actors share the trainers' GPUs
     threads_per_worker: int
     augment_actors: int  # per split; 0: Ray Data tasks instead (the CPU default)
-    augment_gpus: float  # per augment actor; 0 on a CPU-only plan
+    augment_gpus: float  # per augment task or actor; 0 on a CPU-only plan
     augment_cpus: float  # per read/augment task and per augment actor
     placement: str  # PACK keeps GPU ranks together (NVLink); SPREAD gives CPU ranks their own cores
 
@@ -174,7 +174,7 @@ class ResourcePlan:
 def plan_resources(cfg: TrainConfig, capacity: Capacity) -> ResourcePlan:
     """Split the cluster between train workers and Ray Data (docs/design.md, "Resources").
 
-    On GPUs the augment actors share the trainers' GPUs (each takes a quarter of one, the
+    On GPUs the augment tasks (or actors) share the trainers' GPUs (a quarter of each, the
     trainer the rest) unless --augment-gpus says otherwise; a whole GPU per actor only pays
     when augmentation is heavy next to the model. On CPUs one worker uses all cores by
     default: two workers on two cores fight over them. Every plan returned leaves Ray Data
