@@ -61,9 +61,14 @@ def test_cli_exits_2_with_one_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name", ["cifar-local.yaml", "imagenet-cluster.yaml"])
-def test_example_configs_load(name):
+def test_example_configs_load_and_plan_on_the_cluster_they_are_for(name):
+    from training.job import Capacity, plan_resources
+
     cfg, _ = parse_config(parser(), ["--config", str(REPO / "configs" / name)])
     assert cfg.epochs > 1 and cfg.name
+    gpus = 8 if cfg.device == "cuda" else 0  # imagenet-cluster.yaml: 8 GPUs of cluster.yaml's nodes
+    plan = plan_resources(cfg, Capacity(cpus=64 if gpus else 2, gpus=gpus, hosts=1, autoscaling=False))
+    assert plan.num_workers == (cfg.num_workers or 1) and plan.use_gpu == bool(gpus)
 
 
 def test_help_lists_config_and_every_field():
