@@ -1,7 +1,8 @@
-"""The augment stage: a callable class for `Dataset.map_batches` with an actor pool.
+"""The augment stage: a callable class for `Dataset.map_batches` (an actor pool), and
+`augment_task`, its function form for Ray Data tasks (the default on CPUs and GPUs).
 
-Each actor builds its pipeline once in `__init__`, on `cuda` when Ray gave it a GPU and
-on the CPU otherwise, and then augments whole batches, decoded or still encoded:
+Each builds its pipeline once per process, on `cuda` when Ray gave it a GPU and on the
+CPU otherwise, and then augments whole batches, decoded or still encoded:
 
     {image: uint8 (B, H, W, 3) or ragged, label, key}  ->  {image: uint8 (B, S, S, 3), label, key, epoch}
     {bytes, path, label, key}                          ->  the same, decoded in the same call

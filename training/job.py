@@ -136,7 +136,7 @@ class ResourcePlan:
     cpus_per_worker: float  # below 1 only where whole CPUs would leave Ray Data none
     gpus_per_worker: float  # < 1 when augment tasks or actors share the trainers' GPUs
     threads_per_worker: int
-    augment_actors: int  # per split; 0: Ray Data tasks instead (the CPU default)
+    augment_actors: int  # per split; 0: Ray Data tasks instead (the default)
     augment_gpus: float  # per augment task or actor; 0 on a CPU-only plan
     augment_cpus: float  # per read/augment task and per augment actor
     placement: str  # PACK keeps GPU ranks together (NVLink); SPREAD gives CPU ranks their own cores
