@@ -63,7 +63,7 @@ class AugmentStage:
 
         from augment.presets import Pipeline, preset_from_dict
 
-        if device == "auto":
+        if device == "auto":  # an actor: Ray fixed its GPU in CUDA_VISIBLE_DEVICES when it started
             device = "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
         self.device = torch.device(device)
         spec = preset_from_dict(preset)
@@ -82,6 +82,8 @@ class AugmentStage:
 
         from augment.batch import augment_batch, decode_augment
 
+        if self.device.type == "cuda":  # what torch or torchvision puts on "the" GPU lands on ours
+            torch.cuda.set_device(self.device)
         epoch = ray.get(self.clock.get.remote()) if self.clock is not None else 0
         keys = torch.as_tensor(np.array(batch["key"]))
         if "bytes" in batch:
@@ -103,6 +105,40 @@ class AugmentStage:
 
 _STAGES: dict[str, AugmentStage] = {}  # per worker process: built once, reused by every task
 
+# Ray's remote env of an augment task on a GPU share (training/ingest.py task_resources): Ray
+# leaves CUDA_VISIBLE_DEVICES as the node has it, instead of narrowing it to the task's GPU.
+GPU_TASK_ENV = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+
+
+def cuda_index(gpu_id, visible: str | None) -> int:
+    """torch's index of the GPU that Ray calls `gpu_id`, in a process that sees `visible`
+    (its CUDA_VISIBLE_DEVICES, None when unset): Ray's ids are the entries of the node's
+    CUDA_VISIBLE_DEVICES where it has one, and 0..N-1 otherwise."""
+    if not visible:
+        return int(gpu_id)
+    entries = [v.strip() for v in visible.split(",")]
+    if str(gpu_id) not in entries:
+        raise RuntimeError(f"Ray gave this task GPU {gpu_id}, which CUDA_VISIBLE_DEVICES={visible} does not list")
+    return entries.index(str(gpu_id))
+
+
+def task_device() -> str:
+    """The device of this task: "cuda:N" for the GPU Ray gave it, "cpu" without one (or where
+    torch finds no CUDA, as on a test cluster's fake GPU node).
+
+    A task's worker process outlives it (max_calls=0) and may get another GPU of the node in
+    its next task; CUDA fixes a process's visible devices when it first starts, so the task
+    runs with all of the node's GPUs visible (GPU_TASK_ENV) and picks its own by index."""
+    import os
+
+    import ray
+    import torch
+
+    ids = ray.get_gpu_ids()
+    if not ids or not torch.cuda.is_available():
+        return "cpu"
+    return f"cuda:{cuda_index(ids[0], os.environ.get('CUDA_VISIBLE_DEVICES'))}"
+
 
 def augment_task(
     batch: dict,
@@ -120,15 +156,11 @@ def augment_task(
     """map_batches *function* form of AugmentStage for Ray Data tasks: the worker processes
     outlive the epoch (on a GPU share too: training/ingest.py task_resources), so nothing is
     rebuilt when the next epoch starts, while an actor pool is started afresh for each
-    epoch's execution. The task runs on the GPU when Ray gave it one.
-
-    A process keeps the GPU it first used: CUDA fixes the visible devices when it starts, so on
-    a node of several GPUs a later task that Ray assigned another GPU still runs on the first."""
+    epoch's execution. The task runs on the GPU Ray gave it (task_device); a process that
+    has run on several GPUs of its node keeps a pipeline on each."""
     import json
 
-    import ray
-
-    device = "cuda" if ray.get_gpu_ids() else "cpu"
+    device = task_device()
     key = json.dumps([preset, train, seed, schedule, epochs, shrink, resize, device], sort_keys=True)
     stage = _STAGES.get(key)
     if stage is None:
@@ -136,7 +168,7 @@ def augment_task(
             preset,
             train=train,
             seed=seed,
-            device=device if device == "cpu" else "auto",
+            device=device,
             schedule=schedule,
             epochs=epochs,
             shrink=shrink,

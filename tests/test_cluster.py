@@ -111,10 +111,21 @@ def test_gpu_plans_share_or_dedicate_gpus_and_refuse_the_impossible():
         0.0625,
     )
     assert shared.placement == "PACK" and shared.ingest_tasks() == [(1.0, 0.0), (1.0, 0.0625)]
+    assert shared.augment_concurrency == 16 and shared.describe().endswith("per split, at most 16 at once")
     actors = plan_resources(TrainConfig(augment_actors=4), Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False))
-    assert (actors.gpus_per_worker, actors.augment_gpus) == (0.75, 0.25)
-    with pytest.raises(ConfigError, match="4 augment tasks per GPU x 0.3 GPU leave no GPU for 4 train"):
-        plan_resources(TrainConfig(augment_gpus=0.3), Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False))
+    assert (actors.gpus_per_worker, actors.augment_gpus, actors.augment_concurrency) == (0.75, 0.25, 0)
+    # --augment-gpus sets each task's share; as many tasks as fit in a quarter of the GPU run beside its trainer
+    for share, per_gpu, trainer in ((0.125, 2, 0.75), (0.25, 1, 0.75), (0.3, 1, 0.7), (0.02, 12, 0.76)):
+        plan = plan_resources(TrainConfig(augment_gpus=share), Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False))
+        assert (plan.augment_gpus, plan.augment_concurrency) == (share, 4 * per_gpu), share
+        assert plan.gpus_per_worker == pytest.approx(trainer), share
+    with pytest.raises(ConfigError, match="--augment-actors 8 x 0.3 GPU leave no GPU for 2 train worker"):
+        plan_resources(
+            TrainConfig(num_workers=2, augment_actors=8, augment_gpus=0.3),
+            Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False),
+        )
+    with pytest.raises(ConfigError, match="--num-workers 4 \\+ 1 augment task\\(s\\) of 1 GPU need 5 GPUs"):
+        plan_resources(TrainConfig(augment_gpus=1), Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False))
     dedicated = plan_resources(
         TrainConfig(num_workers=2, augment_actors=2, augment_gpus=1),
         Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False),

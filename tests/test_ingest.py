@@ -300,8 +300,10 @@ def test_gpu_augment_tasks_run_in_processes_that_outlive_the_epoch(gpu_node, ord
 
     plan = job.plan_resources(TrainConfig(device="cuda"), job.Capacity(cpus=16, gpus=1, hosts=1))
     assert plan.augment_tasks and "augment tasks x (0.0625 GPU + 1 CPU)" in plan.describe()
-    assert task_resources(plan) == {"num_gpus": 0.0625, "max_calls": 0} and plan.gpus_per_worker == 0.75
-    args = task_resources(plan) | {"num_cpus": 0.5}  # the fake node's 2 CPUs take 4 tasks at once
+    args = task_resources(plan)
+    assert (args["num_gpus"], args["max_calls"], plan.gpus_per_worker) == (0.0625, 0, 0.75) and "num_cpus" not in args
+    assert args["compute"].size == 4  # the 4 tasks planned beside the one trainer, not the 16 that fit
+    args = args | {"num_cpus": 0.5}  # the fake node's 2 CPUs take 4 tasks at once
     tree = scan_data(str(order_tree), 0.1)
     ours = _task_processes(tree.train, tree.class_names, args, executions=2)
     # Ray ends idle workers beyond a node's CPU count, so some of the first processes may be gone
@@ -310,3 +312,96 @@ def test_gpu_augment_tasks_run_in_processes_that_outlive_the_epoch(gpu_node, ord
     rays_default = {k: v for k, v in args.items() if k != "max_calls"}
     (control,) = _task_processes(tree.train, tree.class_names, rays_default, executions=1)
     assert len(set(control.values())) == len(control) >= 4, control  # a process per task
+
+
+def _task_gpus(split, class_names, args: dict) -> list[dict]:
+    """Per task of an augment-like map: its process, the GPU Ray gave it, CUDA_VISIBLE_DEVICES
+    as the task saw it, and the index augment.stage.cuda_index derives from the two."""
+    import os
+    import time
+
+    from augment.stage import cuda_index
+    from training.ingest import read_split
+
+    def where(batch):
+        time.sleep(0.2)  # long enough for two tasks to overlap, and so hold both GPUs
+        gpu, visible = ray.get_gpu_ids()[0], os.environ.get("CUDA_VISIBLE_DEVICES")
+        row = [os.getpid(), int(gpu), cuda_index(gpu, visible)]
+        return {"row": np.array([row]), "visible": np.array([str(visible)])}
+
+    ds = read_split(split, class_names, num_cpus=0.5).map_batches(where, batch_size=16, batch_format="numpy", **args)
+    rows = ds.take_all()
+    return [{"pid": r["row"][0], "gpu": r["row"][1], "index": r["row"][2], "visible": r["visible"]} for r in rows]
+
+
+@pytest.mark.parametrize("gpu_node", [2], indirect=True)
+def test_a_gpu_augment_task_picks_the_gpu_ray_gave_it_on_a_node_of_several(gpu_node, order_tree):
+    """A task's process outlives it and may get the node's other GPU in its next task. Ray
+    narrows CUDA_VISIBLE_DEVICES to each task's GPU (the control), but CUDA reads it once per
+    process, so a process would stay on its first GPU. The augment tasks keep the node's
+    devices visible (GPU_TASK_ENV) and take cuda:<the id Ray gave them>."""
+    import os
+
+    from training.ingest import task_resources
+    from training.inputs import scan_data
+
+    plan = job.plan_resources(
+        TrainConfig(device="cuda", augment_gpus=0.75), job.Capacity(cpus=16, gpus=2, hosts=1)
+    )  # one task per GPU at a time: two at once use both GPUs
+    assert plan.augment_concurrency == 2
+    args = task_resources(plan) | {"num_cpus": 0.5}
+    tree = scan_data(str(order_tree), 0.1)
+    node_visible = str(os.environ.get("CUDA_VISIBLE_DEVICES"))  # what the fake node's processes inherit
+    ours = []
+    while len(ours) < 5 * len(tree.train) // 16 and {r["gpu"] for r in ours} != {0, 1}:
+        ours += _task_gpus(tree.train, tree.class_names, args)  # until tasks have overlapped (and used GPU 1)
+    assert {r["gpu"] for r in ours} == {0, 1}, ours
+    assert all(r["visible"] == node_visible and r["index"] == r["gpu"] for r in ours), ours
+    control = _task_gpus(tree.train, tree.class_names, {k: v for k, v in args.items() if k != "runtime_env"})
+    assert all(r["visible"] == str(r["gpu"]) for r in control), control  # narrowed, task by task
+
+
+def test_cuda_index_follows_the_nodes_visible_devices():
+    from augment.stage import cuda_index
+
+    assert cuda_index(1, None) == 1 and cuda_index("1", "") == 1  # no CUDA_VISIBLE_DEVICES: Ray's ids are torch's
+    assert cuda_index("3", "2,3") == 1 and cuda_index("GPU-b", "GPU-a, GPU-b") == 1  # Ray's ids are its entries
+    with pytest.raises(RuntimeError, match="GPU 5, which CUDA_VISIBLE_DEVICES=2,3 does not list"):
+        cuda_index(5, "2,3")
+
+
+def _augmented(cfg, tree, plan, clock, epochs=(0, 1)) -> list[dict]:
+    """{key: augmented image} of train and of val, per epoch, from the datasets as jobs.train builds them."""
+    datasets = build_datasets(cfg, tree, PRESETS["cifar"], plan, clock)
+    out = []
+    for epoch in epochs:
+        ray.get(clock.set.remote(epoch))
+        for name in ("train", "val"):
+            batches = list(datasets[name].iter_batches(batch_size=None, batch_format="numpy"))
+            assert all((b["epoch"] == (epoch if name == "train" else 0)).all() for b in batches)  # val: fixed
+            out.append({int(k): img for b in batches for k, img in zip(b["key"], b["image"], strict=True)})
+    return out
+
+
+def test_the_gpu_plans_datasets_augment_as_the_cpu_plans_do(gpu_node, order_tree):
+    """The GPU branch of build_datasets (read tasks hand encoded files to augment tasks on a
+    GPU share, a batch at a time) runs on a fake GPU node, where torch sees no CUDA and the
+    augment tasks fall back to the CPU: every image of both splits, in two epochs, comes out
+    as the CPU plan augments it (each image's augmentation is a function of seed, epoch, key)."""
+    from augment.stage import EpochClock
+    from training.inputs import scan_data
+
+    tree = scan_data(str(order_tree), 0.1)
+    cfg = TrainConfig(data=str(order_tree), val_fraction=0.1, augment_batch_size=32, decode="augment-full")
+    gpu_plan = job.plan_resources(TrainConfig(**{**cfg.to_dict(), "device": "cuda"}), job.Capacity(4, 1, 1))
+    assert gpu_plan.augment_gpus == 0.0625 and gpu_plan.augment_tasks
+    clock = ray.remote(num_cpus=0)(EpochClock).remote()
+    try:
+        on_gpu = _augmented(cfg, tree, gpu_plan, clock)
+        on_cpu = _augmented(cfg, tree, job.plan_resources(cfg, CPU_2), clock)
+    finally:
+        ray.kill(clock)
+    for gpu_images, cpu_images in zip(on_gpu, on_cpu, strict=True):
+        assert gpu_images.keys() == cpu_images.keys() and len(gpu_images) in (len(tree.train), len(tree.val))
+        assert all(np.array_equal(gpu_images[k], cpu_images[k]) for k in cpu_images)
+    assert not all(np.array_equal(on_gpu[0][k], on_gpu[2][k]) for k in on_gpu[0])  # epochs differ

@@ -94,7 +94,8 @@ class TrainConfig:
     augment_gpus: float = _f(
         0.0,
         "GPU per augment task or actor; 0 = a quarter of a trainer's GPU for augmentation (4 tasks of 0.0625, "
-        "or an actor of 0.25); 1 = a dedicated GPU each",
+        "or an actor of 0.25). Tasks: as many as fit in a quarter run beside each trainer, at least one "
+        "(0.125: 2; 0.03125: 8); 1 = a dedicated GPU each",
     )
     augment_batch_size: int = _f(
         0,

@@ -40,7 +40,7 @@ from ray.data.block import BlockAccessor, BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
 from augment.decode import SHRINKING_OPS, BadImage, decode_image, stack_images
-from augment.stage import AugmentStage, augment_task
+from augment.stage import GPU_TASK_ENV, AugmentStage, augment_task
 from training import ray_private
 from training.data import Split, label_of, stable_hash
 from training.storage import filesystem
@@ -327,16 +327,27 @@ def read_split(
     return ray.data.read_datasource(source, num_cpus=num_cpus, override_num_blocks=source.num_tasks)
 
 
-def task_resources(plan) -> dict:
-    """Ray remote args of an augment task. On a GPU share, `max_calls=0`: Ray ends a GPU
-    task's worker process after each task by default, and a fresh process pays the CUDA context,
-    nvjpeg and kernel loading (about 7 s on an H200) in its first block; with 0 the processes
-    outlive the epoch and keep their pipeline on the device (augment_task), as CPU tasks do.
-    A GPU task's 1 CPU is Ray Data's default, left unsaid: Ray Data warns when both are given."""
+def task_resources(plan, batches: int | None = None) -> dict:
+    """map_batches arguments of an augment task beyond its function: Ray's remote args, and on
+    a GPU share also a cap on the tasks at once: plan.augment_concurrency, the planned number
+    beside the trainers, where Ray Data would start up to 16 on each GPU the trainers leave;
+    no more than the split's `batches` (Ray Data warns of a cap it cannot reach).
+
+    - `max_calls=0`: Ray ends a GPU task's worker process after each task by default, and a
+      fresh process pays the CUDA context, nvjpeg and kernel loading (about 7 s on an H200)
+      in its first block; with 0 the processes outlive the epoch and keep their pipeline on
+      the device (augment_task), as CPU tasks do.
+    - GPU_TASK_ENV: a process that outlives its task may get another GPU of the node in its
+      next one; Ray then leaves CUDA_VISIBLE_DEVICES alone and the task picks its device by
+      the id Ray gave it (augment.stage.task_device).
+    - A GPU task's 1 CPU is Ray Data's default, left unsaid: Ray Data warns when both are given
+      (the plan may lower the share below 1 on a small node, and then gives it)."""
     if not plan.augment_gpus:
         return {"num_cpus": plan.augment_cpus}
     cpus = {} if plan.augment_cpus == 1 else {"num_cpus": plan.augment_cpus}
-    return {"num_gpus": plan.augment_gpus, "max_calls": 0} | cpus
+    size = min(plan.augment_concurrency, batches or plan.augment_concurrency)
+    cap = {"compute": ray.data.TaskPoolStrategy(size=size)} if size else {}
+    return {"num_gpus": plan.augment_gpus, "max_calls": 0, "runtime_env": {"env_vars": GPU_TASK_ENV}} | cpus | cap
 
 
 def check_decodes(split: Split, class_names, *, num_cpus: float) -> dict[str, str]:
@@ -396,8 +407,9 @@ def build_datasets(cfg, tree, preset, plan, clock, bad_log=None, decode: DecodeP
             # no read with a map that holds GPUs (it wants a batch size there), so read tasks pass
             # the encoded files to augment tasks, a batch at a time
             batch = augment_rows(cfg.augment_batch_size, split, decode) if plan.augment_gpus else None
+            resources = task_resources(plan, batches=-(-len(split) // batch) if batch else None)
             out[split_name] = ds.map_batches(
-                augment_task, fn_kwargs=kwargs, batch_format="numpy", batch_size=batch, **task_resources(plan)
+                augment_task, fn_kwargs=kwargs, batch_format="numpy", batch_size=batch, **resources
             )
         else:
             out[split_name] = ds.map_batches(

@@ -140,6 +140,7 @@ class ResourcePlan:
     augment_gpus: float  # per augment task or actor; 0 on a CPU-only plan
     augment_cpus: float  # per read/augment task and per augment actor
     placement: str  # PACK keeps GPU ranks together (NVLink); SPREAD gives CPU ranks their own cores
+    augment_concurrency: int = 0  # GPU augment tasks at once per split; 0: as many as Ray Data starts
 
     def describe(self) -> str:
         where = f"{self.gpus_per_worker:g} GPU + " if self.use_gpu else ""
@@ -149,9 +150,10 @@ class ResourcePlan:
             else f"{self.augment_cpus:g} CPU"
         )
         who = "augment tasks" if self.augment_tasks else f"{self.augment_actors} augment actor(s)"
+        cap = f", at most {self.augment_concurrency} at once" if self.augment_concurrency else ""
         return (
             f"{self.num_workers} train worker(s) x ({where}{self.cpus_per_worker:g} CPU, "
-            f"{self.threads_per_worker} torch threads), {self.placement}; {who} x {aug} per split"
+            f"{self.threads_per_worker} torch threads), {self.placement}; {who} x {aug} per split{cap}"
         )
 
     @property
@@ -171,6 +173,43 @@ class ResourcePlan:
         return [(self.augment_cpus, 0.0)] + augment
 
 
+def tasks_per_gpu(augment_gpus: float) -> int:
+    """Augment tasks beside each trainer: as many of `augment_gpus` as fit in GPU_INGEST_SHARE
+    of its GPU, and at least one (--augment-gpus 0.25 gives one task a quarter, 0.0625 four)."""
+    return max(1, math.floor(GPU_INGEST_SHARE / augment_gpus + 1e-9))
+
+
+def gpu_shares(cfg: TrainConfig, workers: int, capacity: Capacity) -> dict:
+    """The GPU fields of a GPU plan: each trainer's share, each augment task's or actor's,
+    and how many augment tasks run at once per split; a ConfigError where they do not fit."""
+    actors = cfg.augment_actors
+    augment_gpus = cfg.augment_gpus or (GPU_INGEST_SHARE / GPU_TASKS_PER_GPU if not actors else GPU_INGEST_SHARE)
+    dedicated = augment_gpus >= 1
+    augmenters = actors or (1 if dedicated else tasks_per_gpu(augment_gpus) * workers)
+    needed = workers + (augmenters * augment_gpus if dedicated else 0)
+    if needed > capacity.gpus and capacity.bounded:
+        who = f"{augmenters} augment {'actor' if actors else 'task'}(s) of {augment_gpus:g} GPU"
+        raise ConfigError(
+            f"--num-workers {workers}"
+            + (f" + {who}" if dedicated else "")
+            + f" need {needed:g} GPUs but the cluster has at most {capacity.gpus}; lower --num-workers"
+        )
+    gpus_per_worker = 1.0
+    if not dedicated:  # each GPU keeps room for the augment actors or tasks beside its trainer
+        beside = math.ceil(actors / max(workers, 1)) if actors else tasks_per_gpu(augment_gpus)
+        gpus_per_worker = 1.0 - augment_gpus * beside
+        if gpus_per_worker <= 0:
+            raise ConfigError(
+                f"--augment-actors {actors} x {augment_gpus:g} GPU leave no GPU for {workers} train worker(s); "
+                "lower --augment-gpus"
+            )
+    return {
+        "gpus_per_worker": gpus_per_worker,
+        "augment_gpus": augment_gpus,
+        "augment_concurrency": 0 if actors else augmenters,
+    }
+
+
 def plan_resources(cfg: TrainConfig, capacity: Capacity) -> ResourcePlan:
     """Split the cluster between train workers and Ray Data (docs/design.md, "Resources").
 
@@ -186,28 +225,7 @@ def plan_resources(cfg: TrainConfig, capacity: Capacity) -> ResourcePlan:
         raise ConfigError("--device cuda: the Ray cluster has no GPUs and cannot get any; use --device cpu or auto")
     check_amp(cfg.amp, on_gpu=use_gpu)
     workers = cfg.num_workers or (max(gpus, 1) if use_gpu else 1)
-    actors = cfg.augment_actors  # 0: Ray Data tasks, on CPUs and GPUs (see training.ingest)
-    gpu_share = GPU_INGEST_SHARE / GPU_TASKS_PER_GPU if not actors else GPU_INGEST_SHARE
-    augment_gpus = (cfg.augment_gpus or gpu_share) if use_gpu else 0.0
-    gpus_per_worker = 1.0
-    if use_gpu:
-        dedicated = augment_gpus >= 1
-        # what runs beside each trainer at once: the actors placed on its GPU, or GPU_TASKS_PER_GPU tasks
-        beside = math.ceil(actors / max(workers, 1)) if actors else GPU_TASKS_PER_GPU
-        needed = workers + ((actors or 1) * augment_gpus if dedicated else 0)
-        if needed > gpus and capacity.bounded:
-            raise ConfigError(
-                f"--num-workers {workers}"
-                + (f" + {actors} dedicated augment GPUs" if dedicated else "")
-                + f" need {needed:g} GPUs but the cluster has at most {gpus}; lower --num-workers"
-            )
-        if not dedicated:  # each GPU keeps room for the augment actors or tasks beside its trainer
-            gpus_per_worker = 1.0 - augment_gpus * beside
-            if gpus_per_worker <= 0:
-                who = f"--augment-actors {actors}" if actors else f"{GPU_TASKS_PER_GPU} augment tasks per GPU"
-                raise ConfigError(
-                    f"{who} x {augment_gpus:g} GPU leave no GPU for {workers} train worker(s); lower --augment-gpus"
-                )
+    shares = gpu_shares(cfg, workers, capacity) if use_gpu else {"gpus_per_worker": 1.0, "augment_gpus": 0.0}
     cpus_per_worker = cfg.cpus_per_worker or max(1, cpus // 2 // workers)
     if cfg.cpus_per_worker and workers * cpus_per_worker > cpus and capacity.bounded:
         raise ConfigError(
@@ -218,12 +236,11 @@ def plan_resources(cfg: TrainConfig, capacity: Capacity) -> ResourcePlan:
         use_gpu=use_gpu,
         num_workers=workers,
         cpus_per_worker=cpus_per_worker,
-        gpus_per_worker=gpus_per_worker,
         threads_per_worker=0,
-        augment_actors=actors,
-        augment_gpus=augment_gpus,
+        augment_actors=cfg.augment_actors,  # 0: Ray Data tasks, on CPUs and GPUs (see training.ingest)
         augment_cpus=1.0 if use_gpu or cpus > 2 else 0.5,
         placement="PACK" if use_gpu else "SPREAD",
+        **shares,
     )
     if capacity.bounded:
         plan = leave_room_for_ingest(plan, capacity, fixed=bool(cfg.cpus_per_worker))
