@@ -179,7 +179,7 @@ class HorizontalFlip(Op):
         return {"flip": rng.uniform(self.stream, 1)[:, 0] < self.p}
 
     def apply(self, x, params, sizes=None):
-        if x.device.type != "cpu" or x[0].numel() < 3 * 64 * 64:  # one kernel for the batch
+        if x.device.type != "cpu" or x.shape[1:].numel() < 3 * 64 * 64:  # one kernel for the batch
             return torch.where(params["flip"][:, None, None, None], x.flip(-1), x)
         # CPU, images of 64 px and more: a copy, then only the images that flip. On 224 px
         # chunks this took a third of torch.where's time; on 32 px ones Python's per-image cost
@@ -310,10 +310,11 @@ def aa_weights(start, length, out_len, offset, count: int, canvas_len: int) -> t
     return (w / w.sum(-1, keepdim=True).clamp(min=1e-12)).float()
 
 
-def resample_boxes(canvas, box, resized, offset, out_hw, method: str = "auto") -> torch.Tensor:
+def resample_boxes(canvas, box, resized, offset, out_hw, method: str = "auto", dtype=None) -> torch.Tensor:
     """Resample box (top, left, h, w) of every image to resized (rh, rw), keep the out_hw
     window at offset (oy, ox). canvas: uint8 (B, Hmax, Wmax, 3), or on the CPU a list of
-    (H, W, 3) images; box, resized, offset: int64.
+    (H, W, 3) images; box, resized, offset: int64. `dtype`: the matmuls' (None: float16 on
+    a GPU, float32 on the CPU).
     Returns float (B, 3, oh, ow) in [0, 1]: planar from the CPU loop, channels_last otherwise."""
     if isinstance(canvas, list):
         method = "loop"
@@ -331,10 +332,11 @@ def resample_boxes(canvas, box, resized, offset, out_hw, method: str = "auto") -
                 crop = F.interpolate(crop, size=(rh, rw), mode="bilinear", antialias=True, align_corners=False)
             out[b] = crop[0, :, oy : oy + oh, ox : ox + ow]
         return out.float().div_(255.0)
-    # on a GPU in float16 (tensor cores; cuBLAS accumulates in float32): pixels 0-255 are exact
-    # in it and the result is off by ~0.1 of a level, where float32 made these two matmuls a
-    # third of an H200's decode + augment time (docs/benchmarks.md, "GPU")
-    dtype = torch.float16 if canvas.device.type == "cuda" else torch.float32
+    # on a GPU in float16 (tensor cores), where float32 made these two matmuls a third of an
+    # H200's decode + augment time (docs/benchmarks.md, "GPU"). Pixels 0-255 are exact in it;
+    # the weights and the rows pass are rounded, so the result is within about 0.3 of a level,
+    # and a few per cent of pixels land on the neighbouring uint8 level (tests/test_augment.py)
+    dtype = dtype or (torch.float16 if canvas.device.type == "cuda" else torch.float32)
     wy = aa_weights(box[:, 0], box[:, 2], resized[:, 0], offset[:, 0], oh, canvas.shape[1]).to(dtype)  # (B, oh, Hmax)
     wx = aa_weights(box[:, 1], box[:, 3], resized[:, 1], offset[:, 1], ow, canvas.shape[2]).to(dtype)  # (B, ow, Wmax)
     x = canvas.to(dtype)  # (B, Hmax, Wmax, 3)
