@@ -25,8 +25,10 @@ One torch thread on the CPU (what an augment task gets). Goal on one H200 (the i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
+import queue
 import time
 
 import torch
@@ -95,7 +97,7 @@ def _process(files, batch, device, seconds, barrier, results):
     """One of --processes: warm up, wait for the others, then time decode_augment."""
     torch.set_num_threads(1)
     time_decode_augment(files, batch, torch.device(device), True, 0.5)  # warm-up
-    barrier.wait()
+    barrier.wait(timeout=120)  # a sibling that died in its warm-up breaks it for all
     results.put(time_decode_augment(files, batch, torch.device(device), True, seconds))
 
 
@@ -107,13 +109,23 @@ def time_processes(files, batch: int, device: str, seconds: float, processes: in
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(processes), ctx.Queue()
     procs = [
-        ctx.Process(target=_process, args=(files, batch, device, seconds, barrier, results)) for _ in range(processes)
+        ctx.Process(target=_process, args=(files, batch, device, seconds, barrier, results), daemon=True)
+        for _ in range(processes)
     ]
     for p in procs:
         p.start()
-    rates = [results.get(timeout=seconds + 120) for _ in procs]
-    for p in procs:
-        p.join()
+    rates, deadline = [], time.monotonic() + seconds + 240
+    try:  # a process that fails leaves its traceback on stderr: this row fails instead of hanging
+        while len(rates) < processes:
+            if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                raise RuntimeError(f"decode+augment in {processes} processes: a process failed or stalled")
+            with contextlib.suppress(queue.Empty):
+                rates.append(results.get(timeout=1))
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
     return sum(rates)
 
 
@@ -160,9 +172,12 @@ def main(argv=None) -> list[dict]:
             if device.type == "cuda":
                 row["decode_only"] = round(time_decode_only(files, batch, device, args.seconds), 1)
                 for p in args.processes if kind == "imagenet" else []:
-                    row[f"decode_augment_{p}_processes"] = round(
-                        time_processes(files, batch, args.device, args.seconds, p), 1
-                    )
+                    try:
+                        rate = round(time_processes(files, batch, args.device, args.seconds, p), 1)
+                    except RuntimeError as error:  # the other rows still count
+                        print(error, flush=True)
+                        rate = None
+                    row[f"decode_augment_{p}_processes"] = rate
             if device.type == "cpu":
                 row["full_size_decode"] = round(time_decode_augment(files, batch, device, False, args.seconds), 1)
                 row["seed_pil"] = round(time_seed(files, args.seconds), 1)
