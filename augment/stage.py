@@ -82,7 +82,7 @@ class AugmentStage:
 
         from augment.batch import augment_batch, decode_augment
 
-        if self.device.type == "cuda":  # what torch or torchvision puts on "the" GPU lands on ours
+        if self.device.index is not None:  # a task's cuda:N: what lands on "the" GPU lands on ours
             torch.cuda.set_device(self.device)
         epoch = ray.get(self.clock.get.remote()) if self.clock is not None else 0
         keys = torch.as_tensor(np.array(batch["key"]))
@@ -103,7 +103,7 @@ class AugmentStage:
         }
 
 
-_STAGES: dict[str, AugmentStage] = {}  # per worker process: built once, reused by every task
+STAGES: dict[str, AugmentStage] = {}  # per worker process: built once, reused by every task
 
 # Ray's remote env of an augment task on a GPU share (training/ingest.py task_resources): Ray
 # leaves CUDA_VISIBLE_DEVICES as the node has it, instead of narrowing it to the task's GPU.
@@ -114,12 +114,13 @@ def cuda_index(gpu_id, visible: str | None) -> int:
     """torch's index of the GPU that Ray calls `gpu_id`, in a process that sees `visible`
     (its CUDA_VISIBLE_DEVICES, None when unset): Ray's ids are the entries of the node's
     CUDA_VISIBLE_DEVICES where it has one, and 0..N-1 otherwise."""
+    gpu_id = str(gpu_id).strip()
     if not visible:
         return int(gpu_id)
     entries = [v.strip() for v in visible.split(",")]
-    if str(gpu_id) not in entries:
+    if gpu_id not in entries:
         raise RuntimeError(f"Ray gave this task GPU {gpu_id}, which CUDA_VISIBLE_DEVICES={visible} does not list")
-    return entries.index(str(gpu_id))
+    return entries.index(gpu_id)
 
 
 def task_device() -> str:
@@ -137,7 +138,28 @@ def task_device() -> str:
     ids = ray.get_gpu_ids()
     if not ids or not torch.cuda.is_available():
         return "cpu"
-    return f"cuda:{cuda_index(ids[0], os.environ.get('CUDA_VISIBLE_DEVICES'))}"
+    index = cuda_index(ids[0], os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if index >= torch.cuda.device_count():
+        raise RuntimeError(
+            f"Ray gave this task GPU {ids[0]}, but torch sees {torch.cuda.device_count()} GPU(s) in this process "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}): the node's Ray says it has more GPUs "
+            "than it has (--num-gpus), or they are MIG instances, of which CUDA shows a process one; there, "
+            "run jobs.train with --augment-actors N"
+        )
+    return f"cuda:{index}"
+
+
+def drop_other_devices(device: str) -> None:
+    """Forget this process's pipelines on other devices than `device`, and hand the memory
+    torch cached on those GPUs back to them: a process that Ray has moved to another GPU of
+    its node keeps one pipeline at a time (its CUDA context on the old GPU stays)."""
+    import torch
+
+    for key in [k for k, stage in STAGES.items() if str(stage.device) != device]:
+        old = STAGES.pop(key).device
+        if old.type == "cuda":
+            with torch.cuda.device(old):
+                torch.cuda.empty_cache()
 
 
 def augment_task(
@@ -156,15 +178,16 @@ def augment_task(
     """map_batches *function* form of AugmentStage for Ray Data tasks: the worker processes
     outlive the epoch (on a GPU share too: training/ingest.py task_resources), so nothing is
     rebuilt when the next epoch starts, while an actor pool is started afresh for each
-    epoch's execution. The task runs on the GPU Ray gave it (task_device); a process that
-    has run on several GPUs of its node keeps a pipeline on each."""
+    epoch's execution. The task runs on the GPU Ray gave it (task_device), with the
+    process's pipeline for that device (drop_other_devices)."""
     import json
 
     device = task_device()
     key = json.dumps([preset, train, seed, schedule, epochs, shrink, resize, device], sort_keys=True)
-    stage = _STAGES.get(key)
+    stage = STAGES.get(key)
     if stage is None:
-        stage = _STAGES[key] = AugmentStage(
+        drop_other_devices(device)
+        stage = STAGES[key] = AugmentStage(
             preset,
             train=train,
             seed=seed,

@@ -117,15 +117,16 @@ def time_processes(files, batch: int, device: str, seconds: float, processes: in
     rates, deadline = [], time.monotonic() + seconds + 240
     try:  # a process that fails leaves its traceback on stderr: this row fails instead of hanging
         while len(rates) < processes:
-            if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                raise RuntimeError(f"decode+augment in {processes} processes: a process failed or stalled")
             with contextlib.suppress(queue.Empty):
                 rates.append(results.get(timeout=1))
+                continue
+            if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                raise RuntimeError(f"decode+augment in {processes} processes: a process failed or stalled")
     finally:
         for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
+            if len(rates) < processes:
                 p.terminate()
+            p.join(timeout=10)
     return sum(rates)
 
 

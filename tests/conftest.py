@@ -114,11 +114,11 @@ def ray_cluster(s3):
 
 @pytest.fixture()
 def gpu_node(ray_cluster, request):
-    """A node with one GPU (or `request.param` GPUs, by indirect parametrization), for Ray to
-    schedule by, added to the shared cluster for one test (torch sees no CUDA here: what runs
-    on it runs on the CPU)."""
+    """A node with one GPU, for Ray to schedule by, added to the shared cluster for one test
+    (torch sees no CUDA here: what runs on it runs on the CPU). Indirect parametrization
+    passes other `add_node` arguments (num_gpus, env_vars)."""
     cluster = _shared["cluster"]
-    node = cluster.add_node(num_cpus=2, num_gpus=getattr(request, "param", 1))
+    node = cluster.add_node(**({"num_cpus": 2, "num_gpus": 1} | getattr(request, "param", {})))
     cluster.wait_for_nodes()
     yield node
     cluster.remove_node(node)

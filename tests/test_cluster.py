@@ -126,6 +126,8 @@ def test_gpu_plans_share_or_dedicate_gpus_and_refuse_the_impossible():
         )
     with pytest.raises(ConfigError, match="--num-workers 4 \\+ 1 augment task\\(s\\) of 1 GPU need 5 GPUs"):
         plan_resources(TrainConfig(augment_gpus=1), Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False))
+    own = plan_resources(TrainConfig(num_workers=4, augment_gpus=1), Capacity(cpus=64, gpus=8, hosts=1))
+    assert (own.gpus_per_worker, own.augment_concurrency) == (1.0, 4)  # a GPU each, on the 4 the trainers leave
     dedicated = plan_resources(
         TrainConfig(num_workers=2, augment_actors=2, augment_gpus=1),
         Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False),

@@ -74,6 +74,17 @@ def test_each_preset_gives_the_cpus_output_on_cuda(name):
             assert mean < 1.0, f"{name} train differs by {mean:.2f}/255 on average"
 
 
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_the_augment_stage_runs_on_cuda_named_with_or_without_an_index(device):
+    """An actor pool's stage says "cuda" (Ray fixed its GPU), a task's "cuda:N"."""
+    from augment.stage import AugmentStage
+
+    stage = AugmentStage(PRESETS["cifar"].to_dict(), train=True, seed=0, device=device)
+    images = np.stack([synthetic_photo(32, 32, i) for i in range(8)])
+    out = stage({"image": images, "label": np.zeros(8, np.int64), "key": np.arange(8, dtype=np.int64)})
+    assert out["image"].shape == (8, 32, 32, 3) and stage.device.type == "cuda"
+
+
 @pytest.fixture(scope="module")
 def jpeg_tree(tmp_path_factory):
     """4 classes x 40 JPEGs of 160-320 px, plus a corrupt one that the run must skip."""

@@ -156,17 +156,13 @@ class SplitSource(Datasource):
             relative_paths=relative_paths,
         )
         self._seed, self._shuffle, self._clock = seed, shuffle, clock
-        # rows per read task: at most rows_per_task and TASK_BYTES, and a few tasks at least
-        mean_bytes = self._bytes / max(1, self._rows)
-        rows = min(rows_per_task, max(MIN_ROWS_PER_TASK, math.ceil(self._rows / MIN_TASKS)))
-        rows = max(1, min(rows, int(TASK_BYTES // max(1.0, mean_bytes))), math.ceil(self._rows / MAX_TASKS))
-        self._units_per_task = max(1, round(rows / max(1.0, self._rows / max(1, self._n))))
+        self._units_per_task, self._num_tasks = read_plan(split, rows_per_task)
 
     @property
     def num_tasks(self) -> int:
         """Read tasks per execution. read_split hands Ray Data this count: with fewer tasks than
         it asked for, it would split their blocks and no longer fuse the read with the augment call."""
-        return max(1, math.ceil(self._n / self._units_per_task))
+        return self._num_tasks
 
     def get_name(self) -> str:
         return "ReadImages" if not self._prepared else "ReadPreparedImages"
@@ -196,6 +192,17 @@ class SplitSource(Datasource):
             )
             tasks.append(ReadTask(fn, meta, per_task_row_limit=per_task_row_limit))
         return tasks
+
+
+def read_plan(split: Split, rows_per_task: int) -> tuple[int, int]:
+    """(files or row groups per read task, read tasks) of an execution of `split`: at most
+    rows_per_task rows and TASK_BYTES a task, and a few tasks at least."""
+    units = len(split.row_groups) if getattr(split, "row_groups", None) is not None else len(split)
+    mean_bytes = split.total_bytes / max(1, len(split))
+    rows = min(rows_per_task, max(MIN_ROWS_PER_TASK, math.ceil(len(split) / MIN_TASKS)))
+    rows = max(1, min(rows, int(TASK_BYTES // max(1.0, mean_bytes))), math.ceil(len(split) / MAX_TASKS))
+    per_task = max(1, round(rows / max(1.0, len(split) / max(1, units))))
+    return per_task, max(1, math.ceil(units / per_task))
 
 
 def _read_files(rel_paths, *, root, shards, class_names, label_part, decode, bad_log, relative_paths):
@@ -327,11 +334,12 @@ def read_split(
     return ray.data.read_datasource(source, num_cpus=num_cpus, override_num_blocks=source.num_tasks)
 
 
-def task_resources(plan, batches: int | None = None) -> dict:
+def task_resources(plan, inputs: int | None = None) -> dict:
     """map_batches arguments of an augment task beyond its function: Ray's remote args, and on
     a GPU share also a cap on the tasks at once: plan.augment_concurrency, the planned number
     beside the trainers, where Ray Data would start up to 16 on each GPU the trainers leave;
-    no more than the split's `batches` (Ray Data warns of a cap it cannot reach).
+    no more than the blocks the read hands the map (`inputs`: one per read task; 0, an empty
+    split: no cap), as Ray Data warns of a cap it cannot reach.
 
     - `max_calls=0`: Ray ends a GPU task's worker process after each task by default, and a
       fresh process pays the CUDA context, nvjpeg and kernel loading (about 7 s on an H200)
@@ -345,7 +353,7 @@ def task_resources(plan, batches: int | None = None) -> dict:
     if not plan.augment_gpus:
         return {"num_cpus": plan.augment_cpus}
     cpus = {} if plan.augment_cpus == 1 else {"num_cpus": plan.augment_cpus}
-    size = min(plan.augment_concurrency, batches or plan.augment_concurrency)
+    size = plan.augment_concurrency if inputs is None else min(plan.augment_concurrency, inputs)
     cap = {"compute": ray.data.TaskPoolStrategy(size=size)} if size else {}
     return {"num_gpus": plan.augment_gpus, "max_calls": 0, "runtime_env": {"env_vars": GPU_TASK_ENV}} | cpus | cap
 
@@ -375,7 +383,7 @@ def build_datasets(cfg, tree, preset, plan, clock, bad_log=None, decode: DecodeP
     decode = decode or choose_decode(cfg.decode, tree.train, preset.train, plan.use_gpu)
     out = {}
     for split_name, split in (("train", tree.train), ("val", tree.val)):
-        train = split_name == "train"
+        train, rows = split_name == "train", augment_rows(cfg.augment_batch_size, split, decode)
         if cfg.strict:  # decode every file once now, so a bad one stops the run before training
             bad = check_decodes(split, tree.class_names, num_cpus=plan.augment_cpus)
             if bad and bad_log is not None:
@@ -389,7 +397,7 @@ def build_datasets(cfg, tree, preset, plan, clock, bad_log=None, decode: DecodeP
             decode=decode.where == "read",
             bad_log=bad_log,
             num_cpus=plan.augment_cpus,
-            rows_per_task=augment_rows(cfg.augment_batch_size, split, decode),
+            rows_per_task=rows,
         )
         kwargs = {
             "preset": preset.to_dict(),
@@ -402,26 +410,31 @@ def build_datasets(cfg, tree, preset, plan, clock, bad_log=None, decode: DecodeP
             "shrink": decode.shrink and train,
             "bad_log": bad_log,
         }
-        if plan.augment_tasks:
-            # CPU: one call per read task's block, so Ray Data fuses read and augment. GPU: Ray fuses
-            # no read with a map that holds GPUs (it wants a batch size there), so read tasks pass
-            # the encoded files to augment tasks, a batch at a time
-            batch = augment_rows(cfg.augment_batch_size, split, decode) if plan.augment_gpus else None
-            resources = task_resources(plan, batches=-(-len(split) // batch) if batch else None)
-            out[split_name] = ds.map_batches(
-                augment_task, fn_kwargs=kwargs, batch_format="numpy", batch_size=batch, **resources
-            )
-        else:
-            out[split_name] = ds.map_batches(
-                AugmentStage,
-                fn_constructor_kwargs=kwargs,
-                compute=ray.data.ActorPoolStrategy(size=plan.augment_actors),
-                num_gpus=plan.augment_gpus,
-                batch_format="numpy",
-                batch_size=augment_rows(cfg.augment_batch_size, split, decode),
-                num_cpus=plan.augment_cpus,
-            )
+        out[split_name] = add_augment(
+            ds, plan, kwargs, rows=rows, inputs=read_plan(split, rows)[1] if len(split) else 0
+        )
     return out
+
+
+def add_augment(ds, plan, kwargs: dict, *, rows: int, inputs: int):
+    """ds with the augment stage mapped over it where the plan puts it (build_datasets): `rows`
+    images per call, `inputs` the read's blocks."""
+    if not plan.augment_tasks:
+        return ds.map_batches(
+            AugmentStage,
+            fn_constructor_kwargs=kwargs,
+            compute=ray.data.ActorPoolStrategy(size=plan.augment_actors),
+            num_gpus=plan.augment_gpus,
+            batch_format="numpy",
+            batch_size=rows,
+            num_cpus=plan.augment_cpus,
+        )
+    # CPU: one call per read task's block, so Ray Data fuses read and augment. GPU: Ray fuses no
+    # read with a map that holds GPUs (it wants a batch size there), so read tasks pass the
+    # encoded files to augment tasks, a batch at a time
+    batch = rows if plan.augment_gpus else None
+    resources = task_resources(plan, inputs=inputs)
+    return ds.map_batches(augment_task, fn_kwargs=kwargs, batch_format="numpy", batch_size=batch, **resources)
 
 
 class SplitValUnequally(ray.train.DataConfig):

@@ -203,11 +203,13 @@ def gpu_shares(cfg: TrainConfig, workers: int, capacity: Capacity) -> dict:
                 f"--augment-actors {actors} x {augment_gpus:g} GPU leave no GPU for {workers} train worker(s); "
                 "lower --augment-gpus"
             )
-    return {
-        "gpus_per_worker": gpus_per_worker,
-        "augment_gpus": augment_gpus,
-        "augment_concurrency": 0 if actors else augmenters,
-    }
+    if actors or (dedicated and not capacity.bounded):
+        concurrency = 0  # a pool's size; or as many dedicated tasks as the autoscaler's GPUs allow
+    elif dedicated:  # every GPU the trainers leave
+        concurrency = max(1, int((capacity.gpus - workers) // augment_gpus))
+    else:
+        concurrency = augmenters
+    return {"gpus_per_worker": gpus_per_worker, "augment_gpus": augment_gpus, "augment_concurrency": concurrency}
 
 
 def plan_resources(cfg: TrainConfig, capacity: Capacity) -> ResourcePlan:
