@@ -101,8 +101,11 @@ def test_an_autoscaler_without_published_limits_is_not_refused():
         plan_resources(TrainConfig(device="cuda", num_workers=4), Capacity(cpus=1, gpus=0, hosts=1))
 
 
-def test_gpu_plans_share_or_dedicate_gpus_and_refuse_the_impossible():
-    shared = plan_resources(TrainConfig(), Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False))
+GPU4 = Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False)
+
+
+def test_gpu_plans_share_or_dedicate_gpus():
+    shared = plan_resources(TrainConfig(), GPU4)
     # 4 augment tasks of 1/16 GPU beside each trainer (a quarter of its GPU), or an actor of 1/4 each
     assert (shared.num_workers, shared.gpus_per_worker, shared.augment_actors, shared.augment_gpus) == (
         4,
@@ -112,36 +115,35 @@ def test_gpu_plans_share_or_dedicate_gpus_and_refuse_the_impossible():
     )
     assert shared.placement == "PACK" and shared.ingest_tasks() == [(1.0, 0.0), (1.0, 0.0625)]
     assert shared.augment_concurrency == 16 and shared.describe().endswith("per split, at most 16 at once")
-    actors = plan_resources(TrainConfig(augment_actors=4), Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False))
+    actors = plan_resources(TrainConfig(augment_actors=4), GPU4)
     assert (actors.gpus_per_worker, actors.augment_gpus, actors.augment_concurrency) == (0.75, 0.25, 0)
-    # --augment-gpus sets each task's share; as many tasks as fit in a quarter of the GPU run beside its trainer
-    for share, per_gpu, trainer in ((0.125, 2, 0.75), (0.25, 1, 0.75), (0.3, 1, 0.7), (0.02, 12, 0.76)):
-        plan = plan_resources(TrainConfig(augment_gpus=share), Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False))
-        assert (plan.augment_gpus, plan.augment_concurrency) == (share, 4 * per_gpu), share
-        assert plan.gpus_per_worker == pytest.approx(trainer), share
-    with pytest.raises(ConfigError, match="--augment-actors 8 x 0.3 GPU leave no GPU for 2 train worker"):
-        plan_resources(
-            TrainConfig(num_workers=2, augment_actors=8, augment_gpus=0.3),
-            Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False),
-        )
-    with pytest.raises(ConfigError, match="--num-workers 4 \\+ 1 augment task\\(s\\) of 1 GPU need 5 GPUs"):
-        plan_resources(TrainConfig(augment_gpus=1), Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False))
     own = plan_resources(TrainConfig(num_workers=4, augment_gpus=1), Capacity(cpus=64, gpus=8, hosts=1))
     assert (own.gpus_per_worker, own.augment_concurrency) == (1.0, 4)  # a GPU each, on the 4 the trainers leave
-    dedicated = plan_resources(
-        TrainConfig(num_workers=2, augment_actors=2, augment_gpus=1),
-        Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False),
-    )
+    dedicated = plan_resources(TrainConfig(num_workers=2, augment_actors=2, augment_gpus=1), GPU4)
     assert (dedicated.gpus_per_worker, dedicated.augment_gpus) == (1.0, 1.0)
-    with pytest.raises(ConfigError, match="need 6 GPUs but the cluster has at most 4"):
-        plan_resources(
-            TrainConfig(num_workers=4, augment_actors=2, augment_gpus=1),
-            Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False),
-        )
-    with pytest.raises(ConfigError, match="need 8 GPUs but the cluster has at most 4"):
-        plan_resources(TrainConfig(num_workers=8), Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False))
     cpu = plan_resources(TrainConfig(num_workers=2), Capacity(cpus=4, gpus=0, hosts=2, autoscaling=False))
     assert cpu.placement == "SPREAD" and cpu.threads_per_worker == 2
+
+
+@pytest.mark.parametrize("share,per_gpu,trainer", [(0.125, 2, 0.75), (0.25, 1, 0.75), (0.3, 1, 0.7), (0.02, 12, 0.76)])
+def test_augment_gpus_sets_a_tasks_share_and_as_many_run_as_fit_in_a_quarter(share, per_gpu, trainer):
+    plan = plan_resources(TrainConfig(augment_gpus=share), GPU4)
+    assert (plan.augment_gpus, plan.augment_concurrency) == (share, 4 * per_gpu)
+    assert plan.gpus_per_worker == pytest.approx(trainer)
+
+
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        ({"num_workers": 2, "augment_actors": 8, "augment_gpus": 0.3}, "--augment-actors 8 x 0.3 GPU leave no GPU"),
+        ({"augment_gpus": 1}, "--num-workers 4 \\+ 1 augment task\\(s\\) of 1 GPU need 5 GPUs"),
+        ({"num_workers": 4, "augment_actors": 2, "augment_gpus": 1}, "need 6 GPUs but the cluster has at most 4"),
+        ({"num_workers": 8}, "need 8 GPUs but the cluster has at most 4"),
+    ],
+)
+def test_gpu_plans_that_do_not_fit_are_refused(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        plan_resources(TrainConfig(**settings), GPU4)
 
 
 SMALL_CLUSTERS = {  # (CPUs, GPUs) per node
