@@ -413,13 +413,19 @@ def test_the_gpu_plans_datasets_augment_as_the_cpu_plans_do(gpu_node, order_tree
 def test_a_task_process_keeps_its_pipeline_for_one_device_at_a_time(monkeypatch):
     """Moved to another GPU of its node, a task's process drops the pipelines it built for
     the others (their cached GPU memory goes back); those for its device stay."""
+    import contextlib
+
     import torch
 
     from augment import stage
 
-    stages = {"a": SimpleNamespace(device=torch.device("cpu")), "b": SimpleNamespace(device=torch.device("cpu"))}
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext(emptied.append(str(d))))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    on = {d: SimpleNamespace(device=torch.device(d)) for d in ("cpu", "cuda:0", "cuda:1")}
+    stages = {"train cuda:0": on["cuda:0"], "val cuda:0": on["cuda:0"], "train cuda:1": on["cuda:1"], "cpu": on["cpu"]}
     monkeypatch.setattr(stage, "STAGES", dict(stages))
+    stage.drop_other_devices("cuda:0")
+    assert stage.STAGES == {"train cuda:0": on["cuda:0"], "val cuda:0": on["cuda:0"]} and emptied == ["cuda:1"]
     stage.drop_other_devices("cpu")
-    assert stage.STAGES == stages
-    stage.drop_other_devices("cuda:1")
-    assert stage.STAGES == {}
+    assert stage.STAGES == {} and emptied == ["cuda:1", "cuda:0", "cuda:0"]

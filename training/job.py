@@ -203,9 +203,9 @@ def gpu_shares(cfg: TrainConfig, workers: int, capacity: Capacity) -> dict:
                 f"--augment-actors {actors} x {augment_gpus:g} GPU leave no GPU for {workers} train worker(s); "
                 "lower --augment-gpus"
             )
-    if actors or (dedicated and not capacity.bounded):
-        concurrency = 0  # a pool's size; or as many dedicated tasks as the autoscaler's GPUs allow
-    elif dedicated:  # every GPU the trainers leave
+    if actors:
+        concurrency = 0  # the pool's size
+    elif dedicated:  # every GPU the trainers leave (that Ray knows of now, where an autoscaler hides its limits)
         concurrency = max(1, int((capacity.gpus - workers) // augment_gpus))
     else:
         concurrency = augmenters
