@@ -382,16 +382,23 @@ def _augmented(cfg, tree, plan, clock, epochs=(0, 1)) -> list[dict]:
     return out
 
 
-def test_the_gpu_plans_datasets_augment_as_the_cpu_plans_do(gpu_node, order_tree):
+@pytest.mark.parametrize("source", ["files", "prepared shards"])
+def test_the_gpu_plans_datasets_augment_as_the_cpu_plans_do(gpu_node, order_tree, source, tmp_path):
     """The GPU branch of build_datasets (read tasks hand encoded files to augment tasks on a
     GPU share, a batch at a time) runs on a fake GPU node, where torch sees no CUDA and the
     augment tasks fall back to the CPU: every image of both splits, in two epochs, comes out
-    as the CPU plan augments it (each image's augmentation is a function of seed, epoch, key)."""
+    as the CPU plan augments it (each image's augmentation is a function of seed, epoch, key).
+    Prepared shards read by row groups, which may hand the map fewer blocks than batches."""
     from augment.stage import EpochClock
+    from jobs.prepare import main as prepare
     from training.inputs import scan_data
 
-    tree = scan_data(str(order_tree), 0.1)
-    cfg = TrainConfig(data=str(order_tree), val_fraction=0.1, augment_batch_size=32, decode="augment-full")
+    data = str(order_tree)
+    if source == "prepared shards":
+        data = str(tmp_path / "prepared")
+        assert prepare([str(order_tree), data, "--val-fraction", "0.1", "--shard-mb", "0.002"]) == 0
+    tree = scan_data(data, 0.1)
+    cfg = TrainConfig(data=data, val_fraction=0.1, augment_batch_size=32, decode="augment-full")
     gpu_plan = job.plan_resources(TrainConfig(**{**cfg.to_dict(), "device": "cuda"}), job.Capacity(4, 1, 1))
     assert gpu_plan.augment_gpus == 0.0625 and gpu_plan.augment_tasks
     clock = ray.remote(num_cpus=0)(EpochClock).remote()
