@@ -316,8 +316,8 @@ def test_gpu_augment_tasks_run_in_processes_that_outlive_the_epoch(gpu_node, ord
 
 
 def _task_gpus(split, class_names, args: dict) -> list[dict]:
-    """Per task of an augment-like map: its process, the GPU Ray gave it, CUDA_VISIBLE_DEVICES
-    as the task saw it, and the index augment.stage.cuda_index derives from the two."""
+    """Per task of an augment-like map: the GPU Ray gave it, CUDA_VISIBLE_DEVICES as the task
+    saw it, and the index augment.stage.cuda_index derives from the two."""
     import os
     import time
 
@@ -327,12 +327,11 @@ def _task_gpus(split, class_names, args: dict) -> list[dict]:
     def where(batch):
         time.sleep(0.2)  # long enough for two tasks to overlap, and so hold both GPUs
         gpu, visible = ray.get_gpu_ids()[0], os.environ.get("CUDA_VISIBLE_DEVICES")
-        row = [os.getpid(), int(gpu), cuda_index(gpu, visible)]
-        return {"row": np.array([row]), "visible": np.array([str(visible)])}
+        return {"row": np.array([[int(gpu), cuda_index(gpu, visible)]]), "visible": np.array([str(visible)])}
 
     ds = read_split(split, class_names, num_cpus=0.5).map_batches(where, batch_size=16, batch_format="numpy", **args)
     rows = ds.take_all()
-    return [{"pid": r["row"][0], "gpu": r["row"][1], "index": r["row"][2], "visible": r["visible"]} for r in rows]
+    return [{"gpu": r["row"][0], "index": r["row"][1], "visible": r["visible"]} for r in rows]
 
 
 @pytest.mark.parametrize("gpu_node", [{"num_gpus": 2, "env_vars": {"CUDA_VISIBLE_DEVICES": "5,7"}}], indirect=True)

@@ -185,10 +185,9 @@ def gpu_shares(cfg: TrainConfig, workers: int, capacity: Capacity) -> dict:
     actors = cfg.augment_actors
     augment_gpus = cfg.augment_gpus or (GPU_INGEST_SHARE / GPU_TASKS_PER_GPU if not actors else GPU_INGEST_SHARE)
     dedicated = augment_gpus >= 1
-    augmenters = actors or (1 if dedicated else tasks_per_gpu(augment_gpus) * workers)
-    needed = workers + (augmenters * augment_gpus if dedicated else 0)
+    needed = workers + ((actors or 1) * augment_gpus if dedicated else 0)  # dedicated: room for one task at least
     if needed > capacity.gpus and capacity.bounded:
-        who = f"{augmenters} augment {'actor' if actors else 'task'}(s) of {augment_gpus:g} GPU"
+        who = f"{actors or 1} augment {'actor' if actors else 'task'}(s) of {augment_gpus:g} GPU"
         raise ConfigError(
             f"--num-workers {workers}"
             + (f" + {who}" if dedicated else "")
@@ -208,7 +207,7 @@ def gpu_shares(cfg: TrainConfig, workers: int, capacity: Capacity) -> dict:
     elif dedicated:  # every GPU the trainers leave (that Ray knows of now, where an autoscaler hides its limits)
         concurrency = max(1, int((capacity.gpus - workers) // augment_gpus))
     else:
-        concurrency = augmenters
+        concurrency = tasks_per_gpu(augment_gpus) * workers
     return {"gpus_per_worker": gpus_per_worker, "augment_gpus": augment_gpus, "augment_concurrency": concurrency}
 
 
