@@ -182,16 +182,28 @@ def preset_from_dict(data: dict, where: str = "preset") -> Preset:
         name=str(data.get("name", where)),
         train=_check_specs(data["train"], f"{where}: train"),
         eval=_check_specs(data["eval"], f"{where}: eval"),
-        mean=tuple(float(v) for v in data.get("mean", IMAGENET_MEAN)),
-        std=tuple(float(v) for v in data.get("std", IMAGENET_STD)),
+        mean=_channels(data.get("mean", IMAGENET_MEAN), f"{where}: mean"),
+        std=_channels(data.get("std", IMAGENET_STD), f"{where}: std", positive=True),
         mix=check_mix(data["mix"]) if data.get("mix") is not None else None,
     )
     for split in ("train", "eval"):  # constructor errors (bad values; Kornia's own, from its probe) surface now
         try:
             Pipeline(getattr(preset, split), seed=0)
-        except (TypeError, ValueError) as e:
-            raise PresetError(f"{where}: {split}{e}") from None
+        except (TypeError, ValueError) as e:  # an op's own message starts with its index, "[0]: ..."
+            raise PresetError(f"{where}: {split}{'' if str(e).startswith('[') else ': '}{e}") from None
     return preset
+
+
+def _channels(value, where: str, positive: bool = False) -> tuple[float, float, float]:
+    """mean or std: three numbers, one per RGB channel (std above 0)."""
+    try:
+        out = tuple(float(v) for v in value)
+    except (TypeError, ValueError):
+        out = ()
+    if len(out) != 3 or (positive and min(out) <= 0):
+        need, like = ("three numbers above 0", IMAGENET_STD) if positive else ("three numbers", IMAGENET_MEAN)
+        raise PresetError(f"{where}: expected {need}, one per RGB channel, like {list(like)}; got {value!r}")
+    return out
 
 
 def load_preset(name_or_path: str) -> Preset:
@@ -201,19 +213,38 @@ def load_preset(name_or_path: str) -> Preset:
     path = Path(name_or_path)
     if not path.is_file():
         raise PresetError(f"{path}: preset file not found")
-    text = path.read_text()
-    if path.suffix.lower() == ".json":
-        data = json.loads(text)
-    else:
-        import yaml
-
-        data = yaml.safe_load(text)
+    data = parse_preset_file(path)
     if not isinstance(data, dict):
         raise PresetError(f"{path}: expected a mapping with keys train, eval, mean, std")
     try:
         return preset_from_dict(data, where=str(path))
     except (TypeError, ValueError) as e:
         raise PresetError(str(e)) from None
+
+
+def parse_preset_file(path: Path):
+    """The file's YAML or JSON document (by its suffix); PresetError naming the file, the
+    position and the problem for one that does not parse or cannot be read as text."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise PresetError(f"{path}: not UTF-8 text; a preset file is YAML or JSON") from None
+    except OSError as e:
+        raise PresetError(f"{path}: cannot read the preset file ({e.strerror or e})") from None
+    if path.suffix.lower() == ".json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PresetError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise PresetError(f"{path}: not valid YAML ({problem}{where})") from None
 
 
 # CPU only: the ops run on chunks of about this many output pixels at a time, so that the

@@ -232,6 +232,58 @@ def test_preset_files_and_their_errors(tmp_path):
     assert set(BUILTIN_PRESETS) == set(PRESETS)
 
 
+MINE = {
+    "name": "mine",
+    "mean": [0.5, 0.4, 0.3],
+    "std": [0.2, 0.25, 0.3],
+    "train": [{"random_crop": {"size": 16, "padding": 2}}, {"horizontal_flip": {"p": 0.3}}],
+    "eval": [{"center_crop": {"size": 16}}],
+    "mix": {"mixup_alpha": 0.2},
+}
+
+
+def test_a_json_preset_file_is_the_preset_its_yaml_twin_is_and_is_checked_alike(tmp_path):
+    import json
+
+    import yaml
+
+    (tmp_path / "mine.json").write_text(json.dumps(MINE))
+    (tmp_path / "mine.yml").write_text(yaml.safe_dump(MINE))
+    p = load_preset(str(tmp_path / "mine.json"))
+    assert p == load_preset(str(tmp_path / "mine.yml")) and p.to_dict() == MINE
+    assert (p.mean, p.std, p.image_size) == ((0.5, 0.4, 0.3), (0.2, 0.25, 0.3), 16)
+    for change, message in (
+        ({"train": [{"spin": {}}]}, "bad.json: train[0]: unknown op 'spin'; valid ops: "),
+        ({"eval": []}, "bad.json: eval: expected a non-empty list of ops"),
+        ({"mean": [0.5, 0.5]}, "bad.json: mean: expected three numbers, one per RGB channel"),
+        ({"std": [0.2, 0.0, 0.2]}, "bad.json: std: expected three numbers above 0"),
+        ({"extra": 1}, "bad.json: unknown key(s) ['extra']"),
+    ):
+        (tmp_path / "bad.json").write_text(json.dumps(MINE | change))
+        with pytest.raises(PresetError) as err:
+            load_preset(str(tmp_path / "bad.json"))
+        assert message in str(err.value) and "\n" not in str(err.value), err.value
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(PresetError, match="list.json: expected a mapping with keys train, eval"):
+        load_preset(str(tmp_path / "list.json"))
+
+
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        ("a.yaml", "train: [", "a.yaml: not valid YAML (expected the node content, but found '<stream end>' at line 1"),
+        ("b.yaml", "a: &x 1\nb: *y\n", "b.yaml: not valid YAML (found undefined alias 'y' at line 2, column 4)"),
+        ("c.json", '{"train": [', "c.json: not valid JSON (Expecting value at line 1, column 12)"),
+        ("d.json", "{'train': []}", "d.json: not valid JSON (Expecting property name enclosed in double quotes"),
+    ],
+)
+def test_a_preset_file_that_does_not_parse_is_a_preset_error_naming_the_file(tmp_path, name, text, message):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(PresetError) as err:
+        load_preset(str(tmp_path / name))
+    assert message in str(err.value) and str(tmp_path / name) in str(err.value) and "\n" not in str(err.value)
+
+
 def test_preset_round_trips_through_dict():
     p = PRESETS["cifar"]
     assert preset_from_dict(p.to_dict()) == p
