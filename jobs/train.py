@@ -21,7 +21,7 @@ from augment.errors import PresetError, check_preset_name
 from training import console
 from training.config import ConfigError, add_arguments, parse_config
 from training.data import DataError
-from training.inputs import check_inputs
+from training.inputs import check_inputs, start_fresh
 from training.storage import StorageError
 
 
@@ -152,6 +152,7 @@ def main(argv=None) -> int:
             from augment.presets import load_preset
 
             preset = load_preset(cfg.preset)
+        start_fresh(cfg)  # --fresh: the old run goes only once every input has passed
     except (DataError, ConfigError, PresetError, StorageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

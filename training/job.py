@@ -35,7 +35,7 @@ from training.config import ConfigError, TrainConfig, check_amp
 from training.console import ConsoleFollower, ProgressBoard
 from training.data import BadFileLog, DataError, ImageTree
 from training.ingest import SplitValUnequally, augment_rows, build_datasets, choose_decode
-from training.inputs import check_inputs
+from training.inputs import check_inputs, start_fresh
 from training.loop import (
     CHECKPOINT_FILE,
     KEY_MOD,
@@ -60,7 +60,9 @@ class Interrupted(RuntimeError):
 def prepare(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree, Preset]:
     """Everything that needs no cluster: resolve defaults, scan the tree, load the preset."""
     cfg, tree = check_inputs(cfg)
-    return cfg, tree, load_preset(cfg.preset)
+    preset = load_preset(cfg.preset)
+    start_fresh(cfg)  # --fresh: the old run goes only once every input has passed
+    return cfg, tree, preset
 
 
 @dataclasses.dataclass(frozen=True)

@@ -138,11 +138,13 @@ def check_bucket(path: str) -> None:
 
 
 def check_writable(path: str, flag: str) -> None:
-    """StorageError unless a file can be written and deleted in directory `path` (created if
-    missing); `flag` names the setting in the message. Run before work that would otherwise
-    be lost when the first write fails."""
+    """StorageError unless a file can be written and deleted in directory `path`; `flag`
+    names the setting in the message. Run before work that would otherwise be lost when the
+    first write fails. It leaves nothing behind: a local directory it had to create for the
+    probe is removed again, so a run that stops at a later check has written nothing."""
     probe = f"{_PROBE}-{os.getpid()}"
     if not is_uri(path):
+        created = missing_dirs(path)
         try:
             os.makedirs(path, exist_ok=True)
             with open(os.path.join(path, probe), "wb"):
@@ -152,6 +154,10 @@ def check_writable(path: str, flag: str) -> None:
             raise StorageError(
                 f"{flag} {path}: cannot write there ({e.strerror or e}); choose a writable path"
             ) from None
+        finally:
+            for d in created:  # deepest first; one that is not empty (someone else wrote there) stays
+                with contextlib.suppress(OSError):
+                    os.rmdir(d)
         return
     try:
         check_bucket(path)
@@ -162,3 +168,12 @@ def check_writable(path: str, flag: str) -> None:
             fs.delete_file(f"{inner}/{probe}")
     except StorageError as e:
         raise StorageError(f"{flag} {e}") from None
+
+
+def missing_dirs(path: str) -> list[str]:
+    """The local directory `path` and those of its parents that do not exist yet, deepest first."""
+    out, d = [], os.path.abspath(path)
+    while not os.path.exists(d) and os.path.dirname(d) != d:
+        out.append(d)
+        d = os.path.dirname(d)
+    return out
