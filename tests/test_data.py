@@ -97,13 +97,19 @@ def test_validation_classes_must_be_training_classes(tmp_path):
         (["--batch-size", "2", "--num-workers", "4"], "smaller than --num-workers"),
     ],
 )
-def test_cli_bad_input_exits_2_with_one_line(args, message):
+def test_cli_bad_input_exits_2_with_one_line(args, message, tmp_path):
+    runs = tmp_path / "runs"  # never the repository's runs/
     out = subprocess.run(
-        [sys.executable, "-m", "jobs.train", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "jobs.train", *args, "--storage-path", str(runs)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], out.stderr
+    assert not runs.exists()  # and no empty run directory left behind
 
 
 def test_decode_modes_and_labels_from_the_path(tree, tmp_path):
