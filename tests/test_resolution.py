@@ -88,19 +88,24 @@ def test_progressive_resize_and_strength_schedules_compose():
     assert pipe(canvas, sizes, keys, 0).shape == (6, 96, 96, 3) and pipe.ops[0].scale == pytest.approx((0.08, 1.0))
 
 
-def test_resolution_mistakes_exit_2_before_ray_starts(tree, tmp_path, capsys):
-    from jobs.train import main
+def test_resolution_mistakes_exit_2_before_ray_starts(tree, tmp_path, capsys, monkeypatch):
+    import ray
+
+    import jobs.train
     from training.job import sized_preset
 
-    common = ["--data", str(tree), "--storage-path", str(tmp_path), "--epochs", "3"]
+    connected, was = [], ray.is_initialized()
+    monkeypatch.setattr(jobs.train, "connect", lambda *a, **k: connected.append(a) or pytest.fail("Ray was started"))
+    common = ["--data", str(tree), "--storage-path", str(tmp_path / "runs"), "--epochs", "3"]
     for flags, message in (
         (["--progressive-resize", "big"], "--progressive-resize: progressive resize 'big': expected none, FROM"),
         (["--progressive-resize", "24:2-9"], "LAST (9) is past the last epoch (3)"),
         (["--image-size", "4"], "--image-size must be 0 (the preset's) or at least 8 px"),
     ):
-        assert main(common + flags) == 2
+        assert jobs.train.main(common + flags) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
+    assert not connected and ray.is_initialized() == was and not (tmp_path / "runs").exists()
     # FROM must be below the training size, which the preset (loaded while Ray starts) decides
     with pytest.raises(ConfigError, match="starts at 32 px, not below the training size 32 px"):
         sized_preset(TrainConfig(progressive_resize="32"), PRESETS["cifar"])
