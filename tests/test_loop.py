@@ -11,6 +11,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from training import loop
 from training.config import TrainConfig
@@ -87,11 +88,15 @@ def test_a_batch_augmented_for_another_epoch_stops_the_epoch():
         train_epoch(learner, _batches(3, epoch=0, stale_at=2), epoch=0, rank=0)
 
 
-@pytest.mark.parametrize("epochs, steps, warmup_epochs", [(5, 7, 1.0), (3, 10, 0.0), (2, 4, 2.0), (4, 100, 0.5)])
-def test_warmup_cosine_is_the_closed_form_curve(epochs, steps, warmup_epochs):
+@pytest.mark.parametrize(
+    "epochs, steps, warmup_epochs, batch_size, peak",
+    [(5, 7, 1.0, 64, 0.025), (3, 10, 0.0, 512, 0.2), (2, 4, 2.0, 256, 0.1), (4, 100, 0.5, 96, 0.0375)],
+)
+def test_warmup_cosine_is_the_closed_form_curve(epochs, steps, warmup_epochs, batch_size, peak):
     """torch's LinearLR + CosineAnnealingLR in a SequentialLR give, step for step: a linear
-    rise to the peak over `warmup` steps, then a half cosine to 0 at the last step."""
-    cfg = TrainConfig(epochs=epochs, warmup_epochs=warmup_epochs, batch_size=256, lr=0.1)
+    rise to the peak over `warmup` steps, then a half cosine to 0 at the last step. The peak
+    is --lr 0.1 scaled by batch_size / 256, written out here (not cfg.peak_lr)."""
+    cfg = TrainConfig(epochs=epochs, warmup_epochs=warmup_epochs, batch_size=batch_size, lr=0.1)
     model = torch.nn.Linear(2, 2)
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer, steps)
@@ -99,12 +104,30 @@ def test_warmup_cosine_is_the_closed_form_curve(epochs, steps, warmup_epochs):
     warmup = max(1, min(round(warmup_epochs * steps), total))
     for k in range(total + 1):
         if k < warmup:
-            expected = cfg.peak_lr * (k + 1) / warmup
+            expected = peak * (k + 1) / warmup
         else:
-            expected = cfg.peak_lr * 0.5 * (1 + math.cos(math.pi * (k - warmup) / max(1, total - warmup)))
+            expected = peak * 0.5 * (1 + math.cos(math.pi * (k - warmup) / max(1, total - warmup)))
         assert optimizer.param_groups[0]["lr"] == pytest.approx(expected, rel=1e-9, abs=1e-12), k
         optimizer.step()
         scheduler.step()
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_the_learning_rate_curve_in_literal_values_at_batch_128_and_512(optimizer):
+    """--lr 0.1 is quoted per 256 images of global batch (Goyal et al.): 2 epochs of 4 steps,
+    1 of warm-up. Worked by hand at batch 128 (peak 0.05): 4 warm-up steps of 0.05 / 4, then
+    0.05 * (1 + cos(pi * j / 4)) / 2 for j = 0..4; batch 512 gives four times as much."""
+    at_128 = [0.0125, 0.025, 0.0375, 0.05, 0.05, 0.0426776695, 0.025, 0.0073223305, 0.0]
+    for batch_size, scale in ((128, 1), (512, 4)):
+        cfg = TrainConfig(epochs=2, warmup_epochs=1.0, batch_size=batch_size, lr=0.1, optimizer=optimizer)
+        opt = build_optimizer(cfg, torch.nn.Linear(2, 2))
+        scheduler = build_scheduler(cfg, opt, 4)
+        curve = []
+        for _ in range(9):
+            curve.append(opt.param_groups[0]["lr"])
+            opt.step()
+            scheduler.step()
+        assert curve == pytest.approx([scale * v for v in at_128], rel=1e-8, abs=1e-12), batch_size
 
 
 def _draws() -> tuple:
@@ -246,3 +269,89 @@ def test_a_checkpoint_from_the_old_schedule_asks_for_fresh_not_a_traceback():
     old = torch.optim.lr_scheduler.LambdaLR(learner.optimizer, lambda step: 1.0)
     with pytest.raises(loop.CheckpointMismatch, match=r"--name old-run .*rerun with --fresh to start over"):
         learner.load_state_dict(state | {"scheduler": old.state_dict()})
+
+
+# --------------------------------------------------------------------------- what a step trains on
+
+MEAN, STD = (0.4, 0.5, 0.6), (0.2, 0.25, 0.3)
+
+
+def _built_learner(monkeypatch, cfg: TrainConfig, mix: dict | None) -> Learner:
+    """The learner a train worker builds (build_learner) for 3 classes at 32 px, outside Ray
+    Train (prepare_model is DDP's wrapper there), with a head that gives confident logits:
+    at a fresh init's near-uniform ones every target would give about the same loss."""
+    monkeypatch.setattr(loop.ray.train.torch, "prepare_model", lambda model: model)
+    preset = {"mean": MEAN, "std": STD} | ({"mix": mix} if mix else {})
+    job = {"class_names": ["a", "b", "c"], "image_size": 32, "preset": preset, "train_size": 64}
+    learner, _ = loop.build_learner(cfg, job, world=1, device=torch.device("cpu"))
+    with torch.no_grad():
+        learner.bare.fc.weight.mul_(40)
+    return learner
+
+
+def _normalised(images: torch.Tensor) -> torch.Tensor:
+    x = images.permute(0, 3, 1, 2).float() / 255
+    return (x - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(1, 3, 1, 1)
+
+
+def _soft_loss(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    return float(-(targets * torch.log_softmax(logits, 1)).sum(1).mean())
+
+
+def _step(learner: Learner, batch: dict, **where) -> tuple[float, torch.nn.Module]:
+    """train_step's loss, and a copy of the model as it was before the step."""
+    import copy
+
+    before = copy.deepcopy(learner.bare).requires_grad_(False)  # in train mode still, as the step ran it
+    loss, _ = loop.train_step(learner, batch, **where)
+    return loss.item(), before
+
+
+def test_label_smoothing_reaches_the_loss_a_step_trains_on(monkeypatch):
+    batch = _batches(1, epoch=0)[0]
+    x, y = _normalised(batch["image"]), batch["label"]
+    losses = {}
+    for smoothing in (0.0, 0.2):
+        learner = _built_learner(monkeypatch, TrainConfig(batch_size=8, label_smoothing=smoothing), None)
+        assert learner.mix is None
+        losses[smoothing], before = _step(learner, batch, epoch=0, step=0, rank=0)
+        logits = before(x)
+        assert losses[smoothing] == pytest.approx(
+            float(F.cross_entropy(logits, y, label_smoothing=smoothing)), rel=1e-5
+        )
+        by_hand = F.one_hot(y, 3).float() * (1 - smoothing) + smoothing / 3  # [0.8, 0, 0] + 0.2 / 3
+        assert losses[smoothing] == pytest.approx(_soft_loss(logits, by_hand), rel=1e-5)
+    assert abs(losses[0.2] - losses[0.0]) > 0.05  # the check can tell the two apart
+
+
+@pytest.mark.parametrize("mix", [{"mixup_alpha": 0.4}, {"cutmix_alpha": 1.0}, {"mixup_alpha": 0.2, "prob": 0.0}])
+def test_a_step_trains_on_the_mixers_images_and_soft_targets(monkeypatch, mix):
+    """MixUp or CutMix from a preset's `mix:`, with --label-smoothing 0.1 folded into the soft
+    targets: the loss train_step reports is the soft-target cross-entropy of the images mixed
+    with the parameters the step's own generator draws (epoch 2, step 3, rank 1), mixed and
+    weighted here by hand."""
+    from augment.mix import mix_generator
+
+    cfg = TrainConfig(batch_size=8, label_smoothing=0.1, seed=5)
+    learner = _built_learner(monkeypatch, cfg, mix)
+    batch = _batches(1, epoch=2)[0]
+    loss, before = _step(learner, batch, epoch=2, step=3, rank=1)
+    drawn = learner.mix.sample((32, 32), mix_generator(5, 2, 3, 1))
+    x, lam = _normalised(batch["image"]), drawn["lam"]
+    if drawn["mode"] == "mixup":
+        mixed = lam * x + (1 - lam) * x.roll(1, 0)
+    elif drawn["mode"] == "cutmix":
+        y1, y2, x1, x2 = drawn["box"]
+        mixed = x.clone()
+        mixed[:, :, y1:y2, x1:x2] = x.roll(1, 0)[:, :, y1:y2, x1:x2]  # the neighbour's patch
+        assert lam == pytest.approx(1 - (y2 - y1) * (x2 - x1) / 32**2) and 0 < lam < 1
+    else:
+        mixed = x
+    assert drawn["mode"] == ("none" if mix.get("prob") == 0 else "mixup" if "mixup_alpha" in mix else "cutmix")
+    smoothed = F.one_hot(batch["label"], 3).float() * 0.9 + 0.1 / 3
+    targets = lam * smoothed + (1 - lam) * smoothed.roll(1, 0)
+    logits = before(mixed)
+    assert loss == pytest.approx(_soft_loss(logits, targets), rel=1e-5)
+    if drawn["mode"] != "none":  # neither the unmixed images nor the unmixed targets give that loss
+        assert abs(loss - _soft_loss(before(x), targets)) > 0.01
+        assert abs(loss - _soft_loss(logits, smoothed)) > 0.01
