@@ -13,6 +13,7 @@ import torch
 from augment.batch import to_canvas
 from augment.kornia_ops import kornia_choices
 from augment.presets import Pipeline, PresetError, load_preset, preset_from_dict
+from augment.rng import reference_seed
 from augment.stage import AugmentStage
 
 B = 16
@@ -88,18 +89,36 @@ KORNIA_CASES = {  # a spread of Kornia's list: blurs, geometry, colour, noise, a
 }
 
 
+def _applied(name: str, params: dict, keys, *, seed: int, epoch: int, stream: int) -> list[bool]:
+    """Which images a `kornia.<Name>` op at `stream` transforms, worked out apart from the
+    stage: a fresh Kornia module's own sampler, run for each image alone from the image's
+    seed (augment.rng.reference_seed, the pure-Python twin), as the contract says."""
+    import kornia.augmentation as K
+
+    module = getattr(K, name.split(".", 1)[1])(**{k: tuple(v) if isinstance(v, list) else v for k, v in params.items()})
+    flags = []
+    for key in keys:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(reference_seed(int(key), seed, epoch, stream, 0))
+            flags.append(bool(module.forward_parameters(torch.Size((1, 3, 32, 32)))["batch_prob"][0]))
+    return flags
+
+
 @pytest.mark.parametrize("name", sorted(KORNIA_CASES))
 def test_kornia_op_through_the_stage(name):
-    """Shape and dtype; about half the images changed at p=0.5; reproducible from (seed, epoch,
-    key) in a fresh stage; the same per image in a shuffled batch and in a smaller one; other
-    epochs draw anew."""
+    """Shape and dtype; at p=0.5 exactly the images whose own draw says so are changed;
+    reproducible from (seed, epoch, key) in a fresh stage; the same per image in a shuffled
+    batch and in a smaller one; other epochs draw anew."""
     assert name in kornia_choices()
     spec = {name: KORNIA_CASES[name]}
     batch = _batch()
     out = _stage(spec)(batch)["image"]
     assert out.shape == (B, 32, 32, 3) and out.dtype == np.uint8
     changed = (out != _stage()(batch)["image"]).reshape(B, -1).any(1)
-    assert 0 < changed.sum() < B
+    applied = _applied(name, KORNIA_CASES[name], batch["key"], seed=3, epoch=0, stream=3)
+    assert changed.tolist() == applied
+    # each of these ops draws its apply flag first, from the same per-image seeds: the same 7
+    assert sum(applied) == 7
     assert np.array_equal(_stage(spec)(batch)["image"], out)
     perm = np.random.default_rng(2).permutation(B)
     assert np.array_equal(_stage(spec)(_take(batch, perm))["image"], out[perm])
