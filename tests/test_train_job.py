@@ -30,14 +30,25 @@ def data(tmp_path_factory):
     return write_tree(tmp_path_factory.mktemp("data"), {"red": 24, "green": 24, "blue": 24, "cyan": 24, "gray": 24})
 
 
+def _perturbed_resnet18() -> dict:
+    """A torchvision ResNet18 state_dict (1000 classes, ImageNet stem) whose batch-norm scales
+    and shifts are not torch's init of 1 and 0, which a fresh model has too."""
+    torch.manual_seed(123)
+    state = torchvision.models.resnet18(weights=None).state_dict()
+    g = torch.Generator().manual_seed(1)
+    for name, v in state.items():
+        if v.ndim == 1 and v.is_floating_point() and name.endswith((".weight", ".bias")) and not name.startswith("fc"):
+            v.copy_(torch.empty_like(v).uniform_(0.5, 1.5, generator=g) if name.endswith("weight") else v + 0.1)
+    return state
+
+
 @pytest.fixture(scope="module")
 def two_worker_run(ray_cluster, data, tmp_path_factory):
     """Two CPU workers on the two nodes at 40 px (--image-size) from 32 px files, with the
     console's bar drawn on a fake terminal, fine-tuning from a torchvision ResNet18 state_dict
     (1000 classes, ImageNet stem) at a tiny lr, so the loaded weights can be recognised."""
     runs, screen, lines = tmp_path_factory.mktemp("runs"), Terminal(), []
-    torch.manual_seed(123)
-    torch.save(torchvision.models.resnet18(weights=None).state_dict(), runs / "r18.pt")
+    torch.save(_perturbed_resnet18(), runs / "r18.pt")
     summary, tree = _run(
         data=str(data),
         epochs=1,
@@ -241,11 +252,30 @@ def test_init_weights_from_a_torchvision_state_dict(two_worker_run):
     source = torch.load(run_dir.parent / "r18.pt", weights_only=True)
     model = torch.load(run_dir / "model.pt", weights_only=True)["state_dict"]
     assert model["fc.weight"].shape == (5, 512)  # a new head for the 5 classes
-    # a tiny lr barely moves the loaded weights away from the source's
-    assert torch.allclose(model["layer3.0.conv1.weight"], source["layer3.0.conv1.weight"], atol=1e-4)
-    assert torch.allclose(model["layer1.0.bn1.weight"], source["layer1.0.bn1.weight"], atol=1e-4)
+    # a tiny lr barely moves the loaded weights away from the source's, which a fresh init is far from
+    for name in ("layer3.0.conv1.weight", "layer1.0.bn1.weight", "layer4.1.bn2.bias", "layer2.0.downsample.1.weight"):
+        assert torch.allclose(model[name], source[name], atol=1e-4), name
+        assert not torch.allclose(source[name], torch.ones_like(source[name]), atol=0.05), name
+        assert not torch.allclose(source[name], torch.zeros_like(source[name]), atol=0.05), name
     # the 3x3 small-image stem cannot take the 7x7 ImageNet stem's weights: it keeps its fresh init
     assert model["conv1.weight"].shape == (64, 3, 3, 3) and source["conv1.weight"].shape == (64, 3, 7, 7)
+
+
+def test_init_weights_load_every_matching_tensor_and_report_what_stays_fresh(tmp_path):
+    """The workers' loader, without Ray: every ResNet18 tensor of the source, batch norms
+    included, except the head and the 7x7 stem that the 3x3 small-image stem cannot take."""
+    from training.model import load_init_weights, resnet18
+
+    source = _perturbed_resnet18()
+    torch.manual_seed(0)
+    model = resnet18(5, small_stem=True)
+    fresh = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.save(source, tmp_path / "r18.pt")
+    skipped = load_init_weights(model, str(tmp_path / "r18.pt"))
+    assert skipped == ["conv1.weight", "fc.bias", "fc.weight"]
+    for name, value in model.state_dict().items():
+        expected = fresh[name] if name in skipped else source[name]
+        assert torch.equal(value, expected), name
 
 
 def test_missing_init_weights_is_a_config_error(data, tmp_path):
