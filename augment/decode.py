@@ -120,9 +120,12 @@ def _to_rgb(img) -> np.ndarray:
     from PIL import Image
 
     if img.mode in ("I;16", "I;16B", "I;16L", "I"):
+        # 16-bit grayscale: 0..65535 scaled to 0..255 whatever the image holds (a dark 16-bit
+        # image stays dark). A 32-bit integer image ("I") has no fixed range: values up to
+        # 255 are taken as 8-bit ones, larger ones as 16-bit (and clipped above 65535)
         arr = np.asarray(img, dtype=np.float32)
-        scale = 255.0 / 65535.0 if arr.max() > 255 else 1.0
-        gray = np.clip(arr * scale + 0.5, 0, 255).astype(np.uint8)
+        sixteen = img.mode != "I" or arr.max() > 255
+        gray = np.clip(arr * (255.0 / 65535.0 if sixteen else 1.0) + 0.5, 0, 255).astype(np.uint8)
         return np.repeat(gray[:, :, None], 3, axis=2)
     if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
         img = Image.alpha_composite(Image.new("RGBA", img.size, (255, 255, 255, 255)), img.convert("RGBA"))

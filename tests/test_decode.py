@@ -47,6 +47,91 @@ def test_jpegs_decode_to_pillows_pixels_at_every_scale(mode, kw):
         np.testing.assert_array_equal(got, _pillow(data, s))
 
 
+def _png16(samples: np.ndarray) -> bytes:
+    """A 16-bit PNG written by hand (Pillow reads 48- and 64-bit PNGs but does not write them):
+    gray (H, W), RGB (H, W, 3) or RGBA (H, W, 4) uint16 samples, big-endian, filter 0."""
+    import struct
+    import zlib
+
+    h, w = samples.shape[:2]
+    color = {1: 0, 3: 2, 4: 6}[1 if samples.ndim == 2 else samples.shape[2]]  # PNG colour types
+    raw = b"".join(b"\x00" + samples[y].astype(">u2").tobytes() for y in range(h))
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
+
+    header = struct.pack(">IIBBBBB", w, h, 16, color, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
+
+
+def _to_8_bits(samples: np.ndarray) -> np.ndarray:
+    """The reference: 0..65535 onto 0..255, in float64, rounded (no ties: v * 255 / 65535 = v / 257)."""
+    return np.round(samples.astype(np.float64) / 257).astype(np.uint8)
+
+
+def _over_white(rgb: np.ndarray, alpha: np.ndarray) -> np.ndarray:
+    a = alpha.astype(np.float64)[..., None] / 255
+    return rgb.astype(np.float64) * a + 255 * (1 - a)
+
+
+# 16-bit samples where a wrapped (v & 255), truncated-to-255 or unscaled decode goes wrong
+EDGES = np.array([0, 1, 128, 129, 255, 256, 257, 383, 385, 32767, 32896, 65279, 65280, 65534, 65535], np.uint16)
+
+
+def _samples16(shape, seed=0) -> np.ndarray:
+    out = np.random.default_rng(seed).integers(0, 65536, shape, dtype=np.uint16)
+    out.flat[: len(EDGES)] = EDGES
+    return out
+
+
+def test_16_bit_images_decode_to_their_values_scaled_to_8_bits():
+    gray = _samples16((9, 7))
+    assert Image.open(io.BytesIO(_png16(gray))).mode == "I;16"
+    got = decode_image(_png16(gray))
+    assert got.shape == (9, 7, 3) and got.dtype == np.uint8
+    np.testing.assert_array_equal(got, np.repeat(_to_8_bits(gray)[..., None], 3, axis=2))
+    # a dark 16-bit image (nothing above 255 of 65535) stays dark: the scale is the format's
+    dark = (np.arange(63, dtype=np.uint16) * 4).reshape(9, 7)
+    np.testing.assert_array_equal(decode_image(_png16(dark))[..., 0], _to_8_bits(dark))
+    assert decode_image(_png16(dark)).max() == 1
+    # 48-bit RGB: Pillow keeps each sample's high byte, within one level of the scaled value
+    rgb = _samples16((9, 7, 3), seed=1)
+    got = decode_image(_png16(rgb)).astype(int)
+    assert got.shape == (9, 7, 3) and np.abs(got - _to_8_bits(rgb)).max() <= 1
+    # 64-bit RGBA over white, against the 16-bit values composited exactly: the high bytes of
+    # colour and alpha are each up to a level low, so up to 2 levels and a rounding apart
+    rgba = _samples16((9, 7, 4), seed=2)
+    exact = _over_white(rgba[..., :3] / 257, rgba[..., 3] / 257)
+    got = decode_image(_png16(rgba)).astype(float)
+    assert np.abs(got - exact).max() <= 2.5
+
+
+def test_palette_and_grayscale_images_decode_to_their_colours():
+    rng = np.random.default_rng(3)
+    palette = rng.integers(0, 256, (16, 3), dtype=np.uint8)
+    index = rng.integers(0, 16, (10, 12), dtype=np.uint8)
+    img = Image.fromarray(index, mode="P")
+    img.putpalette(palette.tobytes())
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    np.testing.assert_array_equal(decode_image(buf.getvalue()), palette[index])
+    # a palette with transparency (tRNS): each entry's colour over white by its alpha
+    alpha = rng.integers(0, 256, 16, dtype=np.uint8)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG", transparency=alpha.tobytes())
+    got = decode_image(buf.getvalue()).astype(float)
+    assert np.abs(got - _over_white(palette[index], alpha[index])).max() <= 1
+    gray = rng.integers(0, 256, (10, 12), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(gray, mode="L").save(buf, format="PNG")
+    np.testing.assert_array_equal(decode_image(buf.getvalue()), np.repeat(gray[..., None], 3, axis=2))
+    la = np.stack([gray, rng.integers(0, 256, (10, 12), dtype=np.uint8)], -1)
+    buf = io.BytesIO()
+    Image.fromarray(la, mode="LA").save(buf, format="PNG")
+    got = decode_image(buf.getvalue()).astype(float)
+    assert np.abs(got - _over_white(np.repeat(gray[..., None], 3, axis=2), la[..., 1])).max() <= 1
+
+
 def test_bad_files_raise_bad_image_with_the_reason():
     jpeg = _jpeg(64, 64, 0)
     huge = bytearray(jpeg)
