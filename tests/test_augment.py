@@ -517,6 +517,77 @@ def test_preview_writes_a_grid_and_rejects_a_bad_preset(tree, tmp_path, capsys):
     assert "built-in presets" in capsys.readouterr().err
 
 
+class _Clock:
+    """The run's EpochClock as the stage calls it (`ray.get(clock.get.remote())`, ray.get patched out)."""
+
+    def __init__(self):
+        self.epoch = 0
+        self.get = self
+
+    def remote(self):
+        return self.epoch
+
+
+def _photo_tree(root):
+    """train/ and val/ of two classes: JPEG photos of several sizes, and a PNG in each."""
+    import io
+
+    from PIL import Image
+
+    from bench.augment import synthetic_photo
+
+    sizes = {"owl": [(300, 400), (260, 250), (200, 210)], "wren": [(333, 500), (240, 320), (180, 200)]}
+    for c, (name, shapes) in enumerate(sizes.items()):
+        for i, (h, w) in enumerate(shapes):
+            folder = root / ("val" if i == 2 else "train") / name
+            folder.mkdir(parents=True, exist_ok=True)
+            buf = io.BytesIO()
+            Image.fromarray(synthetic_photo(h, w, 10 * c + i)).save(buf, format="PNG" if i == 1 else "JPEG")
+            (folder / f"{i}.{'png' if i == 1 else 'jpg'}").write_bytes(buf.getvalue())
+    return root
+
+
+@pytest.mark.parametrize("preset", ["imagenet", "cifar"])
+def test_preview_shows_the_views_the_training_stage_makes(preset, tmp_path, monkeypatch):
+    """What jobs.preview draws in each train column is, to the bit, what the augment stage
+    makes for that image in that epoch, from a training batch of other rows in another order,
+    whether the read task decoded the files or the augment call did at full size. (On CPUs
+    the augment call may decode a large JPEG at a reduced scale where its crop allows: the
+    same parameters, pixels within a few levels; tests/test_decode.py holds that bound.)"""
+    import matplotlib.axes
+    import ray
+
+    from augment.decode import decode_image
+    from jobs.preview import main
+    from training.data import scan_tree, stable_hash
+
+    shown = []  # every picture the grid draws, row by row
+    monkeypatch.setattr(matplotlib.axes.Axes, "imshow", lambda ax, view, **kw: shown.append(np.array(view)))
+    tree = _photo_tree(tmp_path / "photos")
+    args = ["--data", str(tree), "--preset", preset, "--classes", "2", "--per-class", "2", "--augmentations", "3"]
+    assert main([*args, "--seed", "4", "--out", str(tmp_path / "grid.png"), "--dpi", "20"]) == 0
+    rel = sorted(scan_tree(str(tree)).train.rel_paths)  # train/owl/0.jpg, ...: the keys' paths
+    assert len(rel) == 4 and len(shown) == 4 * 5  # every train file shown (original, eval, 3 epochs)
+    previewed = {stable_hash(r): shown[5 * i + 2 : 5 * i + 5] for i, r in enumerate(rel)}
+
+    monkeypatch.setattr(ray, "get", lambda ref: ref)
+    clock = _Clock()
+    order = [rel[i] for i in (2, 0, 3, 1)]  # a training batch: all four, in another order
+    datas = [(tree / r).read_bytes() for r in order]
+    batch = {"label": np.zeros(4, np.int64), "key": np.array([stable_hash(r) for r in order], np.int64)}
+    by_bytes = batch | {"bytes": np.array(datas, dtype=object), "path": np.array(order, dtype=object)}
+    decoded = np.empty(4, dtype=object)
+    decoded[:] = [decode_image(d) for d in datas]
+    for rows in (by_bytes, batch | {"image": decoded}):  # decoded in the augment call, or in the read task
+        stage = AugmentStage(PRESETS[preset].to_dict(), train=True, seed=4, clock=clock, device="cpu")
+        for epoch in range(3):
+            clock.epoch = epoch
+            out = stage(rows)
+            assert list(out["epoch"]) == [epoch] * 4
+            for key, view in zip(out["key"], out["image"], strict=True):
+                np.testing.assert_array_equal(previewed[int(key)][epoch], view)
+
+
 def test_read_examples_takes_the_first_of_each_class(tree):
     from augment.preview import read_examples
     from training.data import scan_tree
