@@ -40,9 +40,22 @@ def parser() -> argparse.ArgumentParser:
 
 
 # Ray's own notices about what this job does by design, which a user cannot act on (docs/design.md,
-# "Console"): Ray Data's augment actors take their constructor arguments from the object store and
-# restart when they die (ray-project/ray#57733). Matched on worker output the driver prints.
-RAY_NOTICES_SKIPPED = r"has constructor arguments in the object store and max_restarts > 0"
+# "Console"), matched on what the driver prints of other processes' output:
+# - Ray Data's augment actors take their constructor arguments from the object store and restart
+#   when they die (ray-project/ray#57733);
+# - a node that went: the raylet's death notice (with its last 20 log lines), the GCS's "marked
+#   dead", a placement group's bundle it cannot free there; the job's fault line names the node
+#   and faults.log keeps Ray's word on it (training/faults.py);
+# - the worker processes that a restart starts at once.
+RAY_NOTICES_SKIPPED = "|".join(
+    (
+        r"has constructor arguments in the object store and max_restarts > 0",
+        r"Raylet is terminated\. Termination is unexpected",
+        r"has been marked dead because the detector has missed too many heartbeats",
+        r"gcs_placement_group_scheduler\.cc:\d+: Failed to remove",
+        r"PYTHON worker processes have been started on node",
+    )
+)
 
 
 def quiet_ray_env(verbose: bool = False) -> dict:
@@ -103,7 +116,7 @@ def connect(verbose: bool = False, dashboard: bool = False) -> bool:
     if ray.is_initialized():
         pass
     elif os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"):
-        ray.init(**kwargs)
+        ray.init(**kwargs, **joined_runtime_env(verbose))
     else:
         # No node of a cluster that ends with this process can be drained by an autoscaler:
         # Ray Train's preemption watcher (one more actor process to start) has nothing to watch.
@@ -115,6 +128,18 @@ def connect(verbose: bool = False, dashboard: bool = False) -> bool:
         started = True
     quiet_ray_data(verbose)  # after ray.init: importing Ray Data first would delay the cluster's start
     return started
+
+
+def joined_runtime_env(verbose: bool = False) -> dict:
+    """ray.init's runtime env for a cluster the job joins: the processes there were started
+    without this job's environment, so quiet_ray_env's settings reach them through Ray's worker
+    setup hook (training/console.py quiet_worker_process). A hook of the user's own, in the
+    runtime env of `ray job submit`, is kept, and then Ray's notices print as Ray has them."""
+    from training import ray_private
+
+    if verbose or "worker_process_setup_hook" in ray_private.job_runtime_env():
+        return {}
+    return {"runtime_env": {"worker_process_setup_hook": "training.console.quiet_worker_process"}}
 
 
 class _Preload(threading.Thread):

@@ -67,6 +67,14 @@ def test_cluster_yaml_passes_rays_autoscaler_schema():
     gpu_types = {k: v for k, v in config["available_node_types"].items() if v["resources"].get("GPU")}
     assert len(gpu_types) >= 2
     assert all(t["min_workers"] == 0 and t["max_workers"] > 0 for t in gpu_types.values())
+    spot = {k for k, t in gpu_types.items() if t["node_config"].get("InstanceMarketOptions") == {"MarketType": "spot"}}
+    on_demand = {k for k, t in gpu_types.items() if "InstanceMarketOptions" not in t["node_config"]}
+    assert spot and {f"{k}_spot" for k in on_demand} == spot  # each GPU type in both markets
+    for name in spot:  # the same machine in both markets
+        assert gpu_types[name]["node_config"]["InstanceType"] == gpu_types[name[:-5]]["node_config"]["InstanceType"]
+    # object storage through an instance profile on every worker: no keys on the nodes
+    assert all(t["node_config"]["IamInstanceProfile"] == {"Name": "ray-gpu-augment-worker"} for t in gpu_types.values())
+    assert "aws_access_key_id" not in (REPO / "cluster.yaml").read_text().lower()
     assert config["idle_timeout_minutes"] > 0
     head_start = " ".join(config["head_start_ray_commands"])
     assert "--dashboard-host=127.0.0.1" in head_start and "RAY_AUTH_MODE=token" in head_start
@@ -240,6 +248,8 @@ def test_ray_job_submit_to_a_token_protected_head(own_cluster, tmp_path):
     token = tmp_path / "auth_token"
     token.write_text(secrets.token_hex(32))
     env = _env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
+    for quieting in ("RAY_DATA_LOG_LEVEL", "RAY_DATA_LOGGING_CONFIG", "PYTHONWARNINGS"):  # a cluster as Ray starts it
+        env.pop(quieting, None)
     port, dash = _free_port(), _free_port()
     _ray(
         "start",
@@ -297,6 +307,14 @@ def test_ray_job_submit_to_a_token_protected_head(own_cluster, tmp_path):
         logs = _ray("job", "logs", "--address", address, "rga-test", env=env).stdout
         assert "job 'rga-test' succeeded" in status, f"{status}\n{logs[-4000:]}"
         assert "epoch   1/1" in logs and "done:" in logs and not bar_frames(logs)  # `ray job logs`: no bar
+        # the cluster's processes were started without the job's quiet settings: the job's setup hook
+        # keeps Ray's notices about what it does by design off the console
+        noisy = [
+            line
+            for line in logs.splitlines()
+            if re.search(r"WARNING|Warning|Traceback|Progress bars|execution finished|\(raylet\)", line)
+        ]
+        assert not noisy, noisy
         summary = json.loads((tmp_path / "runs" / "submitted" / "summary.json").read_text())
         assert summary["epochs"] == 1 and summary["num_classes"] == 2
     finally:

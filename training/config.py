@@ -115,7 +115,13 @@ class TrainConfig:
         "", "run name; the run directory is STORAGE_PATH/NAME. Default: run-<timestamp>. Rerunning a name resumes it"
     )
     max_failures: int = _f(
-        2, "times Ray Train restarts the workers from the last checkpoint after a worker dies; -1 = always"
+        2,
+        "times the run restarts its train workers from the last checkpoint after a fault (a lost node, a dead "
+        "worker, an out-of-memory kill); -1 = always",
+    )
+    node_wait_s: float = _f(
+        120.0,
+        "after a fault, how long to wait for nodes to join when the train workers no longer fit the cluster (s)",
     )
     strict: bool = _f(
         False,
@@ -166,6 +172,8 @@ class TrainConfig:
             raise ConfigError(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
         if self.max_failures < -1:
             raise ConfigError(f"--max-failures must be -1 (unlimited) or more, got {self.max_failures}")
+        if self.node_wait_s < 0:
+            raise ConfigError(f"--node-wait-s must be 0 or more, got {self.node_wait_s}")
         if self.stop_after < 0:
             raise ConfigError(f"--stop-after must be 0 or positive, got {self.stop_after}")
         if self.warmup_epochs < 0:

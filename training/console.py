@@ -47,12 +47,33 @@ def quiet_worker_logs(verbose: bool = False) -> None:
         logging.getLogger().setLevel(logging.WARNING)
 
 
+RAY_DATA_LOGGING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ray_data_logging.yaml")
+
+
+def quiet_worker_process() -> None:
+    """Ray's `worker_process_setup_hook` for the processes of a cluster the job joins (`ray job
+    submit`, RAY_ADDRESS; jobs/train.py connect): what the environment does for a cluster the
+    job starts itself. No deprecation notices from Ray's own code, and Ray Data's console
+    gets warnings only, without its per-execution notices (ray_data_logging.yaml, found in
+    this process's copy of the package: a working_dir lies elsewhere on every node)."""
+    import sys
+    import warnings
+
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    os.environ.setdefault("RAY_DATA_LOGGING_CONFIG", RAY_DATA_LOGGING)
+    if "ray.data" in sys.modules:  # imported already: its logging was configured without the file
+        from training import ray_private
+
+        ray_private.configure_ray_data_logging()
+
+
 class ProgressBoard:
     """What the train workers tell the driver's console; run as an actor with num_cpus=0."""
 
     def __init__(self):
         self.ranks: dict[int, tuple[int, int, float]] = {}  # rank -> (epoch, images, loss sum) so far
         self.lines: list[tuple[int, str]] = []  # (epoch, line) in the order rank 0 finished them
+        self.checkpoint: str | None = None  # the last checkpoint registered: where a restart resumes
 
     def post(self, rank: int, epoch: int, images: int, loss_sum: float) -> None:
         self.ranks[rank] = (epoch, images, loss_sum)
@@ -63,13 +84,24 @@ class ProgressBoard:
     def read(self, lines_seen: int) -> tuple[dict, list]:
         return self.ranks, self.lines[lines_seen:]
 
+    def new_attempt(self) -> None:
+        """The trainer (re)starts: the ranks' counts so far belong to the attempt that failed."""
+        self.ranks = {}
+
+    def checkpointed(self, path: str) -> None:
+        """Ray Train's controller registered this checkpoint (training/faults.py, CheckpointNotice)."""
+        self.checkpoint = path
+
+    def last_checkpoint(self) -> str | None:
+        return self.checkpoint
+
 
 class EpochProgress:
     """One rank's side of an epoch's bar: counts its images and posts them with its running loss
     sum at most every interval_s, through `post` (ProgressBoard.post's actor method: a call
     whose reply nobody waits for).
 
-        bar = EpochProgress(board.post.remote, rank=rank, epoch=epoch, enabled=job["progress"])
+        bar = EpochProgress(board.post.remote, rank=rank, epoch=epoch)
         for batch in batches:
             ...
             bar.update(y.shape[0], sums)   # sums[0]: this rank's loss x images so far, on the device
@@ -79,6 +111,8 @@ class EpochProgress:
     def __init__(self, post, *, rank: int, epoch: int, enabled: bool = True, interval_s=PROGRESS_INTERVAL_S):
         self.post, self.rank, self.epoch, self.enabled = post, rank, epoch, enabled
         self.interval_s, self.images, self._sums, self._last = interval_s, 0, None, time.monotonic()
+        if enabled:  # the epoch has begun: a fault from now on is this epoch's (training/faults.py)
+            self._post()
 
     def update(self, n_images: int, sums) -> None:
         if not self.enabled:

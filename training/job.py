@@ -34,7 +34,8 @@ from training import artifacts, plots, ray_private
 from training.config import ConfigError, TrainConfig, check_amp
 from training.console import ConsoleFollower, ProgressBoard
 from training.data import BadFileLog, DataError, ImageTree
-from training.ingest import SplitValUnequally, augment_rows, build_datasets, choose_decode
+from training.faults import CheckpointNotice, FaultLog, alive_nodes, describe, driver_actor, lost_nodes
+from training.ingest import DecodePlan, SplitValUnequally, augment_rows, build_datasets, choose_decode
 from training.inputs import check_inputs, start_fresh
 from training.loop import (
     CHECKPOINT_FILE,
@@ -397,139 +398,235 @@ def run(
             "data_root": tree.root,
         },
     )
-    clock, bad_log, board = (ray.remote(num_cpus=0)(cls).remote() for cls in (EpochClock, BadFileLog, ProgressBoard))
-    job = job_spec(
+    # with the driver: a lost node cannot take them (training/faults.py)
+    actors = {
+        "clock": driver_actor(EpochClock),
+        "bad_log": driver_actor(BadFileLog),
+        "board": driver_actor(ProgressBoard),
+    }
+    attempt = Attempt(
         cfg,
         tree,
         preset,
-        plan,
-        {"clock": clock, "board": board},
+        actors,
+        decode=decode,
         autoscaling=capacity.autoscaling or not capacity.bounded,
         stall=stall or StallLimits(),
-        progress=bar_stream is not None,
+        own_cluster=own_cluster,
     )
-    console = {"log": log, "bar_stream": bar_stream}
     try:
-        state, bad = _fit(
-            cfg, tree, preset, plan, job, bad_log, decode=decode, console=console, own_cluster=own_cluster
-        )
+        state, bad, faults = _fit(attempt, plan, log=log, bar_stream=bar_stream)
     finally:
-        for actor in (clock, bad_log, board):  # nothing of this run may hold cluster resources afterwards
+        for actor in actors.values():  # nothing of this run may hold cluster resources afterwards
             ray.kill(actor)
-    return write_results(cfg, tree, preset, plan, state, bad, start=start, log=log)
+    return write_results(cfg, tree, preset, plan, state, bad, start=start, log=log, faults=faults)
 
 
-def job_spec(
-    cfg, tree: ImageTree, preset: Preset, plan: ResourcePlan, actors: dict, *, autoscaling, stall, progress
-) -> dict:
-    """What train_loop receives: the config, what the driver found out, and the run's helper
-    actors (`actors`: the epoch clock and the console's progress board)."""
-    return {
-        "config": cfg.to_dict(),
-        "class_names": list(tree.class_names),
-        "preset": preset.to_dict(),
-        "image_size": preset.image_size,
-        "train_size": len(tree.train),
-        "threads_per_worker": plan.threads_per_worker,
-        "clock": actors["clock"],
-        "board": actors["board"],  # the console's: progress and epoch lines go to the driver through it
-        "progress": progress,  # ranks post progress only when the driver draws a bar
-        "sizes": train_sizes(cfg, preset) if parse_resize(cfg.progressive_resize) else None,
-        "ingest": {"worker": plan.worker, "tasks": plan.ingest_tasks(), "autoscaling": autoscaling},
-        "stall": stall,
-    }
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+    """What every attempt of a run trains with; the plan may change between attempts."""
 
+    cfg: TrainConfig
+    tree: ImageTree
+    preset: Preset
+    actors: dict  # the run's driver-side actors: clock, bad_log, board
+    decode: DecodePlan
+    autoscaling: bool  # the cluster may grow: the ingest watch only waits
+    stall: StallLimits
+    own_cluster: bool
 
-def make_trainer(cfg: TrainConfig, plan: ResourcePlan, job: dict, datasets: dict, *, own_cluster: bool):
-    """The TorchTrainer for the plan: workers and their resources, the run directory with one
-    checkpoint kept (the best val_acc), and the datasets split as SplitValUnequally says."""
-    return (ray_private.trainer_without_placement_group_cleaner() if own_cluster else TorchTrainer)(
-        train_loop,
-        train_loop_config=job,
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=plan.num_workers,
-            use_gpu=plan.use_gpu,
-            resources_per_worker={
-                "CPU": plan.cpus_per_worker,
-                **({"GPU": plan.gpus_per_worker} if plan.use_gpu else {}),
-            },
-            placement_strategy=plan.placement,
-        ),
-        run_config=ray.train.RunConfig(
-            name=cfg.name,
-            storage_path=cfg.storage_path,
-            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
-            failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(
-                num_to_keep=1, checkpoint_score_attribute="val_acc", checkpoint_score_order="max"
+    def job(self, plan: ResourcePlan) -> dict:
+        """What train_loop receives: the config, what the driver found out, and the run's helper
+        actors (the epoch clock, and the console's progress board)."""
+        cfg, preset = self.cfg, self.preset
+        return {
+            "config": cfg.to_dict(),
+            "class_names": list(self.tree.class_names),
+            "preset": preset.to_dict(),
+            "image_size": preset.image_size,
+            "train_size": len(self.tree.train),
+            "threads_per_worker": plan.threads_per_worker,
+            "clock": self.actors["clock"],
+            "board": self.actors["board"],  # the console's: progress and epoch lines go to the driver through it
+            "sizes": train_sizes(cfg, preset) if parse_resize(cfg.progressive_resize) else None,
+            "ingest": {"worker": plan.worker, "tasks": plan.ingest_tasks(), "autoscaling": self.autoscaling},
+            "stall": self.stall,
+        }
+
+    def trainer(self, plan: ResourcePlan, datasets: dict):
+        """The TorchTrainer for the plan: workers and their resources, the run directory with one
+        checkpoint kept (the best val_acc), and the datasets split as SplitValUnequally says.
+        Ray Train restarts nothing itself (max_failures=0): _fit does, with a plan made again."""
+        cfg = self.cfg
+        return (ray_private.trainer_without_placement_group_cleaner() if self.own_cluster else TorchTrainer)(
+            train_loop,
+            train_loop_config=self.job(plan),
+            scaling_config=ray.train.ScalingConfig(
+                num_workers=plan.num_workers,
+                use_gpu=plan.use_gpu,
+                resources_per_worker={
+                    "CPU": plan.cpus_per_worker,
+                    **({"GPU": plan.gpus_per_worker} if plan.use_gpu else {}),
+                },
+                placement_strategy=plan.placement,
             ),
-        ),
-        datasets=datasets,
-        dataset_config=SplitValUnequally(plan.num_workers),
-    )
-
-
-def _fit(cfg, tree, preset, plan, job, bad_log, *, decode, console, own_cluster) -> tuple[dict, dict]:
-    """Build the datasets, run the TorchTrainer while the console follows its progress; returns
-    the last checkpoint's state and the files that failed to decode."""
-    log = console["log"]
-    run_dir = artifacts.join(cfg.storage_path, cfg.name)
-    datasets = build_datasets(cfg, tree, preset, plan, job["clock"], bad_log, decode)
-    bad = ray.get(bad_log.get.remote()) if cfg.strict else {}  # --strict decoded every file above
-    if bad:
-        _write_bad_files(run_dir, bad)
-        first = next(iter(sorted(bad.items())))
-        raise DataError(
-            f"{len(bad)} unreadable image(s), e.g. {first[0]}: {first[1]}; see "
-            f"{artifacts.join(run_dir, 'bad_files.csv')}; drop --strict to skip them"
+            run_config=ray.train.RunConfig(
+                name=cfg.name,
+                storage_path=cfg.storage_path,
+                # the job tells each fault in one line; Ray Train's tracebacks go to faults.log
+                logging_config=ray.train.LoggingConfig(log_level="INFO" if cfg.verbose else "CRITICAL"),
+                # every failure comes back to _fit: of the workers, of their start (Ray Train retries
+                # those without end by default, 60 s of waiting each) and of a preempted node
+                failure_config=ray.train.FailureConfig(
+                    max_failures=0, controller_failure_limit=0, max_preemption_failures=0
+                ),
+                checkpoint_config=ray.train.CheckpointConfig(
+                    num_to_keep=1, checkpoint_score_attribute="val_acc", checkpoint_score_order="max"
+                ),
+                callbacks=[CheckpointNotice(self.actors["board"])],
+            ),
+            datasets=datasets,
+            dataset_config=SplitValUnequally(plan.num_workers),
         )
-    trainer = make_trainer(cfg, plan, job, datasets, own_cluster=own_cluster)
-    follower = ConsoleFollower(
-        lambda seen: ray.get(job["board"].read.remote(seen)),
-        total=len(tree.train),
-        epochs=cfg.epochs,
-        log=log,
-        stream=console["bar_stream"],
-        sizes=job["sizes"],
-    )
-    try:
-        with follower:
-            result = trainer.fit()
-    except (KeyboardInterrupt, SystemExit):  # Ray Train's SIGINT handler aborts the run, then sys.exit(0)
-        raise Interrupted(
-            f"interrupted; the last checkpoint is in {run_dir}: rerun with the same --name to resume"
-        ) from None
-    except Exception as e:  # Ray wraps worker errors; keep the cause, drop the stack
-        raise TrainingFailed(f"training failed: {worker_error(e)}") from e
-    finally:
-        bad = ray.get(bad_log.get.remote())
+
+    def datasets(self, plan: ResourcePlan, *, strict: bool) -> dict:
+        """The plan's datasets; `strict` (the first attempt's, with --strict): every file decoded
+        first, and a bad one stops the run with DataError."""
+        cfg, bad_log = self.cfg, self.actors["bad_log"]
+        run_dir = artifacts.join(cfg.storage_path, cfg.name)
+        datasets = build_datasets(
+            dataclasses.replace(cfg, strict=strict),
+            self.tree,
+            self.preset,
+            plan,
+            self.actors["clock"],
+            bad_log,
+            self.decode,
+        )
+        bad = ray.get(bad_log.get.remote()) if strict else {}
         if bad:
             _write_bad_files(run_dir, bad)
-            log(
-                f"skipped {len(bad)} unreadable image(s), listed with reasons in "
-                f"{artifacts.join(run_dir, 'bad_files.csv')}"
+            first = next(iter(sorted(bad.items())))
+            raise DataError(
+                f"{len(bad)} unreadable image(s), e.g. {first[0]}: {first[1]}; see "
+                f"{artifacts.join(run_dir, 'bad_files.csv')}; drop --strict to skip them"
             )
-    if result.error:
-        raise TrainingFailed(f"training failed: {worker_error(result.error)}")
+        return datasets
+
+
+def _fit(attempt: Attempt, plan: ResourcePlan, *, log, bar_stream) -> tuple[dict, dict, list[dict]]:
+    """Build the datasets and run the TorchTrainer while the console follows its progress; after
+    a fault, say so in one line and run it again from the last checkpoint, on a plan made again
+    (training/faults.py). Returns the last checkpoint's state, the files that failed to decode,
+    and the faults survived."""
+    cfg, board = attempt.cfg, attempt.actors["board"]
+    run_dir = artifacts.join(cfg.storage_path, cfg.name)
+    faults = FaultLog(run_dir, cfg.max_failures)
+    follower = ConsoleFollower(
+        lambda seen: ray.get(board.read.remote(seen)),
+        total=len(attempt.tree.train),
+        epochs=cfg.epochs,
+        log=log,
+        stream=bar_stream,
+        sizes=train_sizes(cfg, attempt.preset) if parse_resize(cfg.progressive_resize) else None,
+    )
+    datasets, built_for = attempt.datasets(plan, strict=cfg.strict), plan
+    try:
+        with follower:
+            while True:
+                if plan != built_for:
+                    datasets, built_for = attempt.datasets(plan, strict=False), plan
+                ray.get(board.new_attempt.remote())
+                nodes = alive_nodes()
+                result, error = _attempt(attempt.trainer(plan, datasets), run_dir)
+                if error is None:
+                    break
+                plan = _after_fault(attempt, plan, error, nodes, faults)
+    finally:
+        _report_bad_files(attempt.actors["bad_log"], run_dir, log)
     if result.checkpoint is None:
         raise TrainingFailed("training ended without a checkpoint")
     with result.checkpoint.as_directory() as d:
         state = torch.load(os.path.join(d, CHECKPOINT_FILE), map_location="cpu", weights_only=True)
-    return state, bad
+    return state, ray.get(attempt.actors["bad_log"].get.remote()), faults.records()
 
 
-def worker_error(error: BaseException) -> str:
+def _attempt(trainer, run_dir: str):
+    """(result, None) of a trainer that finished, or (None, the error) of one that failed."""
+    try:
+        result = trainer.fit()
+    except (KeyboardInterrupt, SystemExit):  # Ray Train's SIGINT handler aborts the run, then sys.exit(0)
+        raise Interrupted(
+            f"interrupted; the last checkpoint is in {run_dir}: rerun with the same --name to resume"
+        ) from None
+    except Exception as e:  # Ray wraps worker errors: _after_fault names the cause
+        return None, e
+    return (None, result.error) if result.error else (result, None)
+
+
+def _after_fault(attempt: Attempt, plan: ResourcePlan, error, nodes: dict, faults: FaultLog) -> ResourcePlan:
+    """Record the fault; TrainingFailed where the run stops, else the plan to restart on (the
+    line said on the console first)."""
+    cfg, board = attempt.cfg, attempt.actors["board"]
+    lost = lost_nodes(nodes, error)
+    progress, _ = ray.get(board.read.remote(1 << 30))
+    checkpoint = ray.get(board.last_checkpoint.remote())
+    fault = describe(error, lost, progress, checkpoint, cfg.batch_size // plan.num_workers)
+    faults.add(fault, error, lost)
+    own = worker_error(error, own_only=True)
+    if own:  # the train loop's own verdict (a stall, a stale batch, a checkpoint that does not fit)
+        raise TrainingFailed(f"training failed: {own}")
+    stop = faults.give_up(fault)
+    if stop:
+        raise TrainingFailed(f"training failed: {stop}")
+    ray.get(board.say.remote(-1, fault.line(faults.left)))  # the console prints it in turn with the bar
+    try:
+        new = wait_for_a_plan(cfg, cfg.node_wait_s)
+    except ConfigError as e:
+        raise TrainingFailed(
+            f"training failed: {fault.summary()}, and for {cfg.node_wait_s:g} s no plan fitted the nodes left: {e}, "
+            "or add a node (--node-wait-s: how long to wait for one); details in " + faults.path
+        ) from None
+    if new != plan:
+        ray.get(board.say.remote(-1, f"plan: {new.describe()} (made again for the nodes alive now)"))
+    return new
+
+
+def wait_for_a_plan(cfg: TrainConfig, wait_s: float, poll_s: float = 2.0) -> ResourcePlan:
+    """A plan for the nodes alive now, waiting up to `wait_s` for nodes to join where none
+    fits; the last ConfigError after that (it names what is missing and the flags that help)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return plan_resources(cfg, cluster_capacity())
+        except ConfigError:
+            if time.monotonic() >= deadline:
+                raise
+        time.sleep(poll_s)
+
+
+def _report_bad_files(bad_log, run_dir: str, log) -> None:
+    bad = ray.get(bad_log.get.remote())
+    if bad:
+        _write_bad_files(run_dir, bad)
+        where = artifacts.join(run_dir, "bad_files.csv")
+        log(f"skipped {len(bad)} unreadable image(s), listed with reasons in {where}")
+
+
+def worker_error(error: BaseException, *, own_only: bool = False) -> str:
     """One line for a failed run: the train loop's own error (a stalled or stale input, a
-    checkpoint that does not fit) where Ray Train wraps one, else Ray's message."""
+    checkpoint that does not fit) where Ray Train wraps one, else Ray's message (`own_only`:
+    "" instead)."""
     for failure in (getattr(error, "worker_failures", None) or {}).values():
         cause = ray_private.worker_exception(failure)
         if isinstance(cause, (IngestStalled, StaleBatch, CheckpointMismatch)):
             return str(cause)
-    return f"{type(error).__name__}: {error}"
+    return "" if own_only else f"{type(error).__name__}: {error}"
 
 
-def write_results(cfg, tree, preset, plan, state: dict, bad: dict, *, start: float, log) -> dict:
-    """model.pt, the plots, TensorBoard files and summary.json from the last checkpoint."""
+def write_results(cfg, tree, preset, plan, state: dict, bad: dict, *, start: float, log, faults=()) -> dict:
+    """model.pt, the plots, TensorBoard files and summary.json from the last checkpoint; `faults`:
+    FaultLog.records() of the faults this invocation survived."""
     run_dir = artifacts.join(cfg.storage_path, cfg.name)
     artifacts.write_bytes(artifacts.join(run_dir, "model.pt"), model_bytes(state["model"], tree, preset, cfg))
     artifacts.write_bytes(artifacts.join(run_dir, "curves.png"), plots.curves_png(state["history"]))
@@ -538,7 +635,7 @@ def write_results(cfg, tree, preset, plan, state: dict, bad: dict, *, start: flo
     )
     if plots.write_tensorboard(run_dir, state["history"], state["timings"]):
         log(f"tensorboard: tensorboard --logdir {artifacts.join(run_dir, 'tensorboard')}")
-    summary = summarize(state, start, plan, tree, bad)
+    summary = summarize(state, start, plan, tree, bad) | {"faults": list(faults)}
     for c in summary["coverage"]:
         if c["as_expected"] is False:
             log(

@@ -548,7 +548,7 @@ def train_loop(job: dict) -> None:
         _say(job, resumed)
     state |= {"ranks": ranks, "resumed_at_epochs": state["resumed_at_epochs"] + ([first + 1] if resumed_from else [])}
     for epoch in range(first, last):
-        bar = EpochProgress(job["board"].post.remote, rank=rank, epoch=epoch, enabled=job["progress"])  # every rank
+        bar = EpochProgress(job["board"].post.remote, rank=rank, epoch=epoch)  # every rank; a fault line names the step
         stats = train_epoch(learner, feed or data.feed(epoch), epoch=epoch, rank=rank, bar=bar)
         bar.close()
         feed = None

@@ -81,6 +81,34 @@ def worker_exception(failure: BaseException) -> BaseException:
     return getattr(failure, "_base_exc", failure)
 
 
+def worker_traceback(failure: BaseException) -> str | None:
+    """The traceback string Ray Train 2.60 keeps beside a train worker's exception (the
+    exception itself arrives without its traceback). Used by training/faults.py, error_detail."""
+    return getattr(failure, "_traceback_str", None)
+
+
+def configure_ray_data_logging() -> None:
+    """Ray Data configures its loggers when it is imported, from RAY_DATA_LOGGING_CONFIG; this
+    does it again in a process that imported it before the variable was set. Used by
+    training/console.py quiet_worker_process."""
+    from ray.data._internal.logging import configure_logging
+
+    configure_logging()
+
+
+def job_runtime_env() -> dict:
+    """The runtime env that `ray job submit` gave this driver ({} when it was started otherwise):
+    ray.init refuses a runtime env of its own that sets the same fields. Used by jobs/train.py
+    connect."""
+    import json
+    import os
+
+    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+
+    raw = os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR)
+    return (json.loads(raw).get("runtime_env") or {}) if raw else {}
+
+
 ASK_AGAIN_S = 5.0  # data_limits_from_the_start: the reply takes milliseconds; a second is what it saves
 
 
@@ -179,6 +207,18 @@ def _check_worker_exception():
     return None
 
 
+def _check_worker_traceback():
+    from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+
+    if worker_traceback(UserExceptionWithTraceback(ValueError("x"), traceback_str="tb")) != "tb":
+        return "ray.train.v2._internal.exceptions.UserExceptionWithTraceback no longer keeps _traceback_str"
+    return None
+
+
+def _check_job_runtime_env():
+    return _has("ray._private.runtime_env.constants", "RAY_JOB_CONFIG_JSON_ENV_VAR")
+
+
 def _check_data_limits():
     problem = _has("ray.data._internal.execution.resource_manager", "ResourceManager", "get_global_limits")
     if problem:
@@ -201,5 +241,12 @@ CHECKS = [
     ("pending_demands", "training/loop.py IngestWatch", _check_demands),
     ("trainer_without_placement_group_cleaner", "training/job.py _fit", _check_trainer_hook),
     ("worker_exception", "training/job.py worker_error", _check_worker_exception),
+    ("worker_traceback", "training/faults.py error_detail", _check_worker_traceback),
+    (
+        "configure_ray_data_logging",
+        "training/console.py quiet_worker_process",
+        lambda: _has("ray.data._internal.logging", "configure_logging"),
+    ),
+    ("job_runtime_env", "jobs/train.py connect", _check_job_runtime_env),
     ("data_limits_from_the_start", "training/ingest.py SplitSource.get_read_tasks", _check_data_limits),
 ]
