@@ -3,6 +3,8 @@ Ray Train 2.60 hands back; no cluster needed. tests/test_node_loss.py has the re
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 from ray.train import WorkerGroupError
@@ -82,3 +84,17 @@ def test_the_run_goes_on_until_max_failures_are_used_up_and_never_after_the_same
     bug.add(error, _group(ValueError("a bug")), {})
     assert "the same error twice in a row" in bug.give_up(error)
     assert [f["kind"] for f in bug.records()] == ["error", "error"]
+
+
+def test_only_a_fault_where_every_rank_lost_a_peer_waits_for_ray_to_declare_a_node_dead(monkeypatch):
+    from training import faults
+
+    monkeypatch.setattr(faults, "alive_nodes", lambda: {"a": "10.0.0.1", "b": "10.0.0.2"})
+    nodes = {"a": "10.0.0.1", "b": "10.0.0.2"}
+    t0 = time.monotonic()
+    assert faults.lost_nodes(nodes, _group(ValueError("a bug"), GLOO), wait_s=30) == {}  # a bug: no wait
+    assert time.monotonic() - t0 < 1
+    assert faults.lost_nodes(nodes, _group(GLOO, GLOO), wait_s=1.5) == {}  # only peers gone: waited for Ray
+    assert time.monotonic() - t0 >= 1.5
+    monkeypatch.setattr(faults, "alive_nodes", lambda: {"a": "10.0.0.1"})
+    assert faults.lost_nodes(nodes, _group(GLOO, GLOO), wait_s=30) == {"b": "10.0.0.2"}

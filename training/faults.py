@@ -64,10 +64,11 @@ NODE_DEATH_WAIT_S = 45.0
 
 def lost_nodes(nodes: dict[str, str], error: BaseException, wait_s: float = NODE_DEATH_WAIT_S) -> dict[str, str]:
     """The nodes of `nodes` ({id: address}, alive when the attempt began) that are gone now.
-    Where the error says only that a peer went, wait up to wait_s for Ray to declare its node
-    dead: the fault is then named right, and the next plan leaves the node out."""
-    text = str(error) + " ".join(str(f) for f in (getattr(error, "worker_failures", None) or {}).values())
-    deadline = time.monotonic() + (wait_s if PEER_GONE.search(text) and "worker process has died" not in text else 0)
+    Where every rank says only that a peer went or cannot be reached, wait up to wait_s for Ray
+    to declare a node dead: the fault is then named right, and the next plan leaves the node out."""
+    failures = [str(f) for f in (getattr(error, "worker_failures", None) or {}).values()] or [str(error)]
+    only_peers = all(PEER_GONE.search(f) and "worker process has died" not in f for f in failures)
+    deadline = time.monotonic() + (wait_s if only_peers else 0)
     while True:
         alive = alive_nodes()
         lost = {n: a for n, a in nodes.items() if n not in alive}
