@@ -10,14 +10,14 @@ and prints the accuracy and the per-class table. Exit codes: 0 done; 2 bad input
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from jobs.predict import add_inference_arguments
+from training.config import FlagParser
 
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m jobs.evaluate", description=__doc__.split("\n")[0])
+    ap = FlagParser(prog="python -m jobs.evaluate", description=__doc__.split("\n")[0])
     add_inference_arguments(ap)
     ap.add_argument(
         "--split",

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from training.config import FlagParser
+
 
 def add_inference_arguments(ap: argparse.ArgumentParser) -> None:
     """The flags jobs.predict and jobs.evaluate share."""
@@ -39,7 +41,7 @@ def add_inference_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m jobs.predict", description=__doc__.split("\n")[0])
+    ap = FlagParser(prog="python -m jobs.predict", description=__doc__.split("\n")[0])
     add_inference_arguments(ap)
     ap.add_argument(
         "--out", default="predictions.csv", help="CSV to write (local path or s3://, gs://; default: predictions.csv)"

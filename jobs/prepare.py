@@ -12,12 +12,13 @@ that refuses the credentials), one line on stderr, before any file is read.
 
 from __future__ import annotations
 
-import argparse
 import sys
+
+from training.config import FlagParser
 
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m jobs.prepare", description=__doc__.split("\n")[0])
+    ap = FlagParser(prog="python -m jobs.prepare", description=__doc__.split("\n")[0])
     ap.add_argument(
         "data",
         metavar="DIR",

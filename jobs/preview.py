@@ -9,12 +9,13 @@ Exit codes: 0 written; 2 bad input (unknown preset, unreadable tree), one line o
 
 from __future__ import annotations
 
-import argparse
 import sys
+
+from training.config import FlagParser
 
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m jobs.preview", description=__doc__.split("\n")[0])
+    ap = FlagParser(prog="python -m jobs.preview", description=__doc__.split("\n")[0])
     ap.add_argument(
         "--data", help="image tree (DIR/<class>/<img> or DIR/{train,val}/...); default: the bundled digits dataset"
     )

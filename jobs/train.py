@@ -19,14 +19,14 @@ import threading
 
 from augment.errors import PresetError, check_preset_name
 from training import console
-from training.config import ConfigError, add_arguments, parse_config
+from training.config import ConfigError, FlagParser, add_arguments, parse_config
 from training.data import DataError
 from training.inputs import check_inputs, start_fresh
 from training.storage import StorageError
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m jobs.train", description=__doc__.split("\n")[0])
+    ap = FlagParser(prog="python -m jobs.train", description=__doc__.split("\n")[0])
     ap.add_argument(
         "--config",
         metavar="FILE",

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
+import re
 import time
 from typing import Optional
 
@@ -205,6 +207,27 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+class FlagParser(argparse.ArgumentParser):
+    """The entry points' parser: no abbreviations (argparse takes `--epoch 1` for `--epochs`, and
+    the abbreviation breaks when a flag that shares the prefix is added), and a mistake is one
+    line naming the closest valid flags instead of the whole usage."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def error(self, message: str):
+        hints = []
+        for word in re.findall(r"(--?[\w-]+)", message.split(":", 1)[-1]):
+            flags = [o for action in self._actions for o in action.option_strings if o.startswith("--")]
+            word = word.split("=")[0]
+            prefixed = [f for f in flags if f.startswith(word)]  # what an abbreviation would have meant
+            close = list(dict.fromkeys(prefixed + difflib.get_close_matches(word, flags, n=2, cutoff=0.75)))[:3]
+            if close and word not in flags:
+                hints.append(f"{word}: did you mean {' or '.join(close)}?")
+        hint = f" ({'; '.join(hints)})" if hints else ""
+        self.exit(2, f"error: {message}{hint}; see {self.prog} --help\n")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

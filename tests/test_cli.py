@@ -1,0 +1,63 @@
+"""The entry points' flags: a mistake is one line with the closest valid flags, and nothing
+is guessed from an abbreviation."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs import evaluate, predict, prepare, preview
+from jobs import train as train_job
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    "argv, hint",
+    [
+        (["--epcohs", "1"], "--epcohs: did you mean --epochs?"),
+        (["--epoch", "1"], "--epoch: did you mean --epochs?"),  # argparse's prefix match would take it
+        (["--batch", "8"], "--batch: did you mean --batch-size?"),
+    ],
+)
+def test_a_misspelled_flag_is_one_line_with_the_closest_flags(argv, hint, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        train_job.main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: unrecognized arguments: ")
+    assert hint in err and "usage:" not in err and err.endswith("see python -m jobs.train --help\n")
+
+
+@pytest.mark.parametrize(
+    "module, argv",
+    [
+        (predict, ["--model", "m.pt", "--data", "d", "--batch", "8"]),
+        (evaluate, ["--model", "m.pt", "--data", "d", "--batch", "8"]),
+        (prepare, ["src", "out", "--shard", "8"]),
+        (preview, ["--data", "d", "--pre", "cifar"]),
+    ],
+    ids=["predict", "evaluate", "prepare", "preview"],
+)
+def test_every_entry_point_refuses_abbreviations(module, argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        module.parse(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "did you mean" in err, err
+
+
+def test_the_one_line_comes_before_anything_heavy_starts():
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "jobs.train", "--epcohs", "1"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == (
+        "error: unrecognized arguments: --epcohs 1 (--epcohs: did you mean --epochs?); "
+        "see python -m jobs.train --help\n"
+    )
+    assert time.monotonic() - t0 < 5  # an interpreter and the argument parser, no Ray, no torch
