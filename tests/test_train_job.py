@@ -231,6 +231,14 @@ def test_deterministic_runs_repeat_and_resume_continues(ray_cluster, data, tmp_p
     assert views[0] == views[1], "the same images got other augmented views in a second run"
     assert views[0][0] != views[0][1], "epoch 2 trained on epoch 1's augmented views"
     assert all(c["exactly_once"] for c in run_a["coverage"])
+    # model_best.pt holds the weights of the epoch with the best validation accuracy, model.pt the last's
+    accs = [float(r["val_acc"]) for r in _rows(tmp_path / "a" / "metrics.csv")]
+    assert accs[run_a["best_epoch"] - 1] == max(accs) == run_a["best_val_acc"]
+    for model_file, epoch in (("model_best.pt", run_a["best_epoch"]), ("model.pt", 2)):
+        weights = torch.load(tmp_path / "a" / model_file, weights_only=True)["state_dict"]
+        saved = torch.load(tmp_path / "a" / f"checkpoint_epoch_{epoch:04d}" / "checkpoint.pt", weights_only=True)
+        assert weights.keys() == saved["model"].keys()
+        assert all(torch.equal(weights[k], saved["model"][k]) for k in weights), model_file
 
     first, _ = _run(name="c", stop_after=1, **common)
     assert first["epochs"] == 1

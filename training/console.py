@@ -251,8 +251,18 @@ def summary_table(summary: dict, *, max_classes: int = 20) -> str:
     """The end-of-run table from summary.json's figures (missing ones are left out)."""
     rows = [
         ("epochs", summary.get("epochs")),
-        ("validation accuracy", _fmt(summary.get("val_acc"))),
-        ("best validation accuracy", _fmt(summary.get("best_val_acc"))),
+        (
+            "validation accuracy",
+            f"{_fmt(summary.get('val_acc'))} (epoch {summary['epochs']}: model.pt)"
+            if "best_epoch" in summary
+            else _fmt(summary.get("val_acc")),
+        ),
+        (
+            "best validation accuracy",
+            f"{_fmt(summary.get('best_val_acc'))} (epoch {summary['best_epoch']}: model_best.pt)"
+            if "best_epoch" in summary
+            else _fmt(summary.get("best_val_acc")),
+        ),
         ("validation top-5", _fmt(summary.get("val_top5")) if "val_top5" in summary else None),
         ("validation loss", _fmt(summary.get("val_loss"))),
         (

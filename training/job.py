@@ -415,11 +415,11 @@ def run(
         own_cluster=own_cluster,
     )
     try:
-        state, bad, faults = _fit(attempt, plan, log=log, bar_stream=bar_stream)
+        state, best, bad, faults = _fit(attempt, plan, log=log, bar_stream=bar_stream)
     finally:
         for actor in actors.values():  # nothing of this run may hold cluster resources afterwards
             ray.kill(actor)
-    return write_results(cfg, tree, preset, plan, state, bad, start=start, log=log, faults=faults)
+    return write_results(cfg, tree, preset, plan, state, bad, start=start, log=log, faults=faults, best=best)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -514,11 +514,11 @@ class Attempt:
         return datasets
 
 
-def _fit(attempt: Attempt, plan: ResourcePlan, *, log, bar_stream) -> tuple[dict, dict, list[dict]]:
+def _fit(attempt: Attempt, plan: ResourcePlan, *, log, bar_stream) -> tuple[dict, dict, dict, list[dict]]:
     """Build the datasets and run the TorchTrainer while the console follows its progress; after
     a fault, say so in one line and run it again from the last checkpoint, on a plan made again
     (training/faults.py). Returns the last checkpoint's state, the files that failed to decode,
-    and the faults survived."""
+    the best epoch's ({"model", "epoch", "val_acc"}), and the faults survived."""
     cfg, board = attempt.cfg, attempt.actors["board"]
     run_dir = artifacts.join(cfg.storage_path, cfg.name)
     faults = FaultLog(run_dir, cfg.max_failures)
@@ -546,9 +546,20 @@ def _fit(attempt: Attempt, plan: ResourcePlan, *, log, bar_stream) -> tuple[dict
         _report_bad_files(attempt.actors["bad_log"], run_dir, log)
     if result.checkpoint is None:
         raise TrainingFailed("training ended without a checkpoint")
-    with result.checkpoint.as_directory() as d:
-        state = torch.load(os.path.join(d, CHECKPOINT_FILE), map_location="cpu", weights_only=True)
-    return state, ray.get(attempt.actors["bad_log"].get.remote()), faults.records()
+    state = _load(result.checkpoint)
+    best_checkpoint, best = max(result.best_checkpoints or [(result.checkpoint, {})], key=_val_acc)
+    best_model = state["model"] if best_checkpoint.path == result.checkpoint.path else _load(best_checkpoint)["model"]
+    best = {"model": best_model, "epoch": best.get("epoch", state["epoch"] + 1), "val_acc": best.get("val_acc")}
+    return state, best, ray.get(attempt.actors["bad_log"].get.remote()), faults.records()
+
+
+def _val_acc(checkpoint_and_metrics) -> float:
+    return checkpoint_and_metrics[1].get("val_acc", float("-inf"))
+
+
+def _load(checkpoint) -> dict:
+    with checkpoint.as_directory() as d:
+        return torch.load(os.path.join(d, CHECKPOINT_FILE), map_location="cpu", weights_only=True)
 
 
 def _attempt(trainer, run_dir: str):
@@ -624,18 +635,23 @@ def worker_error(error: BaseException, *, own_only: bool = False) -> str:
     return "" if own_only else f"{type(error).__name__}: {error}"
 
 
-def write_results(cfg, tree, preset, plan, state: dict, bad: dict, *, start: float, log, faults=()) -> dict:
-    """model.pt, the plots, TensorBoard files and summary.json from the last checkpoint; `faults`:
-    FaultLog.records() of the faults this invocation survived."""
+def write_results(
+    cfg, tree, preset, plan, state: dict, bad: dict, *, start: float, log, faults=(), best: dict | None = None
+) -> dict:
+    """model.pt (the last epoch's weights), model_best.pt (the best validation accuracy's: `best`,
+    from _fit; the last epoch's where None), the plots, TensorBoard files and summary.json from
+    the last checkpoint; `faults`: FaultLog.records() of the faults this invocation survived."""
     run_dir = artifacts.join(cfg.storage_path, cfg.name)
+    best = best or {"model": state["model"], "epoch": state["epoch"] + 1, "val_acc": state["history"][-1]["val_acc"]}
     artifacts.write_bytes(artifacts.join(run_dir, "model.pt"), model_bytes(state["model"], tree, preset, cfg))
+    artifacts.write_bytes(artifacts.join(run_dir, "model_best.pt"), model_bytes(best["model"], tree, preset, cfg))
     artifacts.write_bytes(artifacts.join(run_dir, "curves.png"), plots.curves_png(state["history"]))
     artifacts.write_bytes(
         artifacts.join(run_dir, "confusion.png"), plots.confusion_png(state["confusion"], list(tree.class_names))
     )
     if plots.write_tensorboard(run_dir, state["history"], state["timings"]):
         log(f"tensorboard: tensorboard --logdir {artifacts.join(run_dir, 'tensorboard')}")
-    summary = summarize(state, start, plan, tree, bad) | {"faults": list(faults)}
+    summary = summarize(state, start, plan, tree, bad) | {"faults": list(faults), "best_epoch": best["epoch"]}
     for c in summary["coverage"]:
         if c["as_expected"] is False:
             log(
