@@ -190,7 +190,11 @@ def main(argv=None) -> int:
     preload.start()
     log = (lambda *a: None) if cfg.quiet else (lambda *a: print(*a, flush=True))
     log(console.format_config(cfg.to_dict(), sources))
-    own_cluster = connect(cfg.verbose, cfg.dashboard)
+    try:
+        own_cluster = connect(cfg.verbose, cfg.dashboard)
+    except KeyboardInterrupt:
+        print(f"stopped: interrupted while Ray started; to start again: {rerun_command(argv, cfg)}", file=sys.stderr)
+        return 130
     preset = preload.result()  # a file preset was checked above; a built-in one cannot fail
     from training import job
 
@@ -209,14 +213,41 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except job.Interrupted as e:
-        print(f"stopped: {e}", file=sys.stderr)
+        again = "to resume" if e.checkpoint else "to start it again"
+        print(f"stopped: {e}; {again}: {rerun_command(argv, cfg)}", file=sys.stderr)
         return 130
     except job.TrainingFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(console.summary_table(summary))
     print(f"done: {artifacts_dir(cfg)} (summary.json has every figure)")
+    if summary["epochs"] < cfg.epochs:  # --stop-after
+        print(f"stopped after epoch {summary['epochs']} of {cfg.epochs}; to continue: {rerun_command(argv, cfg)}")
     return 0
+
+
+def rerun_command(argv, cfg) -> str:
+    """The command that continues this run: the same flags, with --name (the default name is a
+    new timestamp every time) and without --fresh or --stop-after (which would start it over,
+    or stop it again; turned off where a --config file sets them)."""
+    import shlex
+
+    args, given, skip = [], set(), False
+    for arg in sys.argv[1:] if argv is None else argv:
+        flag = arg.split("=", 1)[0]
+        if skip:
+            skip = False
+        elif flag in ("--fresh", "--no-fresh", "--stop-after", "--name"):
+            given.add(flag)
+            skip = flag in ("--stop-after", "--name") and "=" not in arg  # its value follows
+        else:
+            args.append(arg)
+    args += ["--name", cfg.name]
+    if cfg.fresh and "--fresh" not in given:  # from the --config file
+        args.append("--no-fresh")
+    if cfg.stop_after and "--stop-after" not in given:
+        args += ["--stop-after", "0"]
+    return shlex.join(["python", "-m", "jobs.train", *args])
 
 
 def artifacts_dir(cfg) -> str:

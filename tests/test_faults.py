@@ -9,6 +9,7 @@ import io
 import json
 import os
 import re
+import shlex
 import signal
 import struct
 import subprocess
@@ -313,7 +314,12 @@ def test_ctrl_c_while_a_checkpoint_goes_to_s3_stops_cleanly_and_the_next_run_res
     finally:
         s3.gate.release()
     assert proc.returncode == 130, out[-3000:]
-    assert "rerun with the same --name to resume" in out
+    # the line names the checkpoint, and the command to resume is the same one, --name included
+    resume = shlex.join(["python", "-m", "jobs.train", *args[3:]])
+    assert (
+        "stopped: interrupted; the last checkpoint is checkpoint_epoch_0001 in s3://runs/interrupted; "
+        f"to resume: {resume}" in out
+    ), out[-2000:]
     # a plain local run starts Ray without the dashboard; Ray Train's cleaner must not warn about it
     assert "Failed to query Ray Train Controller actor state" not in out
     assert not bar_frames(out)  # output to a pipe (a log file): no bar

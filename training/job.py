@@ -55,7 +55,16 @@ class TrainingFailed(RuntimeError):
 
 
 class Interrupted(RuntimeError):
-    """The user stopped the run (Ctrl-C); its last checkpoint stays usable."""
+    """The user stopped the run (Ctrl-C); its last checkpoint stays usable. `checkpoint`: that
+    checkpoint's directory, None where the run had none yet."""
+
+    def __init__(self, checkpoint: str | None, run_dir: str):
+        self.checkpoint = checkpoint
+        name = checkpoint.rstrip("/").rsplit("/", 1)[-1] if checkpoint else None  # Ray's path: no s3:// scheme
+        where = (
+            f"the last checkpoint is {name} in {run_dir}" if name else "before the first checkpoint: nothing to resume"
+        )
+        super().__init__(f"interrupted; {where}")
 
 
 def prepare(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree, Preset]:
@@ -538,7 +547,7 @@ def _fit(attempt: Attempt, plan: ResourcePlan, *, log, bar_stream) -> tuple[dict
                     datasets, built_for = attempt.datasets(plan, strict=False), plan
                 ray.get(board.new_attempt.remote())
                 nodes = alive_nodes()
-                result, error = _attempt(attempt.trainer(plan, datasets), run_dir)
+                result, error = _attempt(attempt.trainer(plan, datasets), board, run_dir)
                 if error is None:
                     break
                 plan = _after_fault(attempt, plan, error, nodes, faults)
@@ -562,14 +571,12 @@ def _load(checkpoint) -> dict:
         return torch.load(os.path.join(d, CHECKPOINT_FILE), map_location="cpu", weights_only=True)
 
 
-def _attempt(trainer, run_dir: str):
+def _attempt(trainer, board, run_dir: str):
     """(result, None) of a trainer that finished, or (None, the error) of one that failed."""
     try:
         result = trainer.fit()
     except (KeyboardInterrupt, SystemExit):  # Ray Train's SIGINT handler aborts the run, then sys.exit(0)
-        raise Interrupted(
-            f"interrupted; the last checkpoint is in {run_dir}: rerun with the same --name to resume"
-        ) from None
+        raise Interrupted(ray.get(board.last_checkpoint.remote()), run_dir) from None
     except Exception as e:  # Ray wraps worker errors: _after_fault names the cause
         return None, e
     return (None, result.error) if result.error else (result, None)

@@ -546,6 +546,7 @@ def train_loop(job: dict) -> None:
     resumed = resume_or_seed(learner, state, resumed_from, rank, world)
     if resumed and rank == 0:
         _say(job, resumed)
+        job["board"].checkpointed.remote(resumed_from)  # what a stop before the next checkpoint resumes from
     state |= {"ranks": ranks, "resumed_at_epochs": state["resumed_at_epochs"] + ([first + 1] if resumed_from else [])}
     for epoch in range(first, last):
         bar = EpochProgress(job["board"].post.remote, rank=rank, epoch=epoch)  # every rank; a fault line names the step
