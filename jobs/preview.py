@@ -1,7 +1,7 @@
 """Preview a preset: a grid of originals beside several augmentations each, with class names.
 
-    python -m jobs.preview --out grid.png                          # bundled digits, cifar preset
-    python -m jobs.preview --data ~/photos --preset imagenet --out grid.png
+    python -m jobs.preview --out grid.png                          # bundled digits, the preset auto picks (cifar)
+    python -m jobs.preview --data ~/photos --out grid.png          # photos: imagenet, as jobs.train picks
     python -m jobs.preview --data ~/photos --preset my.yaml --per-class 2 --augmentations 6
 
 Exit codes: 0 written; 2 bad input (unknown preset, unreadable tree), one line on stderr.
@@ -9,6 +9,7 @@ Exit codes: 0 written; 2 bad input (unknown preset, unreadable tree), one line o
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from training.config import FlagParser
@@ -20,7 +21,10 @@ def parse(argv=None):
         "--data", help="image tree (DIR/<class>/<img> or DIR/{train,val}/...); default: the bundled digits dataset"
     )
     ap.add_argument(
-        "--preset", default="cifar", help="built-in preset name or a .yaml/.json preset file (default: cifar)"
+        "--preset",
+        default="auto",
+        help="cifar, imagenet, a .yaml/.json preset file, or auto: the one jobs.train's --preset auto picks for the "
+        "tree (default: auto)",
     )
     ap.add_argument("--out", default="preview.png", help="PNG to write (default: preview.png)")
     ap.add_argument("--classes", type=int, default=4, help="how many classes to show, in label order (default: 4)")
@@ -36,10 +40,15 @@ def main(argv=None) -> int:
     from augment.presets import PresetError, load_preset
     from augment.preview import read_examples, render_grid
     from training.data import DataError, default_dataset_dir, scan_tree
+    from training.inputs import auto_preset, typical_size
 
     try:
-        preset = load_preset(args.preset)
         tree = scan_tree(args.data or str(default_dataset_dir()))
+        chosen = ""
+        if args.preset == "auto":  # as jobs.train chooses
+            name, why = auto_preset(dataclasses.replace(tree, typical_size=typical_size(tree.train)))
+            chosen = f" (--preset auto: {why})"
+        preset = load_preset(name if args.preset == "auto" else args.preset)
         images, labels, keys = read_examples(tree.train, classes=args.classes, per_class=args.per_class)
     except (PresetError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -55,7 +64,7 @@ def main(argv=None) -> int:
         augmentations=args.augmentations,
         dpi=args.dpi,
     )
-    print(f"wrote {out}: {len(images)} images x {args.augmentations} augmentations, preset {preset.name!r}")
+    print(f"wrote {out}: {len(images)} images x {args.augmentations} augmentations, preset {preset.name!r}{chosen}")
     return 0
 
 

@@ -21,7 +21,7 @@ from augment.errors import PresetError, check_preset_name
 from training import console
 from training.config import ConfigError, FlagParser, add_arguments, parse_config
 from training.data import DataError
-from training.inputs import check_inputs, start_fresh
+from training.inputs import check_inputs, preset_name, start_fresh
 from training.storage import StorageError
 
 
@@ -172,11 +172,11 @@ def main(argv=None) -> int:
     try:
         cfg, sources = parse_config(parser(), argv)
         cfg, tree = check_inputs(cfg)  # light: a mistake is reported before anything heavy starts
-        preset = None
-        if check_preset_name(cfg.preset):  # a file: loaded and checked before Ray starts too
+        preset, name = None, preset_name(cfg, tree)  # --preset auto: the tree's header sizes chose it
+        if check_preset_name(name):  # a file: loaded and checked before Ray starts too
             from augment.presets import load_preset
 
-            preset = load_preset(cfg.preset)
+            preset = load_preset(name)
         start_fresh(cfg)  # --fresh: the old run goes only once every input has passed
     except (DataError, ConfigError, PresetError, StorageError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -186,7 +186,7 @@ def main(argv=None) -> int:
     # below) imports neither torch nor Ray Train; the preload thread's Ray Train waits for
     # the main thread's Ray Data, never the reverse.
     quiet_ray_env(cfg.verbose)  # before the preload thread imports Ray
-    preload = _Preload(cfg.preset, preset)
+    preload = _Preload(name, preset)
     preload.start()
     log = (lambda *a: None) if cfg.quiet else (lambda *a: print(*a, flush=True))
     log(console.format_config(cfg.to_dict(), sources))

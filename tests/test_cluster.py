@@ -417,7 +417,7 @@ def test_autoscaling_cluster_adds_a_node_for_the_job(own_cluster, tmp_path):
         )
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         # the 1-CPU head cannot hold the plan, but an autoscaler runs: the plan waits for it instead of refusing
-        assert "plan: 1 train worker(s) x (2 CPU" in out.stdout and "note: an autoscaler runs" in out.stdout
+        assert "; 1 train worker(s) x (2 CPU" in out.stdout and "note: an autoscaler runs" in out.stdout
         summary = json.loads((tmp_path / "runs" / "scaled" / "summary.json").read_text())
         ray.init(address="auto", logging_level="ERROR")
         nodes = [n for n in ray.nodes() if n["Alive"]]

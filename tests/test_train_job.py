@@ -106,7 +106,10 @@ def test_run_directory_has_sane_contents(two_worker_run):
     # 32 px PNGs are thumbnails decoded in the read task: the plan says 1,024 per call at most
     assert config["plan"]["decode"]["where"] == "read" and config["plan"]["augment_batch_size"] == 1024
     _, lines = two_worker_run[3]
-    assert any(line.startswith("plan: ") and line.endswith("; at most 1024 images per augment call") for line in lines)
+    (plan,) = [line for line in lines if line.startswith("plan: ")]
+    # --preset auto, and why it chose cifar: the 32 px PNGs' headers
+    assert plan.startswith("plan: preset cifar (--preset auto: thumbnails, typically 32 x 32 px); 2 train worker(s)")
+    assert plan.endswith("; at most 1024 images per augment call")
 
     (row,) = _rows(run_dir / "metrics.csv")
     assert int(row["epoch"]) == 1 and {"val_top5", "val_loss", "lr", "train_loss"} <= set(row)

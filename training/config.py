@@ -47,7 +47,11 @@ class TrainConfig:
     val_fraction: float = _f(
         0.2, "fraction of DIR/<class>/ files held out for validation by path hash (ignored with train/ + val/)"
     )
-    preset: str = _f("cifar", "augmentation preset name, or a .yaml/.json preset file")
+    preset: str = _f(
+        "auto",
+        "augmentation preset: cifar, imagenet, a .yaml/.json preset file, or auto (cifar for thumbnails, whose "
+        "shorter side is typically 64 px or less, imagenet for photos; the plan line says which)",
+    )
     # optimisation
     epochs: int = _f(5, "number of passes over the training set")
     batch_size: int = _f(64, "global batch size (images per step, summed over all workers)")

@@ -109,15 +109,17 @@ class ImageTree:
     class_names: tuple[str, ...]
     train: Split
     val: Split
+    typical_size: tuple[int, int] | None = None  # median (width, height) of a sample of train headers; None: unread
 
     @property
     def num_classes(self) -> int:
         return len(self.class_names)
 
     def describe(self) -> str:
+        size = f", typically {self.typical_size[0]} x {self.typical_size[1]} px" if self.typical_size else ""
         return (
             f"{self.root}: {self.num_classes} classes, {len(self.train)} train / "
-            f"{len(self.val)} val images ({self.layout} split)"
+            f"{len(self.val)} val images ({self.layout} split{size})"
         )
 
 

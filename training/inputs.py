@@ -10,6 +10,7 @@ Checking changes nothing on disk (the run directory is probed and left as it was
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from augment.errors import check_preset_name
@@ -29,6 +30,65 @@ def scan_data(root: str, val_fraction: float = 0.2) -> ImageTree:
     return scan_tree(root, val_fraction)
 
 
+SAMPLED_HEADERS = 16  # images whose headers give a tree's typical size
+THUMBNAIL_SIDE = 64  # --preset auto: a shorter side of at most this (typically) is a thumbnail: the cifar recipe
+THUMBNAIL_FILE_BYTES = 8 * 1024  # where no header was read (prepared shards): files this small are thumbnails
+
+
+def typical_size(split) -> tuple[int, int] | None:
+    """Median (width, height) of up to SAMPLED_HEADERS of the split's images, evenly spaced, read
+    from the first 256 KiB of each file (a header, EXIF included); None for prepared shards, an
+    empty split, or headers no decoder reads (those files fail later, in their own batch)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    if getattr(split, "row_groups", None) is not None or not len(split):
+        return None
+    fs, base, _ = storage.filesystem(split.root)
+    picks = np.unique(np.linspace(0, len(split) - 1, min(SAMPLED_HEADERS, len(split))).round().astype(int))
+    with ThreadPoolExecutor(8) as pool:  # object storage: a request each
+        sizes = [s for s in pool.map(lambda rel: _header_size(fs, f"{base}/{rel}"), split.rel_paths[picks]) if s]
+    return tuple(int(v) for v in np.median(sizes, axis=0)) if sizes else None
+
+
+def _header_size(fs, path: str) -> tuple[int, int] | None:
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with fs.open_input_file(path) as f:
+            return Image.open(io.BytesIO(f.read(256 * 1024))).size
+    except (OSError, UnidentifiedImageError, ValueError):
+        return None
+
+
+def auto_preset(tree: ImageTree) -> tuple[str, str]:
+    """--preset auto: (the built-in preset for the tree, why). The CIFAR recipe (32 px crops of a
+    4-px-padded image) for thumbnails; the ImageNet recipe (random resized crops to 224 px) for
+    photos, where a 32 px crop would keep a sliver of each."""
+    if tree.typical_size:
+        w, h = tree.typical_size
+        if min(w, h) <= THUMBNAIL_SIDE:
+            return "cifar", f"thumbnails, typically {w} x {h} px"
+        return "imagenet", f"photos, typically {w} x {h} px"
+    kb = tree.train.mean_file_bytes / 1024
+    return (
+        ("cifar", f"files of {kb:.0f} KB on average")
+        if kb * 1024 < THUMBNAIL_FILE_BYTES
+        else (
+            "imagenet",
+            f"files of {kb:.0f} KB on average",
+        )
+    )
+
+
+def preset_name(cfg: TrainConfig, tree: ImageTree) -> str:
+    """The preset the run uses: --preset, or auto_preset's choice for `auto`."""
+    return auto_preset(tree)[0] if cfg.preset == "auto" else cfg.preset
+
+
 def check_inputs(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree]:
     """Resolve defaults, scan the tree, check the flags that name things; DataError, ConfigError,
     PresetError or storage.StorageError (exit 2) for anything wrong, and nothing written. A
@@ -36,6 +96,7 @@ def check_inputs(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree]:
     cfg = cfg.with_defaults_resolved()
     root = cfg.data or str(default_dataset_dir())
     tree = scan_data(root, cfg.val_fraction)
+    tree = dataclasses.replace(tree, typical_size=typical_size(tree.train))
     try:  # a bad schedule name is found before Ray starts
         parse_schedule(cfg.augment_schedule)
     except ValueError as e:
@@ -46,7 +107,8 @@ def check_inputs(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree]:
         raise ConfigError(f"--progressive-resize: {e}") from None
     if cfg.device == "cpu":  # else the plan checks it, once it knows where training runs
         check_amp(cfg.amp, on_gpu=False)
-    check_preset_name(cfg.preset)
+    if cfg.preset != "auto":
+        check_preset_name(cfg.preset)
     # Ray Train, rank 0 and the driver all write there; the probe leaves no directory behind
     storage.check_writable(run_directory(cfg), "--storage-path")
     if cfg.init_weights:  # last: it imports torch and torchvision

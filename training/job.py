@@ -36,7 +36,7 @@ from training.console import ConsoleFollower, ProgressBoard
 from training.data import BadFileLog, DataError, ImageTree
 from training.faults import CheckpointNotice, FaultLog, alive_nodes, describe, driver_actor, lost_nodes
 from training.ingest import DecodePlan, SplitValUnequally, augment_rows, build_datasets, choose_decode
-from training.inputs import check_inputs, start_fresh
+from training.inputs import auto_preset, check_inputs, preset_name, start_fresh
 from training.loop import (
     CHECKPOINT_FILE,
     KEY_MOD,
@@ -70,7 +70,7 @@ class Interrupted(RuntimeError):
 def prepare(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree, Preset]:
     """Everything that needs no cluster: resolve defaults, scan the tree, load the preset."""
     cfg, tree = check_inputs(cfg)
-    preset = load_preset(cfg.preset)
+    preset = load_preset(preset_name(cfg, tree))
     start_fresh(cfg)  # --fresh: the old run goes only once every input has passed
     return cfg, tree, preset
 
@@ -393,7 +393,11 @@ def run(
     decode = choose_decode(cfg.decode, tree.train, preset.train, plan.use_gpu)
     log(f"data: {tree.describe()}")
     rows = augment_rows(cfg.augment_batch_size, tree.train, decode)
-    log(f"plan: {plan.describe()}; {decode.describe()}; at most {rows} images per augment call")
+    chosen = f" (--preset auto: {auto_preset(tree)[1]})" if cfg.preset == "auto" else ""
+    log(
+        f"plan: preset {preset.name}{chosen}; {plan.describe()}; {decode.describe()}; "
+        f"at most {rows} images per augment call"
+    )
     artifacts.write_json(
         artifacts.join(run_dir, "config.json"),
         {
