@@ -60,3 +60,97 @@ def test_preview_shows_the_preset_training_would_pick(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "preset 'imagenet' (--preset auto: photos, typically 300 x 200 px)" in out
     assert Image.open(io.BytesIO((tmp_path / "p.png").read_bytes())).size[0] > 0
+
+
+def _finished_run(runs, data_root: str, classes, **settings) -> bytes:
+    """A run directory as jobs.train leaves it after two epochs: config.json and metrics.csv."""
+    import json
+
+    run = runs / "mine"
+    run.mkdir(parents=True)
+    config = {
+        "config": TrainConfig(**settings).to_dict(),
+        "preset": {"name": settings.get("preset", "cifar")},
+        "class_names": list(classes),
+        "data_root": data_root,
+    }
+    (run / "config.json").write_text(json.dumps(config))
+    (run / "metrics.csv").write_text("epoch,val_acc\n1,0.5\n2,0.6\n")
+    return (run / "config.json").read_bytes()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"data": "other"}, r"\(--data \S+/data there, \S+/other here\)"),
+        ({"lr": 0.5}, r"\(--lr 0.08 there, 0.5 here\)"),
+        ({"preset": "imagenet"}, r"\(--preset cifar there, imagenet here\)"),
+        ({"batch_size": 32, "seed": 3}, r"\(--batch-size 64 there, 32 here; --seed 0 there, 3 here\)"),
+        ({"epochs": 1}, r"--epochs 1: --name mine has trained 2 epochs already; give --epochs 2 or more"),
+    ],
+    ids=["data", "lr", "preset", "two", "fewer-epochs"],
+)
+def test_a_rerun_of_a_name_that_holds_another_run_stops_before_ray_and_changes_nothing(
+    change, message, tmp_path, capsys, monkeypatch
+):
+    import re
+    import time
+
+    import ray
+
+    from jobs import train as train_job
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started"))
+    root = write_tree(tmp_path / "data", {"a": 4, "b": 4})
+    write_tree(tmp_path / "other", {"a": 4, "b": 4}, seed=1)
+    before = _finished_run(tmp_path / "runs", str(root), ("a", "b"), data=str(root), preset="cifar")
+    argv = ["--storage-path", str(tmp_path / "runs"), "--name", "mine", "--preset", "cifar", "--data", str(root)]
+    for key, value in change.items():
+        argv += [f"--{key.replace('_', '-')}", str(tmp_path / value if key == "data" else value)]
+    t0 = time.monotonic()
+    assert train_job.main(argv) == 2
+    assert time.monotonic() - t0 < 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(message, err), err
+    assert err.rstrip().endswith("--fresh to start it over, or another --name") or "fewer" not in message
+    assert (tmp_path / "runs" / "mine" / "config.json").read_bytes() == before  # the records stay the run's
+
+
+def test_a_rerun_with_more_epochs_or_other_resources_goes_on(tmp_path):
+    root = write_tree(tmp_path / "data", {"a": 4, "b": 4})
+    _finished_run(tmp_path / "runs", str(root), ("a", "b"), data=str(root), preset="cifar")
+    for change in ({"epochs": 40}, {"num_workers": 2, "amp": "bf16", "verbose": True}, {"fresh": True, "lr": 1.0}):
+        cfg = TrainConfig(data=str(root), preset="cifar", storage_path=str(tmp_path / "runs"), name="mine", **change)
+        check_inputs(cfg)  # no ConfigError
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "onecycle"])
+def test_a_run_resumed_with_more_epochs_follows_the_longer_schedule_from_the_step_it_reached(schedule):
+    import torch
+
+    from training.loop import Learner
+
+    def learner(epochs):
+        cfg = TrainConfig(epochs=epochs, schedule=schedule, warmup_epochs=1, lr=0.4, batch_size=64)
+        return Learner.on_cpu(cfg, torch.nn.Linear(2, 2), steps_per_epoch=5)
+
+    short = learner(2)
+    for _ in range(7):  # 1.4 epochs of the 2-epoch run
+        short.optimizer.step()
+        short.scheduler.step()
+    state = short.state_dict() | {"epochs": 2}
+    resumed, reference = learner(4), learner(4)
+    resumed.load_state_dict(state)
+    for _ in range(7):
+        reference.optimizer.step()
+        reference.scheduler.step()
+    assert resumed.scheduler.last_epoch == reference.scheduler.last_epoch == 7
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(reference.optimizer.param_groups[0]["lr"])
+    for _ in range(12):  # and on to the end of the 4-epoch schedule, which the 2-epoch one could not reach
+        for x in (resumed, reference):
+            x.optimizer.step()
+            x.scheduler.step()
+        assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(reference.optimizer.param_groups[0]["lr"])
+    same = learner(2)
+    same.load_state_dict(state)  # the same --epochs: the schedule as saved
+    assert same.scheduler.state_dict() == short.scheduler.state_dict()

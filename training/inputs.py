@@ -111,6 +111,8 @@ def check_inputs(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree]:
         check_preset_name(cfg.preset)
     # Ray Train, rank 0 and the driver all write there; the probe leaves no directory behind
     storage.check_writable(run_directory(cfg), "--storage-path")
+    if not cfg.fresh:
+        check_same_run(cfg, tree)
     if cfg.init_weights:  # last: it imports torch and torchvision
         check_init_weights(cfg.init_weights)
     return cfg, tree
@@ -126,6 +128,71 @@ def check_init_weights(path: str) -> None:
     from training.model import load_init_weights, resnet18
 
     load_init_weights(resnet18(1, small_stem=False), path)  # the head and the stem are not what it checks
+
+
+# What a run directory's records and checkpoints are of: a rerun of NAME that changes one of these
+# would resume one run's checkpoint as another's, or mix two runs' rows in metrics.csv. The rest
+# (--epochs, --stop-after, resources, the device, the console) a rerun may change.
+SAME_RUN_SETTINGS = (
+    "val_fraction",
+    "image_size",
+    "small_stem",
+    "progressive_resize",
+    "augment_schedule",
+    "batch_size",
+    "lr",
+    "optimizer",
+    "schedule",
+    "warmup_epochs",
+    "weight_decay",
+    "momentum",
+    "label_smoothing",
+    "seed",
+    "deterministic",
+)
+
+
+def check_same_run(cfg: TrainConfig, tree: ImageTree) -> None:
+    """ConfigError where NAME already holds a run (one epoch at least: metrics.csv) of other data,
+    classes, preset or SAME_RUN_SETTINGS than `cfg` would resume: one line naming what differs and
+    the two ways out. Nothing is written."""
+    import json
+
+    run_dir = run_directory(cfg)
+    with storage.errors(run_dir, "reading"):
+        if not artifacts.exists(artifacts.join(run_dir, "metrics.csv")):
+            return
+        done = artifacts.read_bytes(artifacts.join(run_dir, "metrics.csv")).decode().count("\n") - 1  # epochs
+        try:
+            old = json.loads(artifacts.read_bytes(artifacts.join(run_dir, "config.json")))
+        except (OSError, ValueError):  # no config.json, or not one of ours: nothing to compare
+            return
+    if cfg.epochs < done:
+        raise ConfigError(
+            f"--epochs {cfg.epochs}: --name {cfg.name} has trained {done} epochs already; give --epochs {done} or "
+            "more to go on with it, --fresh to start it over, or another --name"
+        )
+    was, now = old.get("config", {}), cfg.to_dict()
+    differs = []
+    if old.get("data_root", tree.root) != tree.root:
+        differs.append(f"--data {old['data_root']} there, {tree.root} here")
+    elif list(old.get("class_names", tree.class_names)) != list(tree.class_names):
+        differs.append(f"classes {', '.join(old['class_names'])} there, {', '.join(tree.class_names)} here")
+    preset = preset_name(cfg, tree)
+    # a built-in preset by the name config.json's preset has (a run of `auto` chose one), a file by its path
+    old_preset = was.get("preset") if check_preset_name(preset) else (old.get("preset") or {}).get("name")
+    if old_preset is not None and old_preset != preset:
+        differs.append(f"--preset {old_preset} there, {preset} here")
+    differs += [
+        f"--{k.replace('_', '-')} {was[k]} there, {now[k]} here"
+        for k in SAME_RUN_SETTINGS
+        if k in was and was[k] != now[k]
+    ]
+    if differs:
+        raise ConfigError(
+            f"--name {cfg.name} already holds a run with other settings ({'; '.join(differs[:3])}"
+            f"{'; ...' if len(differs) > 3 else ''}); pass --fresh to start it over, or another --name"
+        )
 
 
 def start_fresh(cfg: TrainConfig) -> None:

@@ -398,19 +398,6 @@ def run(
         f"plan: preset {preset.name}{chosen}; {plan.describe()}; {decode.describe()}; "
         f"at most {rows} images per augment call"
     )
-    artifacts.write_json(
-        artifacts.join(run_dir, "config.json"),
-        {
-            "config": cfg.to_dict(),
-            "plan": dataclasses.asdict(plan) | {"decode": dataclasses.asdict(decode), "augment_batch_size": rows},
-            "preset": preset.to_dict(),
-            "image_size": preset.image_size,  # evaluation's, and training's at the end
-            "train_image_sizes": train_sizes(cfg, preset),  # per epoch
-            "class_names": list(tree.class_names),
-            "git_commit": git_commit(),
-            "data_root": tree.root,
-        },
-    )
     # with the driver: a lost node cannot take them (training/faults.py)
     actors = {
         "clock": driver_actor(EpochClock),
@@ -428,11 +415,33 @@ def run(
         own_cluster=own_cluster,
     )
     try:
-        state, best, bad, faults = _fit(attempt, plan, log=log, bar_stream=bar_stream)
+        datasets = attempt.datasets(plan, strict=cfg.strict)
+        # only now: a start that fails earlier leaves the records of the run NAME holds as they were
+        write_config(run_dir, attempt, plan, rows)
+        state, best, bad, faults = _fit(attempt, plan, datasets, log=log, bar_stream=bar_stream)
     finally:
         for actor in actors.values():  # nothing of this run may hold cluster resources afterwards
             ray.kill(actor)
     return write_results(cfg, tree, preset, plan, state, bad, start=start, log=log, faults=faults, best=best)
+
+
+def write_config(run_dir: str, attempt: "Attempt", plan: ResourcePlan, rows: int) -> None:
+    """config.json: every setting, the plan, the preset, the classes, the commit and the data."""
+    cfg, preset, tree = attempt.cfg, attempt.preset, attempt.tree
+    artifacts.write_json(
+        artifacts.join(run_dir, "config.json"),
+        {
+            "config": cfg.to_dict(),
+            "plan": dataclasses.asdict(plan)
+            | {"decode": dataclasses.asdict(attempt.decode), "augment_batch_size": rows},
+            "preset": preset.to_dict(),
+            "image_size": preset.image_size,  # evaluation's, and training's at the end
+            "train_image_sizes": train_sizes(cfg, preset),  # per epoch
+            "class_names": list(tree.class_names),
+            "git_commit": git_commit(),
+            "data_root": tree.root,
+        },
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -527,7 +536,9 @@ class Attempt:
         return datasets
 
 
-def _fit(attempt: Attempt, plan: ResourcePlan, *, log, bar_stream) -> tuple[dict, dict, dict, list[dict]]:
+def _fit(
+    attempt: Attempt, plan: ResourcePlan, datasets: dict, *, log, bar_stream
+) -> tuple[dict, dict, dict, list[dict]]:
     """Build the datasets and run the TorchTrainer while the console follows its progress; after
     a fault, say so in one line and run it again from the last checkpoint, on a plan made again
     (training/faults.py). Returns the last checkpoint's state, the files that failed to decode,
@@ -543,7 +554,7 @@ def _fit(attempt: Attempt, plan: ResourcePlan, *, log, bar_stream) -> tuple[dict
         stream=bar_stream,
         sizes=train_sizes(cfg, attempt.preset) if parse_resize(cfg.progressive_resize) else None,
     )
-    datasets, built_for = attempt.datasets(plan, strict=cfg.strict), plan
+    built_for = plan
     try:
         with follower:
             while True:

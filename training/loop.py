@@ -82,13 +82,16 @@ def build_scheduler(cfg: TrainConfig, optimizer, steps_per_epoch: int):
     warmup = round(cfg.warmup_epochs * steps_per_epoch)
     lr = torch.optim.lr_scheduler
     if cfg.schedule == "onecycle":
-        return lr.OneCycleLR(
+        scheduler = lr.OneCycleLR(
             optimizer, max_lr=cfg.peak_lr, total_steps=total + 1, pct_start=min(0.5, max(warmup / total, 0.01))
         )
-    warmup = max(1, min(warmup, total))
-    rise = lr.LinearLR(optimizer, start_factor=1 / warmup, end_factor=1.0, total_iters=warmup - 1)
-    fall = lr.CosineAnnealingLR(optimizer, T_max=max(1, total - warmup), eta_min=0.0)
-    return lr.SequentialLR(optimizer, [rise, fall], milestones=[warmup])
+    else:
+        warmup = max(1, min(warmup, total))
+        rise = lr.LinearLR(optimizer, start_factor=1 / warmup, end_factor=1.0, total_iters=warmup - 1)
+        fall = lr.CosineAnnealingLR(optimizer, T_max=max(1, total - warmup), eta_min=0.0)
+        scheduler = lr.SequentialLR(optimizer, [rise, fall], milestones=[warmup])
+    scheduler.steps_per_epoch = steps_per_epoch  # Learner.reschedule builds the same schedule for other --epochs
+    return scheduler
 
 
 def params_digest(model: torch.nn.Module) -> str:
@@ -189,6 +192,21 @@ class Learner:
             normalize=Normalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25)),
         )
 
+    def reschedule(self, steps_done: int) -> None:
+        """The schedule for --epochs as set now, moved on by the steps already taken (the optimizer's
+        learning rate with it)."""
+        import warnings
+
+        steps_per_epoch = self.scheduler.steps_per_epoch
+        for group in self.optimizer.param_groups:  # a new schedule starts from the peak it scales
+            group["lr"] = self.cfg.peak_lr
+            group.pop("initial_lr", None)
+        self.scheduler = build_scheduler(self.cfg, self.optimizer, steps_per_epoch)
+        with warnings.catch_warnings():  # steps before any optimizer.step: torch warns of the order
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(steps_done):
+                self.scheduler.step()
+
     def autocast(self):
         if self.cfg.amp == "off":
             return contextlib.nullcontext()
@@ -203,10 +221,16 @@ class Learner:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """The checkpoint's model, optimizer, scaler and schedule. A run resumed with another
+        --epochs (the only schedule setting a rerun may change: training.inputs.SAME_RUN_SETTINGS)
+        gets the schedule of the new length, at the step the checkpoint reached."""
         try:
             self.bare.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
+            if state.get("epochs", self.cfg.epochs) == self.cfg.epochs:
+                self.scheduler.load_state_dict(state["scheduler"])
+            else:
+                self.reschedule(state["scheduler"]["last_epoch"])
             self.scaler.load_state_dict(state["scaler"])
         except (KeyError, ValueError, RuntimeError) as e:  # another model, optimizer or schedule
             raise CheckpointMismatch(
@@ -558,7 +582,8 @@ def train_loop(job: dict) -> None:
         rng = _all_gather(rng_state(device))  # every rank's stream, restored per rank on resume
         if rank == 0:
             write_records(cfg, job, state, row)
-        report(row, state | learner.state_dict() | {"rng": rng} if rank == 0 else None, epoch)
+        saved = state | learner.state_dict() | {"rng": rng, "epochs": cfg.epochs}  # epochs: the schedule's length
+        report(row, saved if rank == 0 else None, epoch)
 
 
 def setup_worker(cfg: TrainConfig, threads: int) -> torch.device:
