@@ -2,6 +2,7 @@
 points check a preset's name before anything heavy starts."""
 
 BUILTIN_PRESETS = ("cifar", "imagenet")  # the keys of augment.presets.PRESETS (a test holds them equal)
+BUILTIN_TRAIN_SIZES = {"cifar": 32, "imagenet": 224}  # their train_size (the same test holds them equal)
 PRESET_FILE_SUFFIXES = (".yaml", ".yml", ".json")
 
 

@@ -21,7 +21,7 @@ from augment.errors import PresetError, check_preset_name
 from training import console
 from training.config import ConfigError, FlagParser, add_arguments, parse_config
 from training.data import DataError
-from training.inputs import check_inputs, preset_name, start_fresh
+from training.inputs import check_inputs, check_sizes_and_device, preset_name, start_fresh
 from training.storage import StorageError
 
 
@@ -177,6 +177,7 @@ def main(argv=None) -> int:
             from augment.presets import load_preset
 
             preset = load_preset(name)
+        check_sizes_and_device(cfg, name, preset)
         start_fresh(cfg)  # --fresh: the old run goes only once every input has passed
     except (DataError, ConfigError, PresetError, StorageError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from augment.batch import to_canvas
-from augment.errors import BUILTIN_PRESETS
+from augment.errors import BUILTIN_PRESETS, BUILTIN_TRAIN_SIZES
 from augment.ops import OPS, Normalize, resample_boxes
 from augment.presets import PRESETS, Pipeline, PresetError, load_preset, preset_from_dict
 from augment.rng import KeyedRng, reference_seed, reference_uniform
@@ -230,6 +230,7 @@ def test_preset_files_and_their_errors(tmp_path):
         load_preset("imagenett")
     # the entry point checks names against this torch-free list before Ray starts
     assert set(BUILTIN_PRESETS) == set(PRESETS)
+    assert BUILTIN_TRAIN_SIZES == {name: p.train_size for name, p in PRESETS.items()}
 
 
 MINE = {

@@ -154,3 +154,39 @@ def test_a_run_resumed_with_more_epochs_follows_the_longer_schedule_from_the_ste
     same = learner(2)
     same.load_state_dict(state)  # the same --epochs: the schedule as saved
     assert same.scheduler.state_dict() == short.scheduler.state_dict()
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (
+            ["--progressive-resize", "40", "--image-size", "32"],
+            "error: --progressive-resize 40: starts at 40 px, not below the training size 32 px; give a smaller FROM "
+            "or a larger --image-size",
+        ),
+        (["--progressive-resize", "32"], "error: --progressive-resize 32: starts at 32 px, not below the training"),
+        (["--amp", "fp16"], "error: --amp fp16 on CPU: torch's float16 kernels there are many times slower"),
+        (["--preset", "nope"], "error: unknown preset 'nope'"),
+    ],
+    ids=["resize-above-size", "resize-at-preset-size", "fp16-without-gpu", "preset-name"],
+)
+def test_a_mistake_is_one_line_within_two_seconds_before_ray_and_leaves_nothing(
+    argv, line, tmp_path, capsys, monkeypatch
+):
+    import time
+
+    import ray
+
+    from jobs import train as train_job
+    from training import inputs
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started"))
+    monkeypatch.setattr(inputs, "local_gpus", lambda: 0)  # this machine as CI's: no GPU
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    root = write_tree(tmp_path / "data", {"a": 4, "b": 4})
+    t0 = time.monotonic()
+    code = train_job.main([*argv, "--data", str(root), "--storage-path", str(tmp_path / "runs"), "--name", "x"])
+    assert code == 2 and time.monotonic() - t0 < 2
+    out, err = capsys.readouterr()
+    assert err.startswith(line) and err.count("\n") == 1 and out == "", (out, err)  # before the config dump
+    assert not (tmp_path / "runs").exists()

@@ -84,6 +84,46 @@ def auto_preset(tree: ImageTree) -> tuple[str, str]:
     )
 
 
+def check_resize_start(cfg: TrainConfig, train_size: int) -> None:
+    """--progressive-resize must start below the training size."""
+    resize = parse_resize(cfg.progressive_resize, cfg.epochs)
+    if resize and resize[0] >= train_size:
+        raise ConfigError(
+            f"--progressive-resize {cfg.progressive_resize}: starts at {resize[0]} px, not below the training size "
+            f"{train_size} px; give a smaller FROM or a larger --image-size"
+        )
+
+
+def local_gpus() -> int:
+    """The GPUs of this machine that CUDA would show this process, without importing torch (Linux's
+    NVIDIA driver lists them in /proc; nowhere else has CUDA)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return 0
+    try:
+        found = len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+    return found if visible is None else min(found, len(visible.split(",")))
+
+
+def check_sizes_and_device(cfg: TrainConfig, name: str, preset=None) -> None:
+    """The rest of the checks that need no cluster: --progressive-resize against the training
+    size, the preset file's ops at the run's sizes (`preset`: loaded, None for a built-in one,
+    whose ops fit any size), and --amp fp16 for a run that starts a cluster of this machine,
+    where it would find no GPU."""
+    from augment.errors import BUILTIN_TRAIN_SIZES
+
+    check_resize_start(cfg, cfg.image_size or (preset.train_size if preset else BUILTIN_TRAIN_SIZES[name]))
+    if preset is not None and (cfg.image_size or cfg.progressive_resize != "none"):
+        from training.sizing import sized_preset  # torch: loaded with the preset file already
+
+        sized_preset(cfg, preset)
+    local = not (os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"))
+    if cfg.device == "auto" and local:
+        check_amp(cfg.amp, on_gpu=local_gpus() > 0)
+
+
 def preset_name(cfg: TrainConfig, tree: ImageTree) -> str:
     """The preset the run uses: --preset, or auto_preset's choice for `auto`."""
     return auto_preset(tree)[0] if cfg.preset == "auto" else cfg.preset

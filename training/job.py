@@ -26,9 +26,8 @@ import ray.train
 import torch
 from ray.train.torch import TorchTrainer
 
-from augment.errors import PresetError
-from augment.presets import Pipeline, Preset, load_preset, scale_geometry
-from augment.schedule import parse_resize, resize_side
+from augment.presets import Preset, load_preset
+from augment.schedule import parse_resize
 from augment.stage import EpochClock
 from training import artifacts, plots, ray_private
 from training.config import ConfigError, TrainConfig, check_amp
@@ -36,7 +35,7 @@ from training.console import ConsoleFollower, ProgressBoard
 from training.data import BadFileLog, DataError, ImageTree
 from training.faults import CheckpointNotice, FaultLog, alive_nodes, describe, driver_actor, lost_nodes
 from training.ingest import DecodePlan, SplitValUnequally, augment_rows, build_datasets, choose_decode
-from training.inputs import auto_preset, check_inputs, preset_name, start_fresh
+from training.inputs import auto_preset, check_inputs, check_sizes_and_device, preset_name, start_fresh
 from training.loop import (
     CHECKPOINT_FILE,
     KEY_MOD,
@@ -48,6 +47,7 @@ from training.loop import (
 )
 from training.model import uses_small_stem
 from training.resources import Node, left_over, place_workers, tasks_fit
+from training.sizing import sized_preset, train_sizes
 
 
 class TrainingFailed(RuntimeError):
@@ -70,7 +70,9 @@ class Interrupted(RuntimeError):
 def prepare(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree, Preset]:
     """Everything that needs no cluster: resolve defaults, scan the tree, load the preset."""
     cfg, tree = check_inputs(cfg)
-    preset = load_preset(preset_name(cfg, tree))
+    name = preset_name(cfg, tree)
+    preset = load_preset(name)
+    check_sizes_and_device(cfg, name, preset)
     start_fresh(cfg)  # --fresh: the old run goes only once every input has passed
     return cfg, tree, preset
 
@@ -309,42 +311,6 @@ def leave_room_for_ingest(plan: ResourcePlan, capacity: Capacity, *, fixed: bool
         f"cluster's {capacity.cpus} CPUs: reading and augmenting need {need:g} ({MIN_CPUS:g} at the least) on a "
         "node beside the workers; lower --num-workers" + (" or --augment-actors" if plan.augment_actors else "")
     )
-
-
-def sized_preset(cfg: TrainConfig, preset: Preset) -> Preset:
-    """The preset at --image-size, with --progressive-resize checked against its training size."""
-    if cfg.image_size:
-        preset = preset.at_size(cfg.image_size)
-    resize = parse_resize(cfg.progressive_resize, cfg.epochs)
-    if resize and resize[0] >= preset.train_size:
-        raise ConfigError(
-            f"--progressive-resize {cfg.progressive_resize}: starts at {resize[0]} px, not below the training size "
-            f"{preset.train_size} px; give a smaller FROM or a larger --image-size"
-        )
-    check_sizes(cfg, preset)
-    return preset
-
-
-def check_sizes(cfg: TrainConfig, preset: Preset) -> None:
-    """Builds the preset's pipelines at every size the run uses (each epoch's training size, and
-    evaluation's), so that an op that does not fit one of them (a Kornia kernel larger than the
-    image) stops the run here with one line, not in a Ray Data task."""
-    full = preset.train_size
-    for side in sorted(set(train_sizes(cfg, preset))):
-        first = preset.train[0] if side == full else scale_geometry(preset.train[0], side, full)
-        try:
-            Pipeline((first, *preset.train[1:]), seed=0)
-        except PresetError as e:
-            raise ConfigError(f"preset {preset.name!r}: its train ops at {side} px: {e}") from None
-    try:
-        Pipeline(preset.eval, seed=0)
-    except PresetError as e:
-        raise ConfigError(f"preset {preset.name!r}: its eval ops at {preset.image_size} px: {e}") from None
-
-
-def train_sizes(cfg: TrainConfig, preset: Preset) -> list[int]:
-    """The training crops' side, epoch by epoch (progressive resizing), for config.json and the console."""
-    return [resize_side(cfg.progressive_resize, e, cfg.epochs, preset.train_size) for e in range(cfg.epochs)]
 
 
 def git_commit() -> str | None:
