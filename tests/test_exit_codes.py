@@ -1,0 +1,86 @@
+"""The exit codes jobs.train promises once Ray has started (its docstring; README.md, "Exit
+codes"), through the CLI as a user meets them: 2 for bad input found on the cluster (a
+--strict tree with a bad file, a plan the cluster cannot hold), 1 for training that failed;
+each is one `error:` line on stderr and no traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import write_tree
+
+
+@pytest.fixture(scope="module")
+def small_tree(tmp_path_factory):
+    return write_tree(tmp_path_factory.mktemp("exit-data"), {"a": 8, "b": 8})
+
+
+def _main(argv, capsys) -> tuple[int, str]:
+    """jobs.train.main's exit code and its stderr, on the session's cluster (connect keeps it)."""
+    from jobs.train import main
+
+    code = main(argv)
+    return code, capsys.readouterr().err
+
+
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    return lines[0]
+
+
+def test_strict_on_a_tree_with_a_bad_file_exits_2_with_one_line(ray_cluster, small_tree, tmp_path, capsys):
+    tree = tmp_path / "tree"
+    write_tree(tree, {"a": 4, "b": 4})
+    (tree / "a" / "broken.png").write_bytes(b"no image in here\n")
+    argv = ["--data", str(tree), "--strict", "--epochs", "1", "--batch-size", "4", "--storage-path", str(tmp_path)]
+    code, err = _main([*argv, "--name", "strict", "--quiet"], capsys)
+    line = _one_error_line(err)
+    assert code == 2, err[-3000:]
+    assert line.startswith("error: 1 unreadable image(s), e.g. ") and "broken.png" in line and "drop --strict" in line
+    assert not (tmp_path / "strict" / "metrics.csv").exists()  # nothing was trained
+
+
+def test_a_plan_the_cluster_cannot_hold_exits_2_with_one_line(ray_cluster, small_tree, tmp_path, capsys):
+    """The session's cluster has 4 CPUs: 3 workers of 2 CPUs each are refused once Ray says so."""
+    argv = ["--data", str(small_tree), "--num-workers", "3", "--cpus-per-worker", "2", "--epochs", "1"]
+    code, err = _main([*argv, "--storage-path", str(tmp_path), "--name", "big", "--quiet"], capsys)
+    line = _one_error_line(err)
+    assert code == 2, err[-3000:]
+    assert line == (
+        "error: --num-workers 3 x 2 CPU each needs 6 CPUs but the cluster has at most 4; lower --num-workers or "
+        "--cpus-per-worker"
+    )
+    assert not (tmp_path / "big" / "config.json").exists()  # refused before the run began
+
+
+def _as_an_older_version_wrote_it(checkpoint: Path) -> None:
+    """The checkpoint's schedule as versions before torch's SequentialLR saved it: a LambdaLR's
+    state (tests/test_loop.py has the learner's own check of this)."""
+    state = torch.load(checkpoint, weights_only=True)
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    state["scheduler"] = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0).state_dict()
+    torch.save(state, checkpoint)
+
+
+def test_a_checkpoint_that_does_not_fit_exits_1_with_one_line(ray_cluster, small_tree, tmp_path, capsys):
+    """A real training failure, found by the train worker: the run is resumed under its --name
+    from a checkpoint an older version wrote, whose schedule the learner cannot load."""
+    argv = ["--data", str(small_tree), "--epochs", "2", "--batch-size", "8", "--val-fraction", "0.25"]
+    argv += ["--storage-path", str(tmp_path), "--name", "old", "--quiet"]
+    code, err = _main([*argv, "--stop-after", "1"], capsys)
+    assert code == 0, err[-3000:]
+    summary = (tmp_path / "old" / "summary.json").read_text()
+    _as_an_older_version_wrote_it(tmp_path / "old" / "checkpoint_epoch_0001" / "checkpoint.pt")
+    code, err = _main(argv, capsys)
+    line = _one_error_line(err)
+    assert code == 1, err[-3000:]
+    assert line.startswith(
+        "error: training failed: the last checkpoint of --name old was written by another version or other settings ("
+    ), line
+    assert line.endswith("rerun with --fresh to start over, or with the settings it was written with"), line
+    assert (tmp_path / "old" / "summary.json").read_text() == summary  # the failed run wrote no results
