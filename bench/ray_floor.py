@@ -77,5 +77,17 @@ def main() -> dict:
     return out
 
 
+def parse(argv=None):
+    from training.config import FlagParser
+
+    ap = FlagParser(prog="python -m bench.ray_floor", description=__doc__.split("\n")[0])
+    ap.add_argument("--json", metavar="FILE", help="also write the figures to FILE as JSON")
+    return ap.parse_args(argv)
+
+
 if __name__ == "__main__":
-    main()
+    args = parse()  # --help answers before anything starts
+    figures = main()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)

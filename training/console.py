@@ -247,6 +247,12 @@ def _fmt(value, pct: bool = False) -> str:
     return str(value)
 
 
+def _trained(summary: dict) -> str:
+    """The training images: those trained on, and the files found that did not decode."""
+    found, trained = summary.get("train_images"), summary.get("train_images_trained", summary.get("train_images"))
+    return f"{trained} (+{found - trained} unreadable)" if found != trained else str(trained)
+
+
 def summary_table(summary: dict, *, max_classes: int = 20) -> str:
     """The end-of-run table from summary.json's figures (missing ones are left out)."""
     rows = [
@@ -284,7 +290,7 @@ def summary_table(summary: dict, *, max_classes: int = 20) -> str:
         ),
         (
             "classes / train / val images",
-            f"{summary.get('num_classes')} / {summary.get('train_images')} / {summary.get('val_images')}"
+            f"{summary.get('num_classes')} / {_trained(summary)} / {summary.get('val_images')}"
             if "num_classes" in summary
             else None,
         ),

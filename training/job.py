@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import subprocess
 import time
 
@@ -638,7 +639,10 @@ def write_results(
         artifacts.join(run_dir, "confusion.png"), plots.confusion_png(state["confusion"], list(tree.class_names))
     )
     if plots.write_tensorboard(run_dir, state["history"], state["timings"]):
-        log(f"tensorboard: tensorboard --logdir {artifacts.join(run_dir, 'tensorboard')}")
+        logdir = artifacts.join(run_dir, "tensorboard")
+        # tensorboardX writes the files without TensorBoard itself, which has the viewer
+        viewer = "" if shutil.which("tensorboard") else "pip install tensorboard, then "
+        log(f"tensorboard: {viewer}tensorboard --logdir {logdir}")
     summary = summarize(state, start, plan, tree, bad) | {"faults": list(faults), "best_epoch": best["epoch"]}
     for c in summary["coverage"]:
         if c["as_expected"] is False:
@@ -680,6 +684,12 @@ def _write_bad_files(run_dir: str, bad: dict[str, str]) -> None:
     )
 
 
+def good_images(split, bad: dict[str, str]) -> np.ndarray:
+    """The keys of the split's images that are not among the `bad` files ({path: reason})."""
+    bad_rel = [p[len(split.root) + 1 :] for p in bad if p.startswith(split.root + "/")]
+    return split.keys[~np.isin(split.rel_paths, bad_rel)] if bad_rel else split.keys
+
+
 def coverage(seen_per_epoch: list[list[dict]], tree: ImageTree, bad: dict[str, str]) -> list[dict]:
     """Per epoch: did the ranks together train on every good image exactly once?
 
@@ -691,9 +701,7 @@ def coverage(seen_per_epoch: list[list[dict]], tree: ImageTree, bad: dict[str, s
     image of the split by its key), None when several were dropped (the sum cannot tell
     which), False otherwise (a restarted augment actor can redeliver a batch).
     """
-    split = tree.train
-    bad_rel = [p[len(split.root) + 1 :] for p in bad if p.startswith(split.root + "/")]
-    good = (split.keys[~np.isin(split.rel_paths, bad_rel)] if bad_rel else split.keys) % KEY_MOD
+    good = good_images(tree.train, bad) % KEY_MOD
     expected_sum = int(good.sum() % KEY_MOD)
     out = []
     for epoch, ranks in enumerate(seen_per_epoch, start=1):
@@ -763,7 +771,8 @@ def summarize(state: dict, start: float, plan: ResourcePlan, tree: ImageTree, ba
         "world_size": plan.num_workers,
         "device": "cuda" if plan.use_gpu else "cpu",
         "num_classes": tree.num_classes,
-        "train_images": len(tree.train),
+        "train_images": len(tree.train),  # files found
+        "train_images_trained": int(good_images(tree.train, bad).size),  # those that decode
         "val_images": len(tree.val),
         "per_class_val_acc": {
             name: round(row[i] / sum(row), 6) if sum(row) else None
