@@ -190,3 +190,18 @@ def test_a_mistake_is_one_line_within_two_seconds_before_ray_and_leaves_nothing(
     out, err = capsys.readouterr()
     assert err.startswith(line) and err.count("\n") == 1 and out == "", (out, err)  # before the config dump
     assert not (tmp_path / "runs").exists()
+
+
+def test_an_epoch_of_too_few_steps_is_warned_of_with_a_batch_size_that_gives_enough(tmp_path):
+    from training.inputs import few_steps_warning
+
+    root = write_tree(tmp_path / "data", {"a": 45, "b": 45})
+    cfg, tree = check_inputs(TrainConfig(data=str(root), val_fraction=0.0, storage_path=str(tmp_path / "runs")))
+    assert len(tree.train) == 90
+    assert "are 1 step(s) an epoch" in few_steps_warning(cfg, tree)  # the default 64
+    big = TrainConfig(data=str(root), batch_size=256)
+    assert few_steps_warning(big, tree) == (
+        "warning: 90 training images at --batch-size 256 are 1 step(s) an epoch, too few for batch norm and the "
+        "warm-up; --batch-size 16 gives 5"
+    )
+    assert few_steps_warning(TrainConfig(batch_size=16), tree) is None

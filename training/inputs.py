@@ -124,6 +124,24 @@ def check_sizes_and_device(cfg: TrainConfig, name: str, preset=None) -> None:
         check_amp(cfg.amp, on_gpu=local_gpus() > 0)
 
 
+MIN_STEPS_PER_EPOCH = 4  # fewer, and batch norm's statistics and the warm-up have too little to go on
+
+
+def few_steps_warning(cfg: TrainConfig, tree: ImageTree) -> str | None:
+    """A warning line where an epoch is fewer than MIN_STEPS_PER_EPOCH steps: on 360 photos,
+    --batch-size 256 (1 step an epoch) sat at chance for 7 of 30 epochs with a validation loss
+    up to 131,177, where 64 (5 steps) trained from the first epochs (the first-hour trial of
+    docs/benchmarks.md, "Small datasets")."""
+    steps = len(tree.train) // cfg.batch_size
+    if steps >= MIN_STEPS_PER_EPOCH:
+        return None
+    fits = max(8, len(tree.train) // MIN_STEPS_PER_EPOCH // 8 * 8)
+    return (
+        f"warning: {len(tree.train)} training images at --batch-size {cfg.batch_size} are {steps or 1} step(s) an "
+        f"epoch, too few for batch norm and the warm-up; --batch-size {fits} gives {len(tree.train) // fits}"
+    )
+
+
 def preset_name(cfg: TrainConfig, tree: ImageTree) -> str:
     """The preset the run uses: --preset, or auto_preset's choice for `auto`."""
     return auto_preset(tree)[0] if cfg.preset == "auto" else cfg.preset

@@ -36,7 +36,14 @@ from training.console import ConsoleFollower, ProgressBoard
 from training.data import BadFileLog, DataError, ImageTree
 from training.faults import CheckpointNotice, FaultLog, alive_nodes, describe, driver_actor, lost_nodes
 from training.ingest import DecodePlan, SplitValUnequally, augment_rows, build_datasets, choose_decode
-from training.inputs import auto_preset, check_inputs, check_sizes_and_device, preset_name, start_fresh
+from training.inputs import (
+    auto_preset,
+    check_inputs,
+    check_sizes_and_device,
+    few_steps_warning,
+    preset_name,
+    start_fresh,
+)
 from training.loop import (
     CHECKPOINT_FILE,
     KEY_MOD,
@@ -359,6 +366,8 @@ def run(
         raise ConfigError(f"--batch-size {cfg.batch_size} is smaller than the {plan.num_workers} workers; raise it")
     decode = choose_decode(cfg.decode, tree.train, preset.train, plan.use_gpu)
     log(f"data: {tree.describe()}")
+    if few_steps_warning(cfg, tree):
+        log(few_steps_warning(cfg, tree))
     rows = augment_rows(cfg.augment_batch_size, tree.train, decode)
     chosen = f" (--preset auto: {auto_preset(tree)[1]})" if cfg.preset == "auto" else ""
     log(
