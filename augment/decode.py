@@ -129,7 +129,9 @@ def _to_rgb(img) -> np.ndarray:
         return np.repeat(gray[:, :, None], 3, axis=2)
     if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
         img = Image.alpha_composite(Image.new("RGBA", img.size, (255, 255, 255, 255)), img.convert("RGBA"))
-    return np.asarray(img.convert("RGB"))
+    # a copy: Pillow's array view is read-only, and torch.from_numpy warns of one (augment/batch.py
+    # takes the decoded images as they are); simplejpeg's arrays are writable already
+    return np.array(img.convert("RGB"))
 
 
 def stack_images(images: list[np.ndarray]) -> np.ndarray:

@@ -295,3 +295,13 @@ def test_nvjpeg_decodes_a_batch_like_the_cpu(encoded):
     keys = torch.arange(len(encoded), dtype=torch.int64)
     out, kept, bad = decode_augment(pipeline, encoded, keys, 1, torch.device("cuda"), shrink=False)
     assert kept == list(range(7)) and len(bad) == 2 and out.device.type == "cuda"
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "GIF", "BMP"])
+def test_every_decoder_hands_on_writable_arrays(fmt):
+    """torch.from_numpy warns of a read-only array ("The given NumPy array is not writable"),
+    once per process, on a user's console: no decoder may hand one on."""
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (24, 20, 3), dtype=np.uint8)).save(buf, format=fmt)
+    image = decode_image(buf.getvalue())
+    assert image.shape == (24, 20, 3) and image.dtype == np.uint8 and image.flags.writeable

@@ -62,7 +62,7 @@ def load_model_file(path: str) -> dict:
         )
     if info["arch"] != "resnet18":
         raise ModelFileError(f"--model {path}: architecture {info['arch']!r}; only resnet18 is supported")
-    return info
+    return info | {"path": path}
 
 
 def list_inputs(root: str, class_names, split: str = "all", val_fraction: float = 0.2) -> Split:
@@ -110,11 +110,13 @@ class Predictor:
     """map_batches actor: builds the model and the eval transform once, then scores whole
     batches: {image, label, path} -> {path, label, pred, prob}."""
 
-    def __init__(self, info: dict, device: str = "cpu"):
+    def __init__(self, info: dict | str, device: str = "cpu"):
+        """`info`: load_model_file's dict, or the model file's path, which each actor reads itself."""
         from augment.ops import Normalize
         from augment.presets import Pipeline
         from training.model import resnet18
 
+        info = load_model_file(info) if isinstance(info, str) else info
         self.device = torch.device(device)
         t = info["eval_transform"]
         self.pipeline = Pipeline(t["ops"], seed=0).to(self.device)
@@ -159,7 +161,9 @@ def scoring_dataset(info: dict, splits: list[Split], *, batch_size: int = 256, a
     ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
     return ds.map_batches(
         Predictor,
-        fn_constructor_kwargs={"info": info, "device": device},
+        # the file's path, not its weights: a constructor argument that large goes to the object store,
+        # and Ray logs an error line about it for an actor that restarts (as Ray Data's pool does)
+        fn_constructor_kwargs={"info": info.get("path", info), "device": device},
         batch_format="numpy",
         batch_size=batch_size,
         compute=ray.data.ActorPoolStrategy(size=actors),
