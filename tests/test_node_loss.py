@@ -35,7 +35,10 @@ def cluster(own_cluster):
     made = []
 
     def make(head_cpus: int):
-        made.append(Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus}))
+        # the GCS declares a node that stopped answering dead after 3 missed checks of 1 s (Ray's
+        # default: 5 of 3 s), so a killed node is named as lost sooner
+        checks = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
+        made.append(Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus, "_system_config": checks}))
         return made[-1]
 
     yield make
@@ -47,9 +50,11 @@ def cluster(own_cluster):
 
 
 class Job:
-    """`python -m jobs.train ARGS` against `address`, its output in a file (a pipe could fill up)."""
+    """`python -m jobs.train --FLAG VALUE ...` against `address` (flags as keywords: epochs=2), its
+    output in a file (a pipe could fill up)."""
 
-    def __init__(self, address: str, tmp: Path, *args: str):
+    def __init__(self, address: str, tmp: Path, **flags):
+        args = [str(a) for flag, value in flags.items() for a in (f"--{flag.replace('_', '-')}", value)]
         self.out = tmp / "console.txt"
         self.runs = tmp / "runs"
         env = {**os.environ, "RAY_ADDRESS": address}
@@ -72,6 +77,17 @@ class Job:
 
     def summary(self) -> dict:
         return json.loads((self.runs / "lost" / "summary.json").read_text())
+
+
+def _start(cluster, tmp_path, *, head_cpus: int, node_cpus: int, per_class: int, **flags):
+    """A head and one more node (the one the test removes), a tree of two classes, and the job
+    on them: (head, node, job)."""
+    head = cluster(head_cpus)
+    doomed = head.add_node(num_cpus=node_cpus)
+    head.wait_for_nodes()
+    data = write_tree(tmp_path / "data", {"a": per_class, "b": per_class})
+    flags = {"batch_size": 16, "val_fraction": 0.25} | flags
+    return head, doomed, Job(head.address, tmp_path, data=str(data), **flags)
 
 
 def _connect(address: str):
@@ -114,25 +130,8 @@ def _train_worker_on(address: str, node_id: str) -> bool:
 def test_a_lost_worker_node_is_told_in_one_line_and_the_run_completes_on_its_replacement(cluster, tmp_path):
     """A spot node taken back: killed (no shutdown), a new node 10 s later. The job's own actors
     live with the driver, so the node that goes holds none of them."""
-    head = cluster(2)
-    doomed = head.add_node(num_cpus=2)
-    head.wait_for_nodes()
-    data = write_tree(tmp_path / "data", {"a": 48, "b": 48})
-    job = Job(
-        head.address,
-        tmp_path,
-        "--data",
-        str(data),
-        "--epochs",
-        "3",
-        "--batch-size",
-        "16",
-        "--num-workers",
-        "2",
-        "--max-failures",
-        "2",
-        "--val-fraction",
-        "0.25",
+    head, doomed, job = _start(
+        cluster, tmp_path, head_cpus=2, node_cpus=2, per_class=48, epochs=2, num_workers=2, max_failures=2
     )
     run_dir = job.runs / "lost"
     _wait_until(lambda: _registered_checkpoint(run_dir) >= "checkpoint_epoch_0001", "epoch 1's checkpoint", job)
@@ -159,7 +158,7 @@ def test_a_lost_worker_node_is_told_in_one_line_and_the_run_completes_on_its_rep
         line,
     ), line
     assert doomed.node_id in (run_dir / "faults.log").read_text()  # the detail, with Ray's word on the node
-    assert summary["epochs"] == 3 and summary["resumed_at_epochs"] == [2]
+    assert summary["epochs"] == 2 and summary["resumed_at_epochs"] == [2]
     assert all(c["exactly_once"] for c in summary["coverage"]), summary["coverage"]
     noisy = [line for line in text.splitlines() if NOISE.search(line)]
     assert not noisy, noisy  # a joined cluster: only what the user can act on
@@ -167,27 +166,16 @@ def test_a_lost_worker_node_is_told_in_one_line_and_the_run_completes_on_its_rep
 
 def test_a_lost_node_that_nothing_replaces_stops_the_run_with_what_is_missing(cluster, tmp_path):
     """The two train workers need a CPU each; after the loss the cluster has one CPU left."""
-    head = cluster(1)
-    doomed = head.add_node(num_cpus=2)
-    head.wait_for_nodes()
-    data = write_tree(tmp_path / "data", {"a": 48, "b": 48})
-    job = Job(
-        head.address,
+    head, doomed, job = _start(
+        cluster,
         tmp_path,
-        "--data",
-        str(data),
-        "--epochs",
-        "2",
-        "--batch-size",
-        "16",
-        "--num-workers",
-        "2",
-        "--cpus-per-worker",
-        "1",
-        "--node-wait-s",
-        "5",
-        "--val-fraction",
-        "0.25",
+        head_cpus=1,
+        node_cpus=2,
+        per_class=48,
+        epochs=2,
+        num_workers=2,
+        cpus_per_worker=1,
+        node_wait_s=5,
     )
     _wait_until(lambda: _train_worker_on(head.address, doomed.node_id), "a train worker on the node", job)
     head.remove_node(doomed)  # the fault, and no node comes
@@ -218,30 +206,19 @@ def _data_tasks_on(address: str, node_id: str) -> int:
 
 def test_losing_the_node_that_augments_trains_on_nothing_twice_unreported(cluster, tmp_path):
     """The train worker holds the whole head, so every read and augment task, and the blocks they
-    make, are on the other node, which goes in epoch 2; a new one joins 5 s later. Ray Data's
+    make, are on the other node, which goes in epoch 2 (of 2); a new one joins 5 s later. Ray Data's
     lineage rebuilds what was lost, or the run restarts from the checkpoint: either way each
     epoch trains on every image, and a repeat shows in summary.json and on the console."""
-    head = cluster(2)
-    doomed = head.add_node(num_cpus=1)
-    head.wait_for_nodes()
-    data = write_tree(tmp_path / "data", {"a": 64, "b": 64})
-    job = Job(
-        head.address,
+    head, doomed, job = _start(
+        cluster,
         tmp_path,
-        "--data",
-        str(data),
-        "--epochs",
-        "3",
-        "--batch-size",
-        "16",
-        "--num-workers",
-        "1",
-        "--cpus-per-worker",
-        "2",
-        "--augment-batch-size",
-        "16",
-        "--val-fraction",
-        "0.25",
+        head_cpus=2,
+        node_cpus=1,
+        per_class=64,
+        epochs=2,
+        num_workers=1,
+        cpus_per_worker=2,
+        augment_batch_size=16,
     )
     run_dir = job.runs / "lost"
     _wait_until(lambda: _registered_checkpoint(run_dir) >= "checkpoint_epoch_0001", "epoch 1's checkpoint", job)
@@ -253,7 +230,7 @@ def test_losing_the_node_that_augments_trains_on_nothing_twice_unreported(cluste
     text = job.text()
     assert code == 0, text[-4000:]
     summary = job.summary()
-    assert summary["epochs"] == 3
+    assert summary["epochs"] == 2
     for cov in summary["coverage"]:
         assert cov["every_image"] and cov["missing"] == 0, cov
         if not cov["exactly_once"]:  # a redelivered block: reported, never silent
