@@ -61,3 +61,26 @@ def test_the_one_line_comes_before_anything_heavy_starts():
         "see python -m jobs.train --help\n"
     )
     assert time.monotonic() - t0 < 5  # an interpreter and the argument parser, no Ray, no torch
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--epochs", "5"], "python -m jobs.train --epochs 5 --name run-1"),  # the default name is a timestamp
+        (["--fresh", "--name", "x", "--stop-after", "1"], "python -m jobs.train --name run-1"),  # neither again
+        (["--name=x", "--stop-after=2", "--data", "my photos"], "python -m jobs.train --data 'my photos' --name run-1"),
+    ],
+)
+def test_the_command_to_resume_is_the_same_one_with_the_runs_name(argv, expected):
+    from training.config import TrainConfig
+
+    assert train_job.rerun_command(argv, TrainConfig(name="run-1")) == expected
+
+
+def test_settings_a_config_file_gave_are_turned_off_in_the_command_to_resume():
+    from training.config import TrainConfig
+
+    cfg = TrainConfig(name="run-1", fresh=True, stop_after=3)  # as from a --config file
+    assert train_job.rerun_command(["--config", "c.yaml"], cfg) == (
+        "python -m jobs.train --config c.yaml --name run-1 --no-fresh --stop-after 0"
+    )
