@@ -86,6 +86,7 @@ def _start(cluster, tmp_path, *, head_cpus: int, node_cpus: int, per_class: int,
     doomed = head.add_node(num_cpus=node_cpus)
     head.wait_for_nodes()
     data = write_tree(tmp_path / "data", {"a": per_class, "b": per_class})
+    flags.pop("before", lambda: None)()  # changes to the tree before the job starts
     flags = {"batch_size": 16, "val_fraction": 0.25} | flags
     return head, doomed, Job(head.address, tmp_path, data=str(data), **flags)
 
@@ -130,8 +131,17 @@ def _train_worker_on(address: str, node_id: str) -> bool:
 def test_a_lost_worker_node_is_told_in_one_line_and_the_run_completes_on_its_replacement(cluster, tmp_path):
     """A spot node taken back: killed (no shutdown), a new node 10 s later. The job's own actors
     live with the driver, so the node that goes holds none of them."""
+    broken = tmp_path / "data" / "a" / "broken.png"  # reported before the loss: still listed after it
     head, doomed, job = _start(
-        cluster, tmp_path, head_cpus=2, node_cpus=2, per_class=48, epochs=2, num_workers=2, max_failures=2
+        cluster,
+        tmp_path,
+        head_cpus=2,
+        node_cpus=2,
+        per_class=48,
+        epochs=2,
+        num_workers=2,
+        max_failures=2,
+        before=lambda: broken.write_bytes(b"not a png"),
     )
     run_dir = job.runs / "lost"
     _wait_until(lambda: _registered_checkpoint(run_dir) >= "checkpoint_epoch_0001", "epoch 1's checkpoint", job)
@@ -160,6 +170,10 @@ def test_a_lost_worker_node_is_told_in_one_line_and_the_run_completes_on_its_rep
     assert doomed.node_id in (run_dir / "faults.log").read_text()  # the detail, with Ray's word on the node
     assert summary["epochs"] == 2 and summary["resumed_at_epochs"] == [2]
     assert all(c["exactly_once"] for c in summary["coverage"]), summary["coverage"]
+    assert summary["bad_files"] == 1 and "broken.png" in (run_dir / "bad_files.csv").read_text()
+    after = text.split(line, 1)[1]  # a plan made again says so, and differs from the first
+    replans = [p for p in after.splitlines() if p.startswith("plan: ")]
+    assert all(p.endswith("(made again for the nodes alive now)") for p in replans), replans
     noisy = [line for line in text.splitlines() if NOISE.search(line)]
     assert not noisy, noisy  # a joined cluster: only what the user can act on
 
