@@ -109,3 +109,23 @@ def test_a_clean_run_on_a_terminal_shows_a_live_bar_and_no_warnings(tmp_path):
     assert not noisy, noisy  # token auth on without Ray's warning; no notice about the job's own actors
     assert "RayTrainWorker" not in text  # the epoch line comes from the driver, without a worker's prefix
     assert "done: " in text and "validation accuracy" in text
+
+
+def test_a_train_worker_never_warns_of_the_object_stores_read_only_arrays():
+    """Ray Data silences torch's warning about read-only arrays in a way that is not thread-safe;
+    the train worker's own filter holds in every thread (training/console.py quiet_worker_logs)."""
+    code = (
+        "import numpy as np, torch\n"
+        "{setup}\n"
+        "a = np.zeros(4, np.uint8); a.setflags(write=False)\n"
+        "torch.as_tensor(a)\n"
+    )
+    runs = {
+        setup: subprocess.run(
+            [sys.executable, "-W", "error::UserWarning", "-c", code.format(setup=setup)], cwd=REPO, capture_output=True
+        )
+        for setup in ("from training.console import quiet_worker_logs; quiet_worker_logs()", "pass")
+    }
+    quiet, control = runs.values()
+    assert quiet.returncode == 0, quiet.stderr.decode()[-2000:]
+    assert control.returncode != 0 and b"not writable" in control.stderr  # the warning, where nothing filters it

@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 
 PROGRESS_INTERVAL_S = 0.5  # how often a rank posts its progress, and the driver redraws
 
@@ -45,6 +46,11 @@ def quiet_worker_logs(verbose: bool = False) -> None:
     root logger then passes warnings only, as the run's LoggingConfig asks; `verbose` keeps INFO."""
     if not verbose:
         logging.getLogger().setLevel(logging.WARNING)
+    # Ray Data hands torch the object store's read-only arrays and silences torch's warning about
+    # them inside warnings.catch_warnings(), which is not thread-safe: with its conversion threads
+    # and the loop's feed thread, one thread's exit restores the filters while another converts,
+    # and the warning reached a user's console about once in 30 runs. The batches are only read.
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
 
 RAY_DATA_LOGGING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ray_data_logging.yaml")
