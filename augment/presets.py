@@ -210,6 +210,11 @@ def load_preset(name_or_path: str) -> Preset:
     """A built-in preset by name, or a user preset from a .yaml/.yml/.json file."""
     if not check_preset_name(name_or_path):
         return PRESETS[name_or_path]
+    if "://" in name_or_path:
+        raise PresetError(
+            f"{name_or_path}: a preset file is read from local disk only, not object storage; copy it to this "
+            "machine and give its path"
+        )
     path = Path(name_or_path)
     if not path.is_file():
         raise PresetError(f"{path}: preset file not found")

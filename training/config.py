@@ -267,6 +267,11 @@ def load_config_file(path: str) -> dict:
     """
     import yaml
 
+    if "://" in path:
+        raise ConfigError(
+            f"--config {path}: read from local disk only, not object storage; copy the file to this machine and "
+            "give its path"
+        )
     if not os.path.isfile(path):
         raise ConfigError(
             f"--config {path}: no such file; give a YAML file of settings such as configs/cifar-local.yaml"

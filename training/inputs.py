@@ -18,7 +18,7 @@ from augment.schedule import parse_resize, parse_schedule
 from training import artifacts, storage
 from training.config import ConfigError, TrainConfig, check_amp
 from training.data import ImageTree, default_dataset_dir, scan_tree
-from training.parquet import is_prepared, scan_prepared
+from training.parquet import is_prepared, read_manifest, scan_prepared
 
 
 def scan_data(root: str, val_fraction: float = 0.2) -> ImageTree:
@@ -154,6 +154,8 @@ def check_inputs(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree]:
     cfg = cfg.with_defaults_resolved()
     root = cfg.data or str(default_dataset_dir())
     tree = scan_data(root, cfg.val_fraction)
+    if is_prepared(root):
+        cfg = prepared_val_fraction(cfg, root)
     tree = dataclasses.replace(tree, typical_size=typical_size(tree.train))
     try:  # a bad schedule name is found before Ray starts
         parse_schedule(cfg.augment_schedule)
@@ -176,9 +178,31 @@ def check_inputs(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree]:
     return cfg, tree
 
 
+def prepared_val_fraction(cfg: TrainConfig, root: str) -> TrainConfig:
+    """`cfg` with the --val-fraction that jobs.prepare split `root` by (its manifest's), which the
+    run then uses and records; a ConfigError where --val-fraction asks for another one than that
+    and the default. Shards of a train/ + val/ tree have no fraction: `cfg` as it is."""
+    manifest = read_manifest(root)
+    used = manifest.get("val_fraction") if manifest.get("layout") == "hash" else None
+    if used is None or cfg.val_fraction == used:
+        return cfg
+    if cfg.val_fraction != TrainConfig.val_fraction:
+        raise ConfigError(
+            f"--val-fraction {cfg.val_fraction:g}: {root} was prepared with --val-fraction {used:g}, which fixed "
+            f"its split; drop --val-fraction, or prepare the tree again with jobs.prepare --val-fraction "
+            f"{cfg.val_fraction:g}"
+        )
+    return dataclasses.replace(cfg, val_fraction=used)
+
+
 def check_init_weights(path: str) -> None:
     """ConfigError unless `path` is a file that the train workers' loader takes into a
     ResNet18 (training.model.load_init_weights, the same code)."""
+    if storage.is_uri(path):
+        raise ConfigError(
+            f"--init-weights {path}: read from local disk only, not object storage; copy the file to this machine "
+            "and give its path"
+        )
     if not os.path.isfile(path):
         raise ConfigError(
             f"--init-weights {path}: no such file; give a torchvision ResNet18 state_dict saved with torch.save"
