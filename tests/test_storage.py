@@ -163,11 +163,23 @@ def test_storage_errors_exit_2_with_one_line_before_training(s3, trees, monkeypa
     assert "Traceback" not in err and s3.objects("s3://runs") == before  # nothing written, nothing lost
 
 
-def test_prepare_predict_and_evaluate_refuse_storage_they_cannot_use(s3, trees, monkeypatch, capsys):
+def _model_file(path: Path, tree_root: str) -> str:
+    """A model.pt in the trainer's format for the classes of `tree_root` (freshly initialised)."""
+    from augment.presets import PRESETS
+    from training.model import resnet18
+
+    tree = scan_tree(tree_root, 0.2)
+    state = resnet18(tree.num_classes, small_stem=True).state_dict()
+    path.write_bytes(job.model_bytes(state, tree, PRESETS["cifar"], TrainConfig()))
+    return str(path)
+
+
+def test_prepare_predict_and_evaluate_refuse_storage_they_cannot_use(s3, trees, monkeypatch, capsys, tmp_path):
     from jobs.evaluate import main as evaluate
     from jobs.predict import main as predict
     from jobs.prepare import main as prepare
 
+    model = _model_file(tmp_path / "model.pt", str(trees["hash"][0]))  # readable: only --out is refused below
     reader, secret = s3.keys["reader"]
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", reader)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
@@ -178,6 +190,17 @@ def test_prepare_predict_and_evaluate_refuse_storage_they_cannot_use(s3, trees, 
     assert evaluate(["--model", "s3://no-such-bucket/model.pt", "--data", trees["hash"][1]]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "bucket 'no-such-bucket' does not exist" in err
+    # --out where the key may read but not write: refused before Ray starts, nothing written
+    before = s3.objects("s3://runs")
+    for main, out, where in (
+        (predict, "s3://runs/reader/p.csv", "s3://runs/reader"),
+        (evaluate, "s3://runs/reader/eval", "s3://runs/reader/eval"),
+    ):
+        assert main(["--model", model, "--data", trees["hash"][1], "--out", out]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+        assert err.startswith(f"error: --out {where}: access denied at {s3.endpoint} when writing"), err
+    assert s3.objects("s3://runs") == before
 
 
 def test_the_access_check_lists_under_the_users_prefix_and_takes_gcs_not_found(monkeypatch):
