@@ -264,8 +264,15 @@ def test_ray_job_submit_to_a_token_protected_head(own_cluster, tmp_path):
     )
     try:
         address = f"http://127.0.0.1:{dash}"
+        # the head refuses a client without the token, and one with another token, for that reason
         unauthenticated = _ray("job", "list", "--address", address, env=_env(RAY_AUTH_MODE="disabled"), check=False)
-        assert unauthenticated.returncode != 0  # the head refuses a client without the token
+        said = unauthenticated.stdout + unauthenticated.stderr
+        assert unauthenticated.returncode != 0 and "Unauthorized: Missing authentication token" in said, said[-3000:]
+        (tmp_path / "other_token").write_text(secrets.token_hex(32))
+        wrong = _env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(tmp_path / "other_token"))
+        wrong_token = _ray("job", "list", "--address", address, env=wrong, check=False)
+        said = wrong_token.stdout + wrong_token.stderr
+        assert wrong_token.returncode != 0 and "Forbidden: Invalid authentication token" in said, said[-3000:]
         submit = _ray(
             "job",
             "submit",
