@@ -62,15 +62,17 @@ def test_predict_writes_one_row_per_image_and_the_accuracy_of_the_csv(ray_cluste
     assert float(m.group(1)) == round(correct / 18, 4)
 
 
-def test_predict_matches_torchvisions_eval_transform_and_the_model(model_and_tree):
-    """The CSV's classes and confidences are the model's on torchvision's own eval transform
-    for the cifar preset (CenterCrop(32) on the decoded file, then ToDtype and Normalize), not
-    on this project's pipeline: a crop or normalisation that drifted from torchvision fails."""
-    import numpy as np
+def test_predict_matches_torchvisions_eval_transform_and_the_model(ray_cluster, model_and_tree, tmp_path):
+    """jobs.predict's CSV (its own read tasks, decode, eval transform and model) gives the
+    classes and confidences of the model on torchvision's own eval transform for the cifar
+    preset (CenterCrop(32) on the decoded file, then ToDtype and Normalize), not on this
+    project's pipeline: a read, crop or normalisation that drifted from torchvision fails."""
+    import shutil
+
     import torchvision.transforms.v2 as T
     from PIL import Image
 
-    from augment.decode import decode_image
+    from jobs.predict import main
     from training import inference
 
     model_path, data = model_and_tree
@@ -85,19 +87,20 @@ def test_predict_matches_torchvisions_eval_transform_and_the_model(model_and_tre
     model.eval()
     files = sorted((data / "cat").glob("*.png"))[:3] + sorted((data / "dog").glob("*.png"))[:3]
     assert {Image.open(f).size for f in files} == {(32, 32), (30, 36)}  # a crop and a pad of 2 px
-    images = np.empty(len(files), dtype=object)
-    images[:] = [decode_image(f.read_bytes()) for f in files]
-    got = inference.Predictor(info)(
-        {
-            "image": images,
-            "label": np.zeros(len(files), np.int64),
-            "path": np.array([str(f) for f in files], dtype=object),
-        }
-    )
+    some = tmp_path / "some"
+    for f in files:
+        (some / f.parent.name).mkdir(parents=True, exist_ok=True)
+        shutil.copy(f, some / f.parent.name / f.name)
+    out = tmp_path / "p.csv"
+    assert main(["--model", str(model_path), "--data", str(some), "--out", str(out), "--batch-size", "4"]) == 0
+    got = {r["path"]: r for r in _csv(out)}
+    assert sorted(got) == sorted(f"{f.parent.name}/{f.name}" for f in files)
     with torch.no_grad():
         probs = model(torch.stack([reference(Image.open(f).convert("RGB")) for f in files])).softmax(1)
-    assert got["pred"].tolist() == probs.argmax(1).tolist()
-    np.testing.assert_allclose(got["prob"], probs.max(1).values.numpy(), atol=1e-5)
+    for f, p in zip(files, probs, strict=True):
+        row = got[f"{f.parent.name}/{f.name}"]
+        assert row["predicted"] == info["class_names"][int(p.argmax())], row
+        assert float(row["confidence"]) == pytest.approx(float(p.max()), abs=1e-5), row  # the CSV has 6 decimals
 
 
 def test_evaluate_on_a_prepared_directory(ray_cluster, s3, model_and_tree, tmp_path, capsys):
