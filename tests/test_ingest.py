@@ -226,30 +226,79 @@ def _arrow(strings):
     return pa.array(list(strings), type=pa.string())
 
 
-def _task_spans(ds) -> list[tuple[float, float]]:
-    """(start, end) of each task of `ds`, whose tasks each sleep 0.7 s, sorted by start."""
-    import time
+def _gate():
+    """(Gate, wait_at), made here so that Ray ships them to its workers by value (tests/ is no
+    package the workers can import). A Gate records when each task came to it (this machine's
+    clock); wait_at, in a task, waits there until `release`, until `count` tasks have come (a
+    barrier), or until `hold_s` after the first came, whichever is first."""
 
-    def sleepy(batch):
-        start = time.time()
-        time.sleep(0.7)
-        return {"start": np.array([start]), "end": np.array([time.time()])}
+    @ray.remote(num_cpus=0)
+    class Gate:
+        def __init__(self, count: int = 0, hold_s: float = 0.0):
+            self.arrivals, self.count, self.hold_s, self.released = [], count, hold_s, False
 
-    ds = ds.map_batches(sleepy, batch_size=None, batch_format="numpy", num_cpus=0.5)
-    ds.materialize()  # a first execution starts the worker processes
-    rows = ds.take_all()
-    return sorted((float(r["start"]), float(r["end"])) for r in rows)
+        def arrive(self) -> None:
+            import time
+
+            self.arrivals.append(time.time())
+
+        def release(self) -> None:
+            self.released = True
+
+        def passable(self) -> bool:
+            import time
+
+            held_long_enough = self.hold_s and time.time() >= self.arrivals[0] + self.hold_s
+            return self.released or 0 < self.count <= len(self.arrivals) or bool(held_long_enough)
+
+        def times(self) -> list[float]:
+            return self.arrivals
+
+    def wait_at(gate, timeout: float = 60.0) -> None:
+        import time
+
+        ray.get(gate.arrive.remote())
+        deadline = time.time() + timeout
+        while not ray.get(gate.passable.remote()) and time.time() < deadline:
+            time.sleep(0.005)
+
+    return Gate, wait_at
 
 
-def _started_together(spans) -> int:
-    """How many tasks started while the first one ran (one at a time: 1)."""
-    return sum(start < spans[0][1] for start, _ in spans)
+def _task_starts(ds, hold_s: float = 1.5) -> list[float]:
+    """When each task of an execution of `ds` started, in order; every task is held at a gate
+    until `hold_s` after the first started, so that none ends within the execution's first
+    second, however slowly the machine runs."""
+    Gate, wait_at = _gate()
+
+    def held(batch, gate):
+        wait_at(gate)
+        return {"n": np.array([1])}
+
+    warm = Gate.remote()
+    ray.get(warm.release.remote())
+    ds.map_batches(held, fn_kwargs={"gate": warm}, batch_size=None, batch_format="numpy", num_cpus=0.5).materialize()
+    gate = Gate.remote(hold_s=hold_s)  # a first execution started the worker processes: this one measures Ray Data
+    ds.map_batches(held, fn_kwargs={"gate": gate}, batch_size=None, batch_format="numpy", num_cpus=0.5).take_all()
+    starts = sorted(ray.get(gate.times.remote()))
+    for actor in (warm, gate):
+        ray.kill(actor)
+    return starts
+
+
+def _started_at_once(starts: list[float], window_s: float = 0.5) -> int:
+    """How many tasks started within `window_s` of the first, which starts the execution (Ray
+    Data runs one task even while its limits are zero); one at a time: 1."""
+    return sum(start < starts[0] + window_s for start in starts)
 
 
 def test_an_execution_runs_tasks_side_by_side_from_its_first_second(ray_cluster, order_tree):
     """Ray Data 2.60 starts every execution with resource limits of zero, for a second: one
-    task at a time (the control, with Ray's own method; its tasks take 0.7 s). SplitSource makes this process ask
-    until the limits are known (training/ray_private.py data_limits_from_the_start)."""
+    task at a time (the control, with Ray's own method). SplitSource makes this process ask
+    until the limits are known (training/ray_private.py data_limits_from_the_start). Each task
+    waits at a gate until the first second is over, so a slow machine cannot end one early and
+    let the next start in its place; starts count from the first task's, which begins the
+    execution."""
     from ray.data._internal.execution.resource_manager import ResourceManager
 
     from training.ingest import read_split
@@ -259,14 +308,14 @@ def test_an_execution_runs_tasks_side_by_side_from_its_first_second(ray_cluster,
     original = getattr(patched, "__wrapped__", patched)
     ResourceManager.get_global_limits = original
     try:
-        control = _task_spans(ray.data.range(8, override_num_blocks=8))
+        control = _task_starts(ray.data.range(8, override_num_blocks=8))
         tree = scan_data(str(order_tree), 0.1)
-        ours = _task_spans(read_split(tree.train, tree.class_names, num_cpus=0.5))
+        ours = _task_starts(read_split(tree.train, tree.class_names, num_cpus=0.5))
     finally:
         if patched is not original:  # as it was; else read_split has just put the workaround in place
             ResourceManager.get_global_limits = patched
-    assert _started_together(control) == 1, control  # else Ray no longer has the gap: drop the workaround
-    assert _started_together(ours) >= 3, ours  # 4 CPUs, 0.5 each: up to 8 at once
+    assert len(control) == 8 and _started_at_once(control) == 1, control  # else drop the workaround
+    assert _started_at_once(ours) >= 3, ours  # 4 CPUs, 0.5 each: up to 8 at once
 
 
 def _task_processes(split, class_names, args: dict, executions: int) -> list[dict[str, int]]:
@@ -319,18 +368,21 @@ def _task_gpus(split, class_names, args: dict) -> list[dict]:
     """Per task of an augment-like map: the GPU Ray gave it, CUDA_VISIBLE_DEVICES as the task
     saw it, and the index augment.stage.cuda_index derives from the two."""
     import os
-    import time
 
     from augment.stage import cuda_index
     from training.ingest import read_split
 
+    Gate, wait_at = _gate()
+    both = Gate.remote(count=2)  # a barrier: the first two tasks overlap, and so hold both GPUs
+
     def where(batch):
-        time.sleep(0.2)  # long enough for two tasks to overlap, and so hold both GPUs
+        wait_at(both)
         gpu, visible = ray.get_gpu_ids()[0], os.environ.get("CUDA_VISIBLE_DEVICES")
         return {"row": np.array([[int(gpu), cuda_index(gpu, visible)]]), "visible": np.array([str(visible)])}
 
     ds = read_split(split, class_names, num_cpus=0.5).map_batches(where, batch_size=16, batch_format="numpy", **args)
     rows = ds.take_all()
+    ray.kill(both)
     return [{"gpu": r["row"][0], "index": r["row"][1], "visible": r["visible"]} for r in rows]
 
 
@@ -381,12 +433,44 @@ def _augmented(cfg, tree, plan, clock, epochs=(0, 1)) -> list[dict]:
     return out
 
 
+AUGMENT_TASK = "MapBatches(augment_task)"  # the GPU plan's: the read tasks ask for other resources
+
+
+def _tasks(name: str) -> dict[str, dict]:
+    """{task id: the resources it asked for} of the session's tasks called `name` (Ray's state API,
+    given the session cluster's address: else it asks the cluster on this machine that started last)."""
+    from ray.util.state import list_tasks
+
+    address = ray.get_runtime_context().gcs_address
+    filters = [("name", "=", name)]
+    tasks = list_tasks(address=address, filters=filters, detail=True, limit=10_000, raise_on_missing_output=False)
+    return {t.task_id: t.required_resources for t in tasks}
+
+
+def _new_tasks(seen: set[str], name: str = AUGMENT_TASK) -> list[dict]:
+    """The resources asked for by the tasks called `name` that are not in `seen` (task ids,
+    updated): Ray's task events reach its state API a second or so after the tasks ran."""
+    import time
+
+    found, deadline = {}, time.time() + 30
+    while time.time() < deadline:
+        new = {k: v for k, v in _tasks(name).items() if k not in seen}
+        if new and new == found:  # the same twice: every event is in
+            break
+        found = new
+        time.sleep(1)
+    seen |= set(found)
+    return list(found.values())
+
+
 @pytest.mark.parametrize("source", ["files", "prepared shards"])
 def test_the_gpu_plans_datasets_augment_as_the_cpu_plans_do(gpu_node, order_tree, source, tmp_path):
     """The GPU branch of build_datasets (read tasks hand encoded files to augment tasks on a
     GPU share, a batch at a time) runs on a fake GPU node, where torch sees no CUDA and the
     augment tasks fall back to the CPU: every image of both splits, in two epochs, comes out
     as the CPU plan augments it (each image's augmentation is a function of seed, epoch, key).
+    Ray's task records show that the GPU plan's augment tasks asked for their GPU share (the
+    CPU plan's read tasks augment, and ask for none).
     Prepared shards read by row groups, which may hand the map fewer blocks than batches."""
     from augment.stage import EpochClock
     from jobs.prepare import main as prepare
@@ -401,13 +485,20 @@ def test_the_gpu_plans_datasets_augment_as_the_cpu_plans_do(gpu_node, order_tree
     gpu_plan = job.plan_resources(TrainConfig(**{**cfg.to_dict(), "device": "cuda"}), job.Capacity(4, 1, 1))
     assert gpu_plan.augment_gpus == 0.0625 and gpu_plan.augment_tasks
     clock = ray.remote(num_cpus=0)(EpochClock).remote()
+    read = "ReadImages" if source == "files" else "ReadPreparedImages"  # the CPU plan fuses it with the augment call
+    cpu_task = f"Read{read}->{AUGMENT_TASK}"
+    seen = set(_tasks(AUGMENT_TASK)) | set(_tasks(cpu_task))  # earlier tests'
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             on_gpu = _augmented(cfg, tree, gpu_plan, clock)
+        gpu_tasks = _new_tasks(seen)
         on_cpu = _augmented(cfg, tree, job.plan_resources(cfg, CPU_2), clock)
+        cpu_tasks = _new_tasks(seen, cpu_task)
     finally:
         ray.kill(clock)
+    assert len(gpu_tasks) >= 4 and all(r.get("GPU") == 0.0625 for r in gpu_tasks), gpu_tasks  # 2 splits x 2 epochs
+    assert cpu_tasks and not any("GPU" in r for r in cpu_tasks), cpu_tasks
     # the cap on GPU tasks at once stays within the blocks a split's read hands them (val: 2)
     assert not [w for w in caught if "maximum number of concurrent tasks" in str(w.message)]
     for gpu_images, cpu_images in zip(on_gpu, on_cpu, strict=True):
