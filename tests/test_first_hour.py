@@ -116,9 +116,11 @@ def test_a_rerun_of_a_name_that_holds_another_run_stops_before_ray_and_changes_n
     assert (tmp_path / "runs" / "mine" / "config.json").read_bytes() == before  # the records stay the run's
 
 
-def test_a_rerun_with_more_epochs_or_other_resources_goes_on(tmp_path):
+def test_a_rerun_with_more_epochs_or_other_resources_goes_on(tmp_path, monkeypatch):
     root = write_tree(tmp_path / "data", {"a": 4, "b": 4})
     _finished_run(tmp_path / "runs", str(root), ("a", "b"), data=str(root), preset="cifar")
+    monkeypatch.chdir(tmp_path)  # the same folder, named from another place: the same data
+    check_inputs(TrainConfig(data="./data", preset="cifar", storage_path=str(tmp_path / "runs"), name="mine"))
     for change in ({"epochs": 40}, {"num_workers": 2, "amp": "bf16", "verbose": True}, {"fresh": True, "lr": 1.0}):
         cfg = TrainConfig(data=str(root), preset="cifar", storage_path=str(tmp_path / "runs"), name="mine", **change)
         check_inputs(cfg)  # no ConfigError

@@ -234,6 +234,12 @@ SAME_RUN_SETTINGS = (
 )
 
 
+def data_place(root: str) -> str:
+    """A data root as config.json records it: a URI as given, a local path made absolute (photos,
+    ./photos and ~/photos from the home directory are one place)."""
+    return root if storage.is_uri(root) else os.path.realpath(os.path.expanduser(root))
+
+
 def check_same_run(cfg: TrainConfig, tree: ImageTree) -> None:
     """ConfigError where NAME already holds a run (one epoch at least: metrics.csv) of other data,
     classes, preset or SAME_RUN_SETTINGS than `cfg` would resume: one line naming what differs and
@@ -256,7 +262,7 @@ def check_same_run(cfg: TrainConfig, tree: ImageTree) -> None:
         )
     was, now = old.get("config", {}), cfg.to_dict()
     differs = []
-    if old.get("data_root", tree.root) != tree.root:
+    if data_place(old.get("data_root", tree.root)) != data_place(tree.root):
         differs.append(f"--data {old['data_root']} there, {tree.root} here")
     elif list(old.get("class_names", tree.class_names)) != list(tree.class_names):
         differs.append(f"classes {', '.join(old['class_names'])} there, {', '.join(tree.class_names)} here")

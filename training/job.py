@@ -40,6 +40,7 @@ from training.inputs import (
     auto_preset,
     check_inputs,
     check_sizes_and_device,
+    data_place,
     few_steps_warning,
     preset_name,
     start_fresh,
@@ -415,7 +416,7 @@ def write_config(run_dir: str, attempt: "Attempt", plan: ResourcePlan, rows: int
             "train_image_sizes": train_sizes(cfg, preset),  # per epoch
             "class_names": list(tree.class_names),
             "git_commit": git_commit(),
-            "data_root": tree.root,
+            "data_root": data_place(tree.root),
         },
     )
 
