@@ -446,10 +446,11 @@ class SplitValUnequally(ray.train.DataConfig):
 
     def __init__(self, world_size: int):
         super().__init__(datasets_to_split=[] if world_size == 1 else "all")
+        self.splits = world_size > 1  # ours, not DataConfig's private attribute
 
     def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
         # Ray Train 2.60 configures one dataset per call
-        if set(datasets) != {"val"} or self._datasets_to_split != "all":
+        if set(datasets) != {"val"} or not self.splits:
             return super().configure(datasets, world_size, worker_handles, worker_node_ids, **kwargs)
         splits = datasets["val"].streaming_split(world_size, equal=False, locality_hints=worker_node_ids)
         return [{"val": split} for split in splits]
