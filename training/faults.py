@@ -9,7 +9,7 @@ from the last registered checkpoint (ray.train.get_checkpoint). Between two atte
 driver (training/job.py, _fit):
 
     fault = describe(error, lost, progress, checkpoint, per_worker)  # what failed, where, when
-    faults.add(fault, error)     # the line on the console, the detail in faults.log
+    faults.add(fault, error, lost)  # the detail in faults.log; then the line, or the reason to stop
     plan = wait_for_a_plan(...)  # on the nodes alive now; up to --node-wait-s for one that fits
 
 The run's own actors (epoch clock, bad-file log, progress board) live on the driver's node
@@ -57,7 +57,7 @@ def alive_nodes() -> dict[str, str]:
 
 # A rank whose peer went fails at once (gloo, NCCL), and Ray finds a worker it cannot reach
 # "unavailable", while the GCS marks a node dead only once its health checks have failed for a
-# while (about 15-30 s after a machine stops answering; a node that shuts down says so at once).
+# while (docs/design.md, "Faults"; a node that shuts down says so at once).
 PEER_GONE = re.compile(r"Connection (closed|reset) by peer|NCCL|is unavailable|temporarily unavailable")
 NODE_DEATH_WAIT_S = 45.0
 
