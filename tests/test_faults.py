@@ -165,7 +165,8 @@ def _wait_for_checkpoint(run_dir: Path, epoch: int, alive, timeout=300):
 def _alive_actor_pids(class_name: str) -> list[int]:
     from ray.util.state import list_actors
 
-    return [a.pid for a in list_actors(filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")], detail=True)]
+    alive = [("class_name", "=", class_name), ("state", "=", "ALIVE")]
+    return [a.pid for a in list_actors(address=_state_address(), filters=alive, detail=True)]
 
 
 @pytest.fixture(scope="module")

@@ -67,9 +67,12 @@ def two_worker_run(ray_cluster, data, tmp_path_factory):
 
 
 def _split_coordinators() -> set[str]:
+    import ray
     from ray.util.state import list_actors
 
-    return {a.actor_id for a in list_actors(filters=[("class_name", "=", "SplitCoordinator")], limit=10_000)}
+    address = ray.get_runtime_context().gcs_address  # else the state API asks the cluster that started last
+    coordinators = list_actors(address=address, filters=[("class_name", "=", "SplitCoordinator")], limit=10_000)
+    return {a.actor_id for a in coordinators}
 
 
 def _rows(path):
