@@ -335,11 +335,27 @@ def test_a_run_whose_data_tasks_cannot_start_stops_with_a_clear_error(ray_cluste
     _no_leaks(ray_cluster)
 
 
-def _raylets() -> set[int]:
-    """PIDs of the raylets running now. Compared as sets: a count can be off by a raylet of an
-    earlier test that is still shutting down when this one starts."""
-    out = subprocess.run(["pgrep", "-f", "raylet"], capture_output=True, text=True)
-    return {int(pid) for pid in out.stdout.split()}
+def _raylets_of(pid: int) -> set[int]:
+    """The raylets a process started (a plain local run's embedded cluster): its descendants, so
+    that another Ray cluster on the machine never counts."""
+    import psutil
+
+    try:
+        return {p.pid for p in psutil.Process(pid).children(recursive=True) if p.name() == "raylet"}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def _running(pids: set[int]) -> set[int]:
+    import psutil
+
+    def alive(pid):
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    return {p for p in pids if alive(p)}
 
 
 def test_ctrl_c_while_a_checkpoint_goes_to_s3_stops_cleanly_and_the_next_run_resumes(ray_cluster, s3, fault_data):
@@ -350,7 +366,6 @@ def test_ctrl_c_while_a_checkpoint_goes_to_s3_stops_cleanly_and_the_next_run_res
     data = s3.upload(fault_data, "s3://data/fault")
     for name, content in (("empty.png", b""), ("text.jpg", b"a text file with an image's name\n")):
         s3.client.put_object(Bucket="data", Key=f"fault/a/{name}", Body=content)
-    before = _raylets()
     args = [
         sys.executable,
         "-m",
@@ -375,6 +390,8 @@ def test_ctrl_c_while_a_checkpoint_goes_to_s3_stops_cleanly_and_the_next_run_res
         while not s3.gate.arrived.wait(timeout=1) and proc.poll() is None:
             pass
         assert proc.poll() is None, proc.stdout.read()[-3000:]
+        ours = _raylets_of(proc.pid)
+        assert ours  # the run's own cluster
         proc.send_signal(signal.SIGINT)  # the fault: Ctrl-C, while the upload hangs
         out, _ = proc.communicate(timeout=120)
     finally:
@@ -390,9 +407,9 @@ def test_ctrl_c_while_a_checkpoint_goes_to_s3_stops_cleanly_and_the_next_run_res
     assert "Failed to query Ray Train Controller actor state" not in out
     assert not bar_frames(out)  # output to a pipe (a log file): no bar
     deadline = time.time() + 30
-    while _raylets() - before and time.time() < deadline:  # its embedded cluster went with it
+    while _running(ours) and time.time() < deadline:  # its embedded cluster went with it
         time.sleep(0.5)
-    assert not _raylets() - before
+    assert not _running(ours)
     snapshot = json.loads(s3.read("s3://runs/interrupted/checkpoint_manager_snapshot.json"))
     assert snapshot["latest_checkpoint_result"]["checkpoint_dir_name"] == "checkpoint_epoch_0001"
     assert "checkpoint_epoch_0002/checkpoint.pt" not in s3.objects("s3://runs/interrupted")  # never completed
