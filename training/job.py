@@ -516,10 +516,11 @@ class Attempt:
 def _fit(
     attempt: Attempt, plan: ResourcePlan, datasets: dict, *, log, bar_stream
 ) -> tuple[dict, dict, dict, list[dict]]:
-    """Build the datasets and run the TorchTrainer while the console follows its progress; after
-    a fault, say so in one line and run it again from the last checkpoint, on a plan made again
-    (training/faults.py). Returns the last checkpoint's state, the files that failed to decode,
-    the best epoch's ({"model", "epoch", "val_acc"}), and the faults survived."""
+    """Run the TorchTrainer on `datasets` (the first plan's) while the console follows its progress;
+    after a fault, say so in one line and run it again from the last checkpoint, on a plan made
+    again, with datasets built for it where it changed (training/faults.py). Returns the last
+    checkpoint's state, the best epoch's ({"model", "epoch", "val_acc"}), the files that failed to
+    decode, and the faults survived."""
     cfg, board = attempt.cfg, attempt.actors["board"]
     run_dir = artifacts.join(cfg.storage_path, cfg.name)
     faults = FaultLog(run_dir, cfg.max_failures)
