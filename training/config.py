@@ -223,8 +223,8 @@ class FlagParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         hints = []
+        flags = [o for action in self._actions for o in action.option_strings if o.startswith("--")]
         for word in re.findall(r"(--?[\w-]+)", message.split(":", 1)[-1]):
-            flags = [o for action in self._actions for o in action.option_strings if o.startswith("--")]
             word = word.split("=")[0]
             prefixed = [f for f in flags if f.startswith(word)]  # what an abbreviation would have meant
             close = list(dict.fromkeys(prefixed + difflib.get_close_matches(word, flags, n=2, cutoff=0.75)))[:3]

@@ -367,8 +367,9 @@ def run(
         raise ConfigError(f"--batch-size {cfg.batch_size} is smaller than the {plan.num_workers} workers; raise it")
     decode = choose_decode(cfg.decode, tree.train, preset.train, plan.use_gpu)
     log(f"data: {tree.describe()}")
-    if few_steps_warning(cfg, tree):
-        log(few_steps_warning(cfg, tree))
+    warning = few_steps_warning(cfg, tree)
+    if warning:
+        log(warning)
     rows = augment_rows(cfg.augment_batch_size, tree.train, decode)
     chosen = f" (--preset auto: {auto_preset(tree)[1]})" if cfg.preset == "auto" else ""
     log(
