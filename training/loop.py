@@ -582,8 +582,8 @@ def train_loop(job: dict) -> None:
         rng = _all_gather(rng_state(device))  # every rank's stream, restored per rank on resume
         if rank == 0:
             write_records(cfg, job, state, row)
-        saved = state | learner.state_dict() | {"rng": rng, "epochs": cfg.epochs}  # epochs: the schedule's length
-        report(row, saved if rank == 0 else None, epoch)
+        saved = state | learner.state_dict() | {"rng": rng, "epochs": cfg.epochs} if rank == 0 else None
+        report(row, saved, epoch)  # rank 0's checkpoint; `epochs`: the length its schedule was built for
 
 
 def setup_worker(cfg: TrainConfig, threads: int) -> torch.device:
