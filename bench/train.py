@@ -110,7 +110,7 @@ def make_photos(out: str, count: int, classes: int = 10) -> str:
 # --------------------------------------------------------------------------- variants
 
 
-def _launch(cmd: list[str], log_path: str) -> tuple[float, float, list[tuple[float, str]], int]:
+def launch(cmd: list[str], log_path: str) -> tuple[float, float, list[tuple[float, str]], int]:
     """Run CMD, timestamping each output line; (launch time, exit time, lines, return code)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     t0 = time.time()
@@ -149,7 +149,7 @@ def run_plain(args, data: str, work: str, tag: str) -> dict:
     cmd = [sys.executable, "-m", "bench.seed_train", "--data", data, *common_flags(args)]
     if args.loader_workers:
         cmd += ["--loader-workers", str(args.loader_workers)]
-    t0, t1, lines, rc = _launch(cmd, os.path.join(work, f"plain-{tag}.log"))
+    t0, t1, lines, rc = launch(cmd, os.path.join(work, f"plain-{tag}.log"))
     if rc != 0:
         raise RuntimeError(
             f"plain script failed (exit {rc}); see {work}/plain-{tag}.log:\n"
@@ -183,7 +183,7 @@ def run_job(args, data: str, work: str, tag: str) -> dict:
         work,
     ]
     cmd += args.job_args
-    t0, t1, lines, rc = _launch(cmd, os.path.join(work, f"job-{tag}.log"))
+    t0, t1, lines, rc = launch(cmd, os.path.join(work, f"job-{tag}.log"))
     if rc != 0:
         raise RuntimeError(
             f"jobs.train failed (exit {rc}); see {work}/job-{tag}.log:\n" + "\n".join(text for _, text in lines[-15:])
@@ -227,7 +227,7 @@ def run_synthetic(args, work: str, tag: str) -> dict:
         "--device",
         args.device,
     ]
-    t0, t1, lines, rc = _launch(cmd, os.path.join(work, f"synthetic-{tag}.log"))
+    t0, t1, lines, rc = launch(cmd, os.path.join(work, f"synthetic-{tag}.log"))
     if rc != 0:
         raise RuntimeError(f"synthetic run failed (exit {rc}):\n" + "\n".join(text for _, text in lines[-15:]))
     res = json.loads(lines[-1][1])
@@ -242,7 +242,7 @@ def run_synthetic(args, work: str, tag: str) -> dict:
 
 def run_floor(args, work: str, tag: str) -> dict:
     cmd = [sys.executable, "-m", "bench.ray_floor"]
-    t0, t1, lines, rc = _launch(cmd, os.path.join(work, f"floor-{tag}.log"))
+    t0, t1, lines, rc = launch(cmd, os.path.join(work, f"floor-{tag}.log"))
     if rc != 0:
         raise RuntimeError(f"floor run failed (exit {rc}):\n" + "\n".join(text for _, text in lines[-15:]))
     res = json.loads(lines[-1][1])
