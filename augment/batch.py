@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from augment.decode import BadImage, decode_cuda, decode_image, read_header
-from augment.presets import Pipeline
+from augment.pipeline import Pipeline
 
 
 def to_canvas(images) -> tuple[torch.Tensor, torch.Tensor]:

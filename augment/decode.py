@@ -14,7 +14,7 @@ anything that is not a whole, sane image raises `BadImage` with the reason.
 JPEGs (YCbCr or grayscale) are decoded by simplejpeg, a thin binding of libjpeg-turbo that
 writes straight into a numpy array: the same pixels as Pillow (the same library and
 settings; tests/test_decode.py holds them equal at every scale), faster, as Pillow's path
-copies the image twice more (docs/benchmarks.md, "Ingest"). Pillow decodes every other
+copies the image twice more (docs/benchmark-log.md, "Ingest"). Pillow decodes every other
 format and every JPEG simplejpeg refuses, and names what is wrong.
 * `decode_cuda(datas, headers, device)`: the JPEGs of a batch in one batched nvjpeg call
   (torchvision.io.decode_jpeg on the device); every file nvjpeg does not take (other

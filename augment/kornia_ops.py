@@ -90,7 +90,7 @@ def check_kornia_params(name: str, params: dict) -> None:
     refused = sorted(set(params) & set(_REFUSED_PARAMS))
     if refused:
         raise ValueError(
-            f"{name}: {refused} not supported: every image draws its own parameters from its key (README, "
+            f"{name}: {refused} not supported: every image draws its own parameters from its key (docs/guide.md, "
             "'Kornia ops by name')"
         )
     unknown = sorted(set(params) - set(valid))

@@ -249,7 +249,7 @@ class ColorJitter(Op):
             # Brightness, contrast and saturation are each a blend f*x + (1-f)*m, with m = 0, the
             # mean grey level, or the grey image: m for every image at once from 0/1 selectors,
             # then one fused multiply-add. On a CPU the batch is planar (Pipeline makes it so):
-            # broadcasting the (B, 1, H, W) grey image over channels_last memory was slower (docs/benchmarks.md).
+            # broadcasting the (B, 1, H, W) grey image over channels_last memory was slower (docs/benchmark-log.md).
             gray = (x[:, 0:1] * w[0]).add_(x[:, 1:2], alpha=w[1]).add_(x[:, 2:3], alpha=w[2])  # (B, 1, H, W)
             is_con, is_sat = (op == 1).to(x.dtype), (op == 2).to(x.dtype)
             m = gray * ((1.0 - f) * is_sat) + gray.mean(dim=(2, 3), keepdim=True) * ((1.0 - f) * is_con)
@@ -260,7 +260,7 @@ class ColorJitter(Op):
 def _adjust_hue_where(x: torch.Tensor, where: torch.Tensor, hue: torch.Tensor) -> torch.Tensor:
     """torchvision's adjust_hue(hue) on the images where `where`, one factor per image. Kornia's
     adjust_hue takes a factor per image (torchvision's one per call) and agrees with torchvision's
-    to well under a uint8 level (docs/benchmarks.md). Only the chosen images are converted to
+    to well under a uint8 level (docs/benchmark-log.md). Only the chosen images are converted to
     HSV and back: each image takes its hue step once in four."""
     from kornia.enhance import adjust_hue
 
@@ -281,7 +281,7 @@ _GRAY = torch.tensor([0.2989, 0.587, 0.114])  # torchvision's rgb_to_grayscale w
 #
 # * CPU: one `F.interpolate(uint8, antialias=True)` per image. Each call is a whole-image
 #   kernel (torch's separable AVX2 uint8 path), and it beats the batched matmuls below
-#   there because it skips the zero weights (docs/benchmarks.md, "Figures that were in code
+#   there because it skips the zero weights (docs/benchmark-log.md, "Figures that were in code
 #   comments"); so here a loop over images is the right tool.
 # * CUDA (or any device, method="matmul"): two batched matmuls with per-image weight
 #   matrices that reproduce torch's antialiased bilinear weights, so every box of every
@@ -333,7 +333,7 @@ def resample_boxes(canvas, box, resized, offset, out_hw, method: str = "auto", d
             out[b] = crop[0, :, oy : oy + oh, ox : ox + ow]
         return out.float().div_(255.0)
     # on a GPU in float16 (tensor cores), where float32 made these two matmuls a third of an
-    # H200's decode + augment time (docs/benchmarks.md, "GPU"). Pixels 0-255 are exact in it;
+    # H200's decode + augment time (docs/benchmark-log.md, "GPU"). Pixels 0-255 are exact in it;
     # the weights and the rows pass are rounded, so the result is within about 0.3 of a level,
     # and a few per cent of pixels land on the neighbouring uint8 level (tests/test_augment.py)
     dtype = dtype or (torch.float16 if canvas.device.type == "cuda" else torch.float32)

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from augment.batch import to_canvas
-from augment.presets import Pipeline, Preset
+from augment.pipeline import Pipeline
+from augment.presets import Preset
 
 
 def read_examples(split, *, classes: int, per_class: int) -> tuple[list[np.ndarray], list[int], list[int]]:

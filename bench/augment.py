@@ -110,7 +110,8 @@ def time_stage(
     with uint8 out; augment_batch + Normalize, the float batch the model gets)."""
     from augment.batch import augment_batch
     from augment.ops import Normalize
-    from augment.presets import PRESETS, Pipeline
+    from augment.pipeline import Pipeline
+    from augment.presets import PRESETS
 
     p = PRESETS[preset]
     pipe = Pipeline(p.train if train else p.eval, seed=0).to(device)

@@ -55,7 +55,8 @@ def encoded_photos(kind: str, n: int) -> list[bytes]:
 
 def time_decode_augment(files, batch: int, device: torch.device, shrink: bool, seconds: float) -> float:
     from augment.batch import decode_augment
-    from augment.presets import PRESETS, Pipeline
+    from augment.pipeline import Pipeline
+    from augment.presets import PRESETS
 
     pipeline = Pipeline(PRESETS["imagenet"].train, seed=0).to(device)
     keys = torch.arange(len(files), dtype=torch.int64)

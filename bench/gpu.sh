@@ -10,7 +10,7 @@
 #
 # Needs a Python whose torch sees CUDA, with this project's dependencies importable. Every
 # step has its own time limit and the script goes on after a failed step, so one run
-# returns whatever could be measured. Targets (docs/benchmarks.md, "GPU"): stage >= 100,000
+# returns whatever could be measured. Targets (docs/benchmark-log.md, "GPU"): stage >= 100,000
 # img/s for imagenet and >= 500,000 img/s for cifar; decode (nvjpeg) + augment at 224 px >=
 # 20,000 img/s; input-bound ratio (jobs.train / synthetic) >= 0.95.
 set -uo pipefail

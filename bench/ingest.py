@@ -81,13 +81,13 @@ def child(data: str, preset_name: str, batch: int) -> dict:
     import ray
 
     from augment.presets import load_preset
-    from augment.stage import EpochClock
-    from jobs.train import connect
-    from training import job
+    from training import planning
     from training.config import TrainConfig
     from training.data import BadFileLog
     from training.ingest import build_datasets, choose_decode
     from training.inputs import scan_data
+    from training.session import connect
+    from training.stage import EpochClock
 
     connect()
     cfg = TrainConfig(data=data, preset=preset_name, batch_size=batch)
@@ -95,7 +95,7 @@ def child(data: str, preset_name: str, batch: int) -> dict:
     tree = scan_data(data, cfg.val_fraction)
     scan_s = time.perf_counter() - start
     preset = load_preset(preset_name)
-    plan = job.plan_resources(cfg, job.cluster_capacity())
+    plan = planning.plan_resources(cfg, planning.cluster_capacity())
     decode = choose_decode(cfg.decode, tree.train, preset.train, plan.use_gpu)
     clock, bad_log = ray.remote(num_cpus=0)(EpochClock).remote(), ray.remote(num_cpus=0)(BadFileLog).remote()
     pickles = {"map_fn": 0, "source": 0}

@@ -19,8 +19,10 @@ import time
 
 import torch
 
+from training.audit import view_digest
 from training.config import TrainConfig
-from training.loop import BatchFeed, Learner, train_step, view_digest
+from training.feed import BatchFeed
+from training.loop import Learner, train_step
 from training.model import resnet18
 
 SHAPES = {"cifar 64 x 32 px": (64, 32, True), "imagenet 32 x 224 px": (32, 224, False)}

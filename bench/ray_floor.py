@@ -3,7 +3,7 @@
     python -m bench.ray_floor          # prints one JSON line
 
 The same set-up as `jobs.train` on a machine of its own (a local cluster started by
-`jobs.train.connect`, Ray Train without its placement-group cleaner (training/ray_private.py)
+`training.session.connect`, Ray Train without its placement-group cleaner (training/ray_private.py)
 with one worker and the job's data config, so no split coordinator), with no model, no
 images and no augmentation: the train loop takes one batch of a trivial Ray Data pipeline (a
 range, one map_batches task) and reports. It gives, from the process's start:
@@ -44,7 +44,7 @@ def main() -> dict:
     from training.job import process_started_at
 
     started = process_started_at()
-    from jobs.train import connect
+    from training.session import connect
 
     own_cluster = connect()
     import ray.data

@@ -16,7 +16,7 @@ Cases (trees generated once under --work; building them is not timed):
 
 Variants, each in a fresh process, alternating their order round by round:
 
-* ray   training.inputs.scan_data + training.job.plan_resources on a local cluster of this
+* ray   training.inputs.scan_data + training.planning.plan_resources on a local cluster of this
         machine's cores + training.ingest.build_datasets (what jobs.train hands its trainer),
         the train split iterated in the driver with iter_torch_batches as the train loop
         does (batch 64; the local shuffle buffer and prefetching from epoch 1 on); Ray
@@ -132,18 +132,18 @@ def run_ray(
     import ray
 
     from augment.presets import load_preset
-    from augment.stage import EpochClock
-    from jobs.train import connect
-    from training import job
+    from training import planning
     from training.config import TrainConfig
     from training.data import BadFileLog
     from training.ingest import build_datasets, choose_decode
     from training.inputs import scan_data
+    from training.session import connect
+    from training.stage import EpochClock
 
     connect()
     cfg = TrainConfig(data=data, preset=preset_name, batch_size=batch, epochs=epochs, decode=decode, **overrides)
     tree, preset = scan_data(data, cfg.val_fraction), load_preset(preset_name)
-    plan = job.plan_resources(cfg, job.cluster_capacity())
+    plan = planning.plan_resources(cfg, planning.cluster_capacity())
     decode = choose_decode(cfg.decode, tree.train, preset.train, plan.use_gpu)
     clock, bad_log = ray.remote(num_cpus=0)(EpochClock).remote(), ray.remote(num_cpus=0)(BadFileLog).remote()
     ds = build_datasets(cfg, tree, preset, plan, clock, bad_log, decode)["train"]

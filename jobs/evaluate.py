@@ -38,9 +38,9 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    from jobs.train import connect
     from training import artifacts, inference, plots, storage
     from training.data import DataError
+    from training.session import connect
 
     out = args.out or artifacts.join(storage.parent(args.model), "eval")
     try:

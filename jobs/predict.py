@@ -51,9 +51,9 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    from jobs.train import connect
     from training import inference, storage
     from training.data import DataError
+    from training.session import connect
 
     if args.batch_size <= 0 or args.actors <= 0:
         print("error: --batch-size and --actors must be positive", file=sys.stderr)

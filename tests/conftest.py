@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 from pathlib import Path
@@ -49,6 +50,26 @@ def bar_frames(text: str) -> list[tuple[int, float, float]]:
 _shared: dict = {}  # the session's cluster, so that `own_cluster` tests can stop it first
 
 
+def prepare(cfg):
+    """training.inputs.prepare with a built-in preset loaded too: (cfg, tree, preset), what
+    jobs.train hands training.job.run."""
+    from augment.presets import load_preset
+    from training.inputs import prepare as check
+
+    cfg, tree, name, preset = check(cfg)
+    return cfg, tree, preset or load_preset(name)
+
+
+def split_coordinators() -> set[str]:
+    """The ids of the connected cluster's split-coordinator actors (Ray Train starts one per split dataset)."""
+    import ray
+    from ray.util.state import list_actors
+
+    address = ray.get_runtime_context().gcs_address  # else the state API asks the cluster that started last
+    coordinators = list_actors(address=address, filters=[("class_name", "=", "SplitCoordinator")], limit=10_000)
+    return {a.actor_id for a in coordinators}
+
+
 def _stop_shared_cluster():
     import ray
 
@@ -86,7 +107,7 @@ def ray_cluster(s3):
     import ray
     from ray.cluster_utils import Cluster
 
-    from jobs.train import quiet_ray
+    from training.session import quiet_ray
 
     kwargs = quiet_ray()
     # 2 logical CPUs per node on a 2-core machine: a train worker per node plus Ray Data's actors
@@ -115,10 +136,15 @@ def ray_cluster(s3):
 @pytest.fixture()
 def gpu_node(ray_cluster, request):
     """A node with one GPU, for Ray to schedule by, added to the shared cluster for one test
-    (torch sees no CUDA here: what runs on it runs on the CPU). Indirect parametrization
-    passes other `add_node` arguments (num_gpus, env_vars)."""
+    (torch sees no CUDA here). Indirect parametrization
+    passes other `add_node` arguments (num_gpus, env_vars). The node says its GPUs are fake
+    (training.stage.FAKE_GPUS_ENV), so its GPU tasks may run on the CPU."""
+    from training.stage import FAKE_GPUS_ENV
+
     cluster = _shared["cluster"]
-    node = cluster.add_node(**({"num_cpus": 2, "num_gpus": 1} | getattr(request, "param", {})))
+    args = {"num_cpus": 2, "num_gpus": 1} | getattr(request, "param", {})
+    args["env_vars"] = {FAKE_GPUS_ENV: "1"} | args.get("env_vars", {})
+    node = cluster.add_node(**args)
     cluster.wait_for_nodes()
     yield node
     cluster.remove_node(node)
@@ -141,3 +167,14 @@ def own_cluster():
 @pytest.fixture()
 def tree(tmp_path) -> Path:
     return write_tree(tmp_path / "data", {"cat": 12, "dog": 12, "eel": 12})
+
+
+def registered_checkpoint(run_dir: Path) -> str:
+    """The checkpoint Ray Train's controller registered last: it rewrites this snapshot after
+    registering one, and a restart resumes from it. The files of a checkpoint appear earlier,
+    while the worker uploads them."""
+    try:
+        state = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
+    except (OSError, ValueError):  # not written yet, or read while being written
+        return ""
+    return (state.get("latest_checkpoint_result") or {}).get("checkpoint_dir_name") or ""

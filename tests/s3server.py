@@ -1,7 +1,7 @@
 """A real S3 protocol server for the tests: moto's, on a free loopback port, with IAM
 authentication on, so wrong keys and missing permissions fail as they do on AWS or MinIO.
 
-The job reaches it as users reach MinIO (README.md, "Object storage"): AWS_ENDPOINT_URL and
+The job reaches it as users reach MinIO (docs/guide.md, "Object storage"): AWS_ENDPOINT_URL and
 a credentials file, nothing in the job's flags. `Gate` holds chosen uploads, so a test can
 interrupt a run while it writes.
 """

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from augment.batch import to_canvas
-from augment.errors import BUILTIN_PRESETS, BUILTIN_TRAIN_SIZES
 from augment.ops import OPS, Normalize, resample_boxes
-from augment.presets import PRESETS, Pipeline, PresetError, load_preset, preset_from_dict
+from augment.pipeline import Pipeline
+from augment.presets import PRESETS, PresetError, load_preset, preset_from_dict
 from augment.rng import KeyedRng, reference_seed, reference_uniform
-from augment.stage import AugmentStage
+from training.stage import AugmentStage, StageArgs
 
 B = 64
 
@@ -179,11 +179,11 @@ def test_ragged_batch_equals_each_image_alone():
 
 
 def test_stage_stamps_every_row_with_the_epoch_it_augmented_for(ray_cluster):
-    from augment.stage import EpochClock
+    from training.stage import EpochClock
 
     batch = {"image": _batch(8).numpy(), "label": np.arange(8), "key": np.arange(8, dtype=np.int64)}
     clock = ray_cluster.remote(num_cpus=0)(EpochClock).remote()
-    stage = AugmentStage(PRESETS["cifar"].to_dict(), train=True, seed=0, clock=clock, device="cpu")
+    stage = AugmentStage(StageArgs.of(PRESETS["cifar"].to_dict(), train=True, seed=0), clock=clock, device="cpu")
     outs = {}
     for epoch in (0, 3):
         ray_cluster.get(clock.set.remote(epoch))
@@ -228,9 +228,6 @@ def test_preset_files_and_their_errors(tmp_path):
         assert message in str(err.value), name
     with pytest.raises(PresetError, match="built-in presets: \\['cifar'"):
         load_preset("imagenett")
-    # the entry point checks names against this torch-free list before Ray starts
-    assert set(BUILTIN_PRESETS) == set(PRESETS)
-    assert BUILTIN_TRAIN_SIZES == {name: p.train_size for name, p in PRESETS.items()}
 
 
 MINE = {
@@ -359,7 +356,7 @@ def test_uninitialised_canvas_memory_never_reaches_the_output():
 
 @pytest.mark.parametrize("preset", ["cifar", "imagenet"])
 def test_ragged_photos_batched_equal_each_photo_alone_and_chunking_changes_nothing(preset, monkeypatch):
-    import augment.presets
+    import augment.pipeline
 
     images = _photos(((300, 400), (375, 500), (500, 333))) if preset == "imagenet" else _photos()
     pipe = Pipeline(PRESETS[preset].train, seed=5)
@@ -370,7 +367,7 @@ def test_ragged_photos_batched_equal_each_photo_alone_and_chunking_changes_nothi
     for i in range(len(images)):
         alone = pipe(*to_canvas(images[i : i + 1]), keys[i : i + 1], epoch=2)
         assert torch.equal(alone[0], together[i])
-    monkeypatch.setattr(augment.presets, "CPU_CHUNK_PIXELS", 1)  # one image per chunk
+    monkeypatch.setattr(augment.pipeline, "CPU_CHUNK_PIXELS", 1)  # one image per chunk
     assert torch.equal(pipe(*to_canvas(images), keys, epoch=2), together)
 
 
@@ -426,11 +423,11 @@ def test_schedule_scales_jitter_erasing_and_crop_range():
 
 def test_stage_schedules_train_only():
     stage = AugmentStage(
-        PRESETS["cifar"].to_dict(), train=False, seed=0, device="cpu", schedule="linear-decay", epochs=4
+        StageArgs.of(PRESETS["cifar"].to_dict(), train=False, seed=0, schedule="linear-decay", epochs=4), device="cpu"
     )
     assert stage.pipeline.schedule == "none"
     stage = AugmentStage(
-        PRESETS["cifar"].to_dict(), train=True, seed=0, device="cpu", schedule="linear-decay", epochs=4
+        StageArgs.of(PRESETS["cifar"].to_dict(), train=True, seed=0, schedule="linear-decay", epochs=4), device="cpu"
     )
     assert stage.pipeline.schedule == "linear-decay" and stage.pipeline.epochs == 4
 
@@ -580,7 +577,7 @@ def test_preview_shows_the_views_the_training_stage_makes(preset, tmp_path, monk
     decoded = np.empty(4, dtype=object)
     decoded[:] = [decode_image(d) for d in datas]
     for rows in (by_bytes, batch | {"image": decoded}):  # decoded in the augment call, or in the read task
-        stage = AugmentStage(PRESETS[preset].to_dict(), train=True, seed=4, clock=clock, device="cpu")
+        stage = AugmentStage(StageArgs.of(PRESETS[preset].to_dict(), train=True, seed=4), clock=clock, device="cpu")
         for epoch in range(3):
             clock.epoch = epoch
             out = stage(rows)
@@ -601,7 +598,7 @@ def test_read_examples_takes_the_first_of_each_class(tree):
 
 def test_a_bad_augment_schedule_is_a_config_error_before_ray_starts(tree, tmp_path):
     from training.config import ConfigError, TrainConfig
-    from training.job import prepare
+    from training.inputs import prepare
 
     with pytest.raises(
         ConfigError, match="--augment-schedule: unknown augmentation schedule 'fast'; valid: none, linear-decay"

@@ -21,7 +21,8 @@ from scipy.stats import ks_2samp
 from augment.batch import to_canvas
 from augment.decode import decode_image
 from augment.ops import OPS
-from augment.presets import PRESETS, Pipeline
+from augment.pipeline import Pipeline
+from augment.presets import PRESETS
 from augment.rng import KeyedRng
 from bench.augment import synthetic_photo
 

@@ -12,9 +12,10 @@ import torch
 
 from augment.batch import to_canvas
 from augment.kornia_ops import kornia_choices
-from augment.presets import Pipeline, PresetError, load_preset, preset_from_dict
+from augment.pipeline import Pipeline
+from augment.presets import PresetError, load_preset, preset_from_dict
 from augment.rng import reference_seed
-from augment.stage import AugmentStage
+from training.stage import AugmentStage, StageArgs
 
 B = 16
 BASE = [{"random_crop": {"size": 32, "padding": 4}}, {"horizontal_flip": {"p": 0.5}}]
@@ -35,7 +36,7 @@ def _batch(n=B, seed=0) -> dict:
 
 
 def _stage(*extra, seed=3) -> AugmentStage:
-    return AugmentStage(_preset(*extra), train=True, seed=seed, device="cpu")
+    return AugmentStage(StageArgs.of(_preset(*extra), train=True, seed=seed), device="cpu")
 
 
 def _take(batch: dict, idx) -> dict:
@@ -236,14 +237,14 @@ def test_built_in_presets_do_not_import_kornia():
     code = """
 import sys, numpy as np
 from augment.presets import PRESETS
-from augment.stage import AugmentStage
+from training.stage import AugmentStage, StageArgs
 batch = {"image": np.zeros((4, 40, 48, 3), np.uint8), "label": np.arange(4), "key": np.arange(4)}
 for name in PRESETS:
     for train in (True, False):
-        AugmentStage(PRESETS[name].to_dict(), train=train, seed=0, device="cpu")(batch)
+        AugmentStage(StageArgs.of(PRESETS[name].to_dict(), train=train, seed=0), device="cpu")(batch)
 print("kornia" in sys.modules)
 hue = dict(PRESETS["cifar"].to_dict(), train=[{"center_crop": {"size": 32}}, {"color_jitter": {"hue": 0.1}}])
-AugmentStage(hue, train=True, seed=0, device="cpu")(batch)
+AugmentStage(StageArgs.of(hue, train=True, seed=0), device="cpu")(batch)
 print("kornia" in sys.modules)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()

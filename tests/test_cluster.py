@@ -23,9 +23,9 @@ import pytest
 import yaml
 from PIL import Image
 
-from tests.conftest import bar_frames, write_tree
+from tests.conftest import bar_frames, registered_checkpoint, write_tree
 from training.config import ConfigError, TrainConfig
-from training.job import Capacity, check_storage, plan_resources
+from training.planning import Capacity, check_storage, plan_resources
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = str(Path(sys.executable).parent)  # `ray` and the `python` of job entrypoints
@@ -273,47 +273,43 @@ def test_ray_job_submit_to_a_token_protected_head(own_cluster, tmp_path):
         wrong_token = _ray("job", "list", "--address", address, env=wrong, check=False)
         said = wrong_token.stdout + wrong_token.stderr
         assert wrong_token.returncode != 0 and "Forbidden: Invalid authentication token" in said, said[-3000:]
-        submit = _ray(
-            "job",
-            "submit",
-            "--address",
-            address,
-            "--working-dir",
-            str(REPO),
-            "--entrypoint-num-cpus",
-            "0",
-            "--submission-id",
-            "rga-test",
-            "--no-wait",
-            "--",
-            "python",
-            "-m",
-            "jobs.train",
-            "--data",
-            str(data),
-            "--epochs",
-            "1",
-            "--batch-size",
-            "8",
-            "--storage-path",
-            str(tmp_path / "runs"),
-            "--name",
-            "submitted",
-            "--val-fraction",
-            "0.25",
-            env=env,
-        )
-        assert "rga-test" in submit.stdout + submit.stderr
-        status = ""
-        deadline = time.time() + 420
-        while time.time() < deadline:
-            status = _ray("job", "status", "--address", address, "rga-test", env=env).stdout.lower()
-            if any(f"job 'rga-test' {s}" in status for s in ("succeeded", "failed", "stopped")):
-                break
-            time.sleep(3)
-        logs = _ray("job", "logs", "--address", address, "rga-test", env=env).stdout
-        assert "job 'rga-test' succeeded" in status, f"{status}\n{logs[-4000:]}"
-        assert "epoch   1/1" in logs and "done:" in logs and not bar_frames(logs)  # `ray job logs`: no bar
+        train = ["python", "-m", "jobs.train", "--data", str(data), "--epochs", "20", "--batch-size", "8"]
+        train += ["--storage-path", str(tmp_path / "runs"), "--name", "submitted", "--val-fraction", "0.25"]
+        run_dir = tmp_path / "runs" / "submitted"
+
+        def submit(job_id, *extra):
+            said = _ray(
+                "job", "submit", "--address", address, "--working-dir", str(REPO), "--entrypoint-num-cpus", "0",
+                "--submission-id", job_id, "--no-wait", "--", *train, *extra, env=env,
+            )  # fmt: skip
+            assert job_id in said.stdout + said.stderr
+
+        def wait_for(job_id, until, timeout=420):
+            status, deadline = "", time.time() + timeout
+            while time.time() < deadline and not until():
+                status = _ray("job", "status", "--address", address, job_id, env=env).stdout.lower()
+                if any(f"job '{job_id}' {s}" in status for s in ("succeeded", "failed", "stopped")):
+                    break
+                time.sleep(0.5)
+            return status, _ray("job", "logs", "--address", address, job_id, env=env).stdout
+
+        # docs/guide.md, "`ray job submit` to a running cluster": stop the job once it has a checkpoint,
+        # and rerun it to resume
+        submit("rga-test")
+        status, logs = wait_for("rga-test", lambda: registered_checkpoint(run_dir))  # one a rerun resumes from
+        assert registered_checkpoint(run_dir), f"{status}\n{logs[-4000:]}"
+        _ray("job", "stop", "--address", address, "rga-test", env=env)
+        status, logs = wait_for("rga-test", lambda: False)
+        assert "job 'rga-test' stopped" in status, f"{status}\n{logs[-4000:]}"
+        submit("rga-test-2", "--stop-after", "1")  # the same command: it goes on from the last checkpoint
+        status, logs = wait_for("rga-test-2", lambda: False)
+        assert "job 'rga-test-2' succeeded" in status, f"{status}\n{logs[-4000:]}"
+        summary = json.loads((run_dir / "summary.json").read_text())
+        (resumed,) = summary["resumed_at_epochs"]
+        assert resumed >= 2 and summary["epochs"] == resumed and summary["num_classes"] == 2, summary
+        assert f"epoch {resumed:3d}/20" in logs and "done:" in logs and not bar_frames(logs)  # `ray job logs`: no bar
+        epochs = [line.split(",")[0] for line in (run_dir / "metrics.csv").read_text().splitlines()[1:]]
+        assert epochs == [str(e) for e in range(1, resumed + 1)]  # each epoch once: none lost, none twice
         # the cluster's processes were started without the job's quiet settings: the job's setup hook
         # keeps Ray's notices about what it does by design off the console
         noisy = [
@@ -322,8 +318,6 @@ def test_ray_job_submit_to_a_token_protected_head(own_cluster, tmp_path):
             if re.search(r"WARNING|Warning|Traceback|Progress bars|execution finished|\(raylet\)", line)
         ]
         assert not noisy, noisy
-        summary = json.loads((tmp_path / "runs" / "submitted" / "summary.json").read_text())
-        assert summary["epochs"] == 1 and summary["num_classes"] == 2
     finally:
         _ray("stop", "--force", env=env, check=False)
 
@@ -518,7 +512,10 @@ def test_a_dataset_several_times_the_object_store_completes(own_cluster, tmp_pat
             time.sleep(1)
         out = proc.stdout.read()
         assert proc.returncode == 0, out[-3000:]
-        stats = _ray("memory", "--stats-only", f"--address=127.0.0.1:{port}", env=env, check=False).stdout
+        memory = _ray("memory", "--stats-only", f"--address=127.0.0.1:{port}", env=env, check=False)
+        stats = memory.stdout
+        # Ray prints a "Spilled N MiB" line only when something spilled; the plasma line always
+        assert memory.returncode == 0 and "Plasma memory usage" in stats, stats + memory.stderr
         spilled = int(m.group(1)) if (m := re.search(r"Spilled (\d+) MiB", stats)) else 0
         print(
             f"\npeak PSS of the cluster and job: {peak / 2**20:.0f} MiB; object store: 200 MiB; spilled: {spilled} MiB"

@@ -14,7 +14,8 @@ from PIL import Image
 from augment.batch import augment_batch, decode_augment
 from augment.decode import SHRINK_FACTORS, SHRINKING_OPS, BadImage, decode_image, read_header
 from augment.ops import OPS, Op, RandomResizedCrop
-from augment.presets import PRESETS, Pipeline
+from augment.pipeline import Pipeline
+from augment.presets import PRESETS
 from augment.rng import KeyedRng
 from bench.augment import synthetic_photo
 
@@ -255,7 +256,7 @@ def test_a_truncated_jpeg_is_not_left_to_nvjpeg(monkeypatch):
 
 
 def test_the_stage_decodes_bytes_and_reports_bad_files_by_path(encoded):
-    from augment.stage import AugmentStage
+    from training.stage import AugmentStage, StageArgs
 
     class Log:
         def __init__(self):
@@ -265,7 +266,9 @@ def test_the_stage_decodes_bytes_and_reports_bad_files_by_path(encoded):
             self.rows += rows
 
     log = Log()
-    stage = AugmentStage(PRESETS["imagenet"].to_dict(), train=True, seed=0, device="cpu", shrink=True, bad_log=log)
+    stage = AugmentStage(
+        StageArgs.of(PRESETS["imagenet"].to_dict(), train=True, seed=0, shrink=True), device="cpu", bad_log=log
+    )
     n = len(encoded)
     batch = {
         "bytes": np.array(encoded, dtype=object),
@@ -289,7 +292,7 @@ def test_nvjpeg_decodes_a_batch_like_the_cpu(encoded):
     for data, image in zip(encoded[:7], images, strict=True):
         ref = torch.from_numpy(decode_image(data))
         assert image.shape == ref.shape and image.device.type == "cuda"
-        # nvjpeg's IDCT and chroma upsampling differ from libjpeg-turbo's (docs/benchmarks.md, "GPU")
+        # nvjpeg's IDCT and chroma upsampling differ from libjpeg-turbo's (docs/benchmark-log.md, "GPU")
         assert float((image.cpu().float() - ref.float()).abs().mean()) < 2.0
     pipeline = Pipeline(PRESETS["imagenet"].train, seed=5).to("cuda")
     keys = torch.arange(len(encoded), dtype=torch.int64)

@@ -23,18 +23,18 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.conftest import bar_frames, write_tree
-from training import job
+from tests.conftest import bar_frames, prepare, registered_checkpoint, write_tree
+from training import job, planning
 from training.config import TrainConfig
 from training.data import DataError
-from training.loop import StallLimits
+from training.spec import StallLimits
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _run(**overrides):
     lines = []
-    cfg, tree, preset = job.prepare(TrainConfig(**overrides))
+    cfg, tree, preset = prepare(TrainConfig(**overrides))
     return job.run(cfg, tree, preset, log=lines.append), tree, lines
 
 
@@ -141,22 +141,11 @@ def _start_in_thread(**overrides):
     return thread, box
 
 
-def _registered_checkpoint(run_dir: Path) -> str:
-    """The checkpoint Ray Train's controller registered last: it rewrites this snapshot after
-    registering one, and a restart resumes from it. The files of a checkpoint appear earlier,
-    while the worker uploads them."""
-    try:
-        state = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
-    except (OSError, ValueError):  # not written yet, or read while being written
-        return ""
-    return (state.get("latest_checkpoint_result") or {}).get("checkpoint_dir_name") or ""
-
-
 def _wait_for_checkpoint(run_dir: Path, epoch: int, alive, timeout=300):
     """Until epoch `epoch`'s checkpoint (or a later one) is registered, while alive() holds."""
     deadline = time.time() + timeout
     while time.time() < deadline and alive():
-        if _registered_checkpoint(run_dir) >= f"checkpoint_epoch_{epoch:04d}":
+        if registered_checkpoint(run_dir) >= f"checkpoint_epoch_{epoch:04d}":
             return
         time.sleep(0.2)
     raise AssertionError(f"epoch {epoch}'s checkpoint was never registered")
@@ -319,9 +308,10 @@ def test_a_run_whose_data_tasks_cannot_start_stops_with_a_clear_error(ray_cluste
     2-core machine for 10 minutes: the train workers hold every CPU of both nodes, so Ray
     Data cannot start a task. The run stops once no batch has come for `starved_s`."""
     cfg = TrainConfig(data=str(fault_data), epochs=1, batch_size=16, num_workers=2, max_failures=0)
-    hogs = dataclasses.replace(job.plan_resources(cfg, job.cluster_capacity()), cpus_per_worker=2)  # the fault
+    plan = planning.plan_resources(cfg, planning.cluster_capacity())
+    hogs = dataclasses.replace(plan, cpus_per_worker=2)  # the fault
     monkeypatch.setattr(job, "plan_resources", lambda cfg, capacity: hogs)
-    cfg, tree, preset = job.prepare(dataclasses.replace(cfg, storage_path=str(tmp_path), name="starved"))
+    cfg, tree, preset = prepare(dataclasses.replace(cfg, storage_path=str(tmp_path), name="starved"))
     limits = StallLimits(starved_s=3, pending_s=600, poll_s=0.5)
     with pytest.raises(job.TrainingFailed) as err:
         job.run(cfg, tree, preset, log=lambda *a: None, stall=limits)

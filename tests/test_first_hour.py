@@ -4,6 +4,7 @@ that fits the data, and the one-line answers that come before Ray starts."""
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +14,8 @@ from jobs import preview
 from tests.conftest import write_tree
 from training.config import TrainConfig
 from training.inputs import auto_preset, check_inputs, preset_name
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _photos(root, size=(500, 375), n=6):
@@ -207,3 +210,52 @@ def test_an_epoch_of_too_few_steps_is_warned_of_with_a_batch_size_that_gives_eno
         "warm-up; --batch-size 16 gives 5"
     )
     assert few_steps_warning(TrainConfig(batch_size=16), tree) is None
+
+
+def _guide_block_after(heading: str) -> list[str]:
+    """The jobs.train commands of the first ```bash block after HEADING in docs/guide.md, comments dropped."""
+    text = (REPO / "docs" / "guide.md").read_text()
+    block = text.split(heading, 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line.split("#", 1)[0].strip() for line in block.splitlines() if "-m jobs.train" in line]
+
+
+def test_the_guides_config_examples_run_in_order_and_the_second_goes_on_with_the_first(ray_cluster, tmp_path, capsys):
+    """docs/guide.md, "Configuration files": the second command continues the first run, its records
+    kept. Run as printed with the tree in place of ~/cifar10, and the epochs scaled down (30 -> 2
+    in a copy of the config file, --epochs 40 -> 3, batch 64) to fit a test."""
+    import csv
+    import json
+    import shlex
+
+    import yaml
+
+    from jobs import train as train_job
+    from tests.conftest import split_coordinators
+
+    first, second = _guide_block_after("### Configuration files")
+    config = yaml.safe_load((REPO / "configs" / "cifar-local.yaml").read_text())
+    assert config["epochs"] == 30 and "--epochs 40" in second  # what the guide says of them
+    config |= {"epochs": 2, "batch_size": 64, "storage_path": str(tmp_path / "runs")}
+    (tmp_path / "cifar-local.yaml").write_text(yaml.safe_dump(config))
+    data = write_tree(tmp_path / "cifar10", {"cat": 40, "dog": 40, "eel": 40})
+
+    def argv(command):
+        words = shlex.split(command.replace("~/cifar10", str(data)).replace("--epochs 40", "--epochs 3"))
+        words = [str(tmp_path / "cifar-local.yaml") if w == "configs/cifar-local.yaml" else w for w in words]
+        assert words[:3] == [".venv/bin/python", "-m", "jobs.train"], words
+        return words[3:] + ["--quiet"]
+
+    coordinators = split_coordinators()
+    assert train_job.main(argv(first)) == 0, capsys.readouterr().err[-3000:]
+    run = tmp_path / "runs" / "cifar-local"
+    config_after_first = (run / "config.json").read_bytes()
+    rows_after_first = list(csv.DictReader(open(run / "metrics.csv")))
+    assert split_coordinators() == coordinators  # one worker takes each dataset whole: no split coordinator
+    assert train_job.main(argv(second)) == 0, capsys.readouterr().err[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumed_at_epochs"] == [3] and summary["epochs"] == 3
+    rows = list(csv.DictReader(open(run / "metrics.csv")))
+    assert [r["epoch"] for r in rows] == ["1", "2", "3"] and rows[:2] == rows_after_first  # the first run's kept
+    before, after = json.loads(config_after_first), json.loads((run / "config.json").read_text())
+    assert before["class_names"] == after["class_names"] == ["cat", "dog", "eel"]
+    assert after["config"]["epochs"] == 3 and before["config"]["data"] == after["config"]["data"] == str(data)

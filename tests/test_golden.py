@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from augment.mix import mix_generator
-from augment.presets import PRESETS, Pipeline
+from augment.pipeline import Pipeline
+from augment.presets import PRESETS
 from augment.rng import KeyedRng, mix64, reference_seed, reference_uniform, salt
 from training.data import in_validation, stable_hash
 from training.ingest import epoch_order

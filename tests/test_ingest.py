@@ -11,16 +11,17 @@ import numpy as np
 import pytest
 import ray
 import ray.data
+import torch
 from ray import cloudpickle
 
 from augment.presets import PRESETS
 from tests.conftest import write_tree
-from training import job
+from training import planning
 from training.config import ConfigError, TrainConfig
 from training.data import ImageTree, make_split
 from training.ingest import build_datasets, choose_decode
 
-CPU_2 = job.Capacity(cpus=2, gpus=0, hosts=1)
+CPU_2 = planning.Capacity(cpus=2, gpus=0, hosts=1)
 
 
 def _fake_tree(n: int) -> ImageTree:
@@ -65,7 +66,7 @@ def test_no_map_function_or_argument_grows_with_the_dataset(ray_cluster, monkeyp
     for n in (1_000, 100_000):
         recorder = _Recorder(monkeypatch)
         cfg = TrainConfig(**settings)
-        build_datasets(cfg, _fake_tree(n), PRESETS[cfg.preset], job.plan_resources(cfg, CPU_2), clock=None)
+        build_datasets(cfg, _fake_tree(n), PRESETS[cfg.preset], planning.plan_resources(cfg, CPU_2), clock=None)
         sizes[n] = recorder.pickled
         monkeypatch.undo()
     _same_sizes(sizes[1_000], sizes[100_000])
@@ -111,7 +112,7 @@ def order_tree(tmp_path_factory):
 
 
 def _epoch_keys(cfg, tree, clock, epochs) -> list[list[int]]:
-    ds = build_datasets(cfg, tree, PRESETS["cifar"], job.plan_resources(cfg, CPU_2), clock)["train"]
+    ds = build_datasets(cfg, tree, PRESETS["cifar"], planning.plan_resources(cfg, CPU_2), clock)["train"]
     out = []
     for epoch in epochs:
         ray.get(clock.set.remote(epoch))
@@ -120,8 +121,8 @@ def _epoch_keys(cfg, tree, clock, epochs) -> list[list[int]]:
 
 
 def test_every_epoch_reads_a_new_order_from_seed_and_epoch(ray_cluster, order_tree):
-    from augment.stage import EpochClock
     from training.inputs import scan_data
+    from training.stage import EpochClock
 
     tree = scan_data(str(order_tree), 0.1)
     assert len(tree.train) > 200
@@ -345,10 +346,10 @@ def test_gpu_augment_tasks_run_in_processes_that_outlive_the_epoch(gpu_node, ord
     is a fresh process per task, and on a GPU each fresh process pays CUDA's start-up in its
     first batch (about 7 s on an H200). The GPU is a fake node's: Ray schedules by it; torch
     sees no CUDA."""
-    from training.ingest import task_resources
     from training.inputs import scan_data
+    from training.stage import task_resources
 
-    plan = job.plan_resources(TrainConfig(device="cuda"), job.Capacity(cpus=16, gpus=1, hosts=1))
+    plan = planning.plan_resources(TrainConfig(device="cuda"), planning.Capacity(cpus=16, gpus=1, hosts=1))
     assert plan.augment_tasks and "augment tasks x (0.0625 GPU + 1 CPU)" in plan.describe()
     args = task_resources(plan)
     assert (args["num_gpus"], args["max_calls"], plan.gpus_per_worker) == (0.0625, 0, 0.75) and "num_cpus" not in args
@@ -366,11 +367,11 @@ def test_gpu_augment_tasks_run_in_processes_that_outlive_the_epoch(gpu_node, ord
 
 def _task_gpus(split, class_names, args: dict) -> list[dict]:
     """Per task of an augment-like map: the GPU Ray gave it, CUDA_VISIBLE_DEVICES as the task
-    saw it, and the index augment.stage.cuda_index derives from the two."""
+    saw it, and the index training.stage.cuda_index derives from the two."""
     import os
 
-    from augment.stage import cuda_index
     from training.ingest import read_split
+    from training.stage import cuda_index
 
     Gate, wait_at = _gate()
     both = Gate.remote(count=2)  # a barrier: the first two tasks overlap, and so hold both GPUs
@@ -393,11 +394,11 @@ def test_a_gpu_augment_task_picks_the_gpu_ray_gave_it_on_a_node_of_several(gpu_n
     process, so a process would stay on its first GPU. The augment tasks keep the node's
     devices visible (GPU_TASK_ENV) and take the index of the id Ray gave them: on this node,
     whose GPUs are CUDA's 5 and 7, GPU "7" is torch's cuda:1."""
-    from training.ingest import task_resources
     from training.inputs import scan_data
+    from training.stage import task_resources
 
-    plan = job.plan_resources(
-        TrainConfig(device="cuda", augment_gpus=0.75), job.Capacity(cpus=16, gpus=2, hosts=1)
+    plan = planning.plan_resources(
+        TrainConfig(device="cuda", augment_gpus=0.75), planning.Capacity(cpus=16, gpus=2, hosts=1)
     )  # one task per GPU at a time: two at once use both GPUs
     assert plan.augment_concurrency == 2
     args = task_resources(plan) | {"num_cpus": 0.5}
@@ -411,8 +412,25 @@ def test_a_gpu_augment_task_picks_the_gpu_ray_gave_it_on_a_node_of_several(gpu_n
     assert all(r["visible"] == str(r["gpu"]) for r in control), control  # narrowed, task by task
 
 
+def test_a_gpu_task_where_torch_finds_no_cuda_fails_unless_the_node_says_its_gpus_are_fake(monkeypatch):
+    """Augmenting on the CPU of a GPU node would pass every check but the speed: only a node that
+    declares its GPUs fake (a test cluster's gpu_node) may."""
+    from training.stage import FAKE_GPUS_ENV, task_device
+
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [0])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv(FAKE_GPUS_ENV, raising=False)
+    with pytest.raises(RuntimeError, match="Ray gave this task GPU 0, but torch .* finds no CUDA device"):
+        task_device()
+    monkeypatch.setenv(FAKE_GPUS_ENV, "1")
+    assert task_device() == "cpu"
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [])
+    monkeypatch.delenv(FAKE_GPUS_ENV)
+    assert task_device() == "cpu"  # no GPU given: the CPU, as planned
+
+
 def test_cuda_index_follows_the_nodes_visible_devices():
-    from augment.stage import cuda_index
+    from training.stage import cuda_index
 
     assert cuda_index(1, None) == 1 and cuda_index("1", "") == 1  # no CUDA_VISIBLE_DEVICES: Ray's ids are torch's
     assert cuda_index("3", "2,3") == 1 and cuda_index(" GPU-b", "GPU-a, GPU-b") == 1  # Ray's ids are its entries
@@ -472,9 +490,9 @@ def test_the_gpu_plans_datasets_augment_as_the_cpu_plans_do(gpu_node, order_tree
     Ray's task records show that the GPU plan's augment tasks asked for their GPU share (the
     CPU plan's read tasks augment, and ask for none).
     Prepared shards read by row groups, which may hand the map fewer blocks than batches."""
-    from augment.stage import EpochClock
     from jobs.prepare import main as prepare
     from training.inputs import scan_data
+    from training.stage import EpochClock
 
     data = str(order_tree)
     if source == "prepared shards":
@@ -482,7 +500,7 @@ def test_the_gpu_plans_datasets_augment_as_the_cpu_plans_do(gpu_node, order_tree
         assert prepare([str(order_tree), data, "--val-fraction", "0.1", "--shard-mb", "0.002"]) == 0
     tree = scan_data(data, 0.1)
     cfg = TrainConfig(data=data, val_fraction=0.1, augment_batch_size=32, decode="augment-full")
-    gpu_plan = job.plan_resources(TrainConfig(**{**cfg.to_dict(), "device": "cuda"}), job.Capacity(4, 1, 1))
+    gpu_plan = planning.plan_resources(TrainConfig(**{**cfg.to_dict(), "device": "cuda"}), planning.Capacity(4, 1, 1))
     assert gpu_plan.augment_gpus == 0.0625 and gpu_plan.augment_tasks
     clock = ray.remote(num_cpus=0)(EpochClock).remote()
     read = "ReadImages" if source == "files" else "ReadPreparedImages"  # the CPU plan fuses it with the augment call
@@ -493,7 +511,7 @@ def test_the_gpu_plans_datasets_augment_as_the_cpu_plans_do(gpu_node, order_tree
             warnings.simplefilter("always")
             on_gpu = _augmented(cfg, tree, gpu_plan, clock)
         gpu_tasks = _new_tasks(seen)
-        on_cpu = _augmented(cfg, tree, job.plan_resources(cfg, CPU_2), clock)
+        on_cpu = _augmented(cfg, tree, planning.plan_resources(cfg, CPU_2), clock)
         cpu_tasks = _new_tasks(seen, cpu_task)
     finally:
         ray.kill(clock)

@@ -13,20 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from training import loop
+from training import audit, feed, loop
 from training.config import TrainConfig
-from training.loop import (
-    BatchFeed,
-    IngestStalled,
-    IngestWatch,
-    Learner,
-    StaleBatch,
-    StallLimits,
-    build_optimizer,
-    build_scheduler,
-    train_epoch,
-)
+from training.feed import BatchFeed, IngestStalled, IngestWatch
+from training.loop import Learner, StaleBatch, build_optimizer, build_scheduler, train_epoch
 from training.model import resnet18
+from training.spec import IngestNeeds, StallLimits, WorkerSpec
 
 
 def _tiny_model() -> torch.nn.Module:
@@ -160,18 +152,18 @@ def test_each_rank_has_its_own_stream_and_a_checkpoint_restores_it():
 def test_view_digest_ignores_order_and_sees_every_pixel():
     images = torch.randint(0, 256, (6, 4, 5, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     keys = torch.arange(6, dtype=torch.int64) * 7919
-    digest = loop.view_digest(images, keys)
+    digest = audit.view_digest(images, keys)
     perm = torch.randperm(6, generator=torch.Generator().manual_seed(2))
-    assert loop.view_digest(images[perm], keys[perm]) == digest
-    split = (loop.view_digest(images[:2], keys[:2]) + loop.view_digest(images[2:], keys[2:])) % loop.KEY_MOD
+    assert audit.view_digest(images[perm], keys[perm]) == digest
+    split = (audit.view_digest(images[:2], keys[:2]) + audit.view_digest(images[2:], keys[2:])) % audit.KEY_MOD
     assert split == digest
     for i, y, x, c in [(0, 0, 0, 0), (5, 3, 4, 2), (2, 1, 3, 1)]:
         changed = images.clone()
         changed[i, y, x, c] ^= 1
-        assert loop.view_digest(changed, keys) != digest
+        assert audit.view_digest(changed, keys) != digest
     swapped = keys.clone()
     swapped[[0, 1]] = swapped[[1, 0]]  # the same views on other images
-    assert loop.view_digest(images, swapped) != digest
+    assert audit.view_digest(images, swapped) != digest
 
 
 # --------------------------------------------------------------------------- waiting for data
@@ -218,14 +210,14 @@ def test_batch_feed_asks_the_watch_while_no_batch_comes_and_stops_on_its_error()
 
 def _ingest_watch(monkeypatch, nodes, worker_nodes, *, cpus_per_worker, tasks, autoscaling=False, pending=()):
     monkeypatch.setattr(
-        loop.ray,
+        feed.ray,
         "nodes",
         lambda: [
             {"NodeID": f"n{i}", "Alive": True, "Resources": {"CPU": c, "GPU": g}} for i, (c, g) in enumerate(nodes)
         ],
     )
-    monkeypatch.setattr(loop.ray_private, "pending_demands", lambda: list(pending))
-    ingest = {"worker": (cpus_per_worker, 0.0), "tasks": tasks, "autoscaling": autoscaling}
+    monkeypatch.setattr(feed.ray_private, "pending_demands", lambda: list(pending))
+    ingest = IngestNeeds(worker=(cpus_per_worker, 0.0), tasks=tuple(tasks), autoscaling=autoscaling)
     return IngestWatch(ingest, worker_nodes, StallLimits(starved_s=30, pending_s=600, poll_s=5))
 
 
@@ -281,9 +273,22 @@ def _built_learner(monkeypatch, cfg: TrainConfig, mix: dict | None) -> Learner:
     Train (prepare_model is DDP's wrapper there), with a head that gives confident logits:
     at a fresh init's near-uniform ones every target would give about the same loss."""
     monkeypatch.setattr(loop.ray.train.torch, "prepare_model", lambda model: model)
-    preset = {"mean": MEAN, "std": STD} | ({"mix": mix} if mix else {})
-    job = {"class_names": ["a", "b", "c"], "image_size": 32, "preset": preset, "train_size": 64}
-    learner, _ = loop.build_learner(cfg, job, world=1, device=torch.device("cpu"))
+    spec = WorkerSpec(
+        config=cfg,
+        class_names=("a", "b", "c"),
+        image_size=32,
+        mean=MEAN,
+        std=STD,
+        mix=mix,
+        train_images=64,
+        threads_per_worker=1,
+        sizes=None,
+        ingest=IngestNeeds(worker=(1.0, 0.0), tasks=((0.5, 0.0),), autoscaling=False),
+        stall=StallLimits(),
+        clock=None,
+        board=None,
+    )
+    learner, _ = loop.build_learner(spec, world=1, device=torch.device("cpu"))
     with torch.no_grad():
         learner.bare.fc.weight.mul_(40)
     return learner

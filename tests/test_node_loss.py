@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import write_tree
-from tests.test_faults import _registered_checkpoint
+from tests.conftest import registered_checkpoint, write_tree
 
 REPO = Path(__file__).resolve().parents[1]
 # what the console of a clean run, or of one that survived a fault, must not show
@@ -144,7 +143,7 @@ def test_a_lost_worker_node_is_told_in_one_line_and_the_run_completes_on_its_rep
         before=lambda: broken.write_bytes(b"not a png"),
     )
     run_dir = job.runs / "lost"
-    _wait_until(lambda: _registered_checkpoint(run_dir) >= "checkpoint_epoch_0001", "epoch 1's checkpoint", job)
+    _wait_until(lambda: registered_checkpoint(run_dir) >= "checkpoint_epoch_0001", "epoch 1's checkpoint", job)
     actors = _actors_by_class(head.address)
     driver_node = head.head_node.node_id
     for name in ("EpochClock", "BadFileLog", "ProgressBoard"):
@@ -235,7 +234,7 @@ def test_losing_the_node_that_augments_trains_on_nothing_twice_unreported(cluste
         augment_batch_size=16,
     )
     run_dir = job.runs / "lost"
-    _wait_until(lambda: _registered_checkpoint(run_dir) >= "checkpoint_epoch_0001", "epoch 1's checkpoint", job)
+    _wait_until(lambda: registered_checkpoint(run_dir) >= "checkpoint_epoch_0001", "epoch 1's checkpoint", job)
     assert not _train_worker_on(head.address, doomed.node_id) and _data_tasks_on(head.address, doomed.node_id) > 0
     head.remove_node(doomed)  # the fault
     time.sleep(5)

@@ -19,7 +19,7 @@ from training.model import resnet18
 
 @pytest.fixture(scope="module")
 def model_and_tree(tmp_path_factory):
-    from training.job import model_bytes
+    from training.results import model_bytes
 
     root = tmp_path_factory.mktemp("predict")
     data = write_tree(root / "data", {"cat": 6, "dog": 6, "eel": 6}, sizes=[(32, 32), (36, 30)])

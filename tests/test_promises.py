@@ -1,4 +1,4 @@
-"""README promises held without a Ray cluster: how a local run starts Ray (no dashboard unless
+"""Promises of the README and docs/guide.md held without a Ray cluster: how a local run starts Ray (no dashboard unless
 --dashboard, then on loopback only), the console flags and the configuration printout, the
 inputs read from local disk only, --val-fraction on prepared shards, and --amp bf16's
 validation in float32. jobs.train.main runs up to ray.init, which a test replaces."""
@@ -13,6 +13,7 @@ import torch
 
 import jobs.train
 from jobs.prepare import main as prepare
+from training import session
 from training.config import ConfigError, TrainConfig
 
 RAY_ENV = (  # what connect() and quiet_ray_env() may set in this process
@@ -104,9 +105,9 @@ def test_verbose_keeps_ray_datas_progress_bars_which_a_plain_run_turns_off(monke
     ctx = ray.data.DataContext.get_current()
     for name in ("enable_progress_bars", "print_on_execution_start"):
         monkeypatch.setattr(ctx, name, True)  # Ray Data's defaults, put back after the test
-    jobs.train.quiet_ray_data(verbose=True)
+    session.quiet_ray_data(verbose=True)
     assert ctx.enable_progress_bars and ctx.print_on_execution_start
-    jobs.train.quiet_ray_data(verbose=False)
+    session.quiet_ray_data(verbose=False)
     assert not ctx.enable_progress_bars and not ctx.print_on_execution_start
 
 
@@ -149,7 +150,7 @@ def test_prepared_shards_keep_the_val_fraction_they_were_prepared_with(tree, tmp
 
 
 def test_amp_bf16_trains_in_bfloat16_and_validates_in_float32():
-    """README: validation stays in float32. evaluate() on a --amp bf16 learner computes every
+    """docs/guide.md: validation stays in float32. evaluate() on a --amp bf16 learner computes every
     layer in float32 and gives, to the bit, the figures of the same weights at --amp off; the
     control: the learner's training autocast does compute in bfloat16, which the hooks see."""
     from training import loop

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from augment.batch import to_canvas
-from augment.presets import PRESETS, Pipeline, PresetError, preset_from_dict
+from augment.pipeline import Pipeline
+from augment.presets import PRESETS, PresetError, preset_from_dict
 from augment.schedule import parse_resize, resize_side
-from augment.stage import AugmentStage
 from training.config import ConfigError, TrainConfig
+from training.stage import AugmentStage, StageArgs
 
 
 def _canvas(b=6, h=32, w=32):
@@ -68,14 +69,14 @@ def test_a_bad_progressive_resize_names_the_valid_forms(spec, message):
 
 def test_the_train_stage_makes_each_epochs_size_and_eval_stays_at_the_full_one():
     preset = PRESETS["cifar"].to_dict()
-    train = AugmentStage(preset, train=True, seed=0, device="cpu", resize="16", epochs=3)
+    train = AugmentStage(StageArgs.of(preset, train=True, seed=0, resize="16", epochs=3), device="cpu")
     canvas, sizes, keys = _canvas()
     sides = [train.pipeline(canvas, sizes, keys, e).shape[1] for e in (0, 1, 2, 0)]
     assert sides == [train.pipeline.size_at(e)[0] for e in (0, 1, 2, 0)] == [16, 24, 32, 16]
     assert train.pipeline.ops[0].padding == 2  # back at 16 px, the padding is scaled again
-    again = AugmentStage(preset, train=True, seed=0, device="cpu", resize="16", epochs=3)
+    again = AugmentStage(StageArgs.of(preset, train=True, seed=0, resize="16", epochs=3), device="cpu")
     assert torch.equal(again.pipeline(canvas, sizes, keys, 1), train.pipeline(canvas, sizes, keys, 1))  # replayable
-    val = AugmentStage(preset, train=False, seed=0, device="cpu", resize="16", epochs=3)
+    val = AugmentStage(StageArgs.of(preset, train=False, seed=0, resize="16", epochs=3), device="cpu")
     assert val.pipeline.resize == "none" and val.pipeline(canvas, sizes, keys, 0).shape == (6, 32, 32, 3)
 
 

@@ -23,8 +23,8 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.conftest import write_tree
-from training import job
+from tests.conftest import prepare, write_tree
+from training import job, results
 from training.config import TrainConfig
 from training.data import scan_tree
 from training.inputs import scan_data
@@ -170,7 +170,7 @@ def _model_file(path: Path, tree_root: str) -> str:
 
     tree = scan_tree(tree_root, 0.2)
     state = resnet18(tree.num_classes, small_stem=True).state_dict()
-    path.write_bytes(job.model_bytes(state, tree, PRESETS["cifar"], TrainConfig()))
+    path.write_bytes(results.model_bytes(state, tree, PRESETS["cifar"], TrainConfig()))
     return str(path)
 
 
@@ -233,7 +233,7 @@ def test_the_access_check_lists_under_the_users_prefix_and_takes_gcs_not_found(m
 
 @pytest.fixture(scope="module")
 def s3_run(ray_cluster, prepared):
-    cfg, tree, preset = job.prepare(
+    cfg, tree, preset = prepare(
         TrainConfig(data=prepared, epochs=1, batch_size=8, num_workers=2, storage_path="s3://runs", name="prepared")
     )
     return job.run(cfg, tree, preset, log=lambda *a: None), tree

@@ -13,15 +13,15 @@ import pytest
 import torch
 import torchvision
 
-from tests.conftest import Terminal, bar_frames, write_tree
-from training import job
+from tests.conftest import Terminal, bar_frames, prepare, split_coordinators, write_tree
+from training import audit, job, planning
 from training.config import ConfigError, TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _run(bar_stream=None, log=lambda *a: None, **overrides):
-    cfg, tree, preset = job.prepare(TrainConfig(**overrides))
+    cfg, tree, preset = prepare(TrainConfig(**overrides))
     return job.run(cfg, tree, preset, log=log, bar_stream=bar_stream), tree
 
 
@@ -64,15 +64,6 @@ def two_worker_run(ray_cluster, data, tmp_path_factory):
         log=lines.append,
     )
     return runs / "tiny", summary, tree, (screen.getvalue(), lines)
-
-
-def _split_coordinators() -> set[str]:
-    import ray
-    from ray.util.state import list_actors
-
-    address = ray.get_runtime_context().gcs_address  # else the state API asks the cluster that started last
-    coordinators = list_actors(address=address, filters=[("class_name", "=", "SplitCoordinator")], limit=10_000)
-    return {a.actor_id for a in coordinators}
 
 
 def _rows(path):
@@ -130,6 +121,36 @@ def test_run_directory_has_sane_contents(two_worker_run):
     assert model["class_names"] == config["class_names"] and model["small_stem"] is True
     assert model["state_dict"]["fc.weight"].shape == (5, 512)
     assert model["state_dict"]["conv1.weight"].shape == (64, 3, 3, 3)  # small-image stem at 40 px
+
+
+def _event_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value)]} of the TFRecord event files in LOGDIR, read with tensorboardX's protos."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(logdir.iterdir()):
+        data, at = path.read_bytes(), 0
+        while at < len(data):  # a record: length (8 bytes), its CRC (4), the event, the event's CRC (4)
+            (length,) = struct.unpack("<Q", data[at : at + 8])
+            event = Event.FromString(data[at + 12 : at + 12 + length])
+            at += 16 + length
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+def test_a_run_writes_tensorboard_events_of_its_metrics(two_worker_run):
+    """docs/guide.md, "Console": TensorBoard event files under runs/<name>/tensorboard/ when tensorboardX is installed
+    (a test dependency), one scalar per metrics.csv and timings.csv column per epoch."""
+    run_dir = two_worker_run[0]
+    scalars = _event_scalars(run_dir / "tensorboard")
+    (row,) = _rows(run_dir / "metrics.csv")
+    assert scalars["val/acc"] == [(1, pytest.approx(float(row["val_acc"]), rel=1e-4))]
+    assert scalars["train/loss"] == [(1, pytest.approx(float(row["train_loss"]), rel=1e-4))]
+    (timing,) = _rows(run_dir / "timings.csv")
+    assert scalars["run/images_per_s"] == [(1, pytest.approx(float(timing["images_per_s"]), rel=1e-4))]
 
 
 def test_image_size_is_trained_recorded_and_followed_by_inference(two_worker_run):
@@ -197,11 +218,11 @@ def test_validation_scores_every_image_once(two_worker_run):
     per_class = torch.bincount(torch.as_tensor(np.asarray(tree.val.labels, dtype=np.int64)), minlength=tree.num_classes)
     assert int(confusion.sum()) == len(tree.val) and torch.equal(confusion.sum(1), per_class)
     assert summary["val_acc"] == pytest.approx(float(confusion.diag().sum()) / len(tree.val), abs=1e-6)
-    assert _split_coordinators(), "two workers split their datasets through coordinator actors"
+    assert split_coordinators(), "two workers split their datasets through coordinator actors"
 
 
 def test_deterministic_runs_repeat_and_resume_continues(ray_cluster, data, tmp_path):
-    """Two runs: identical metrics, and identical augmented views, which differ between epochs
+    """Two runs of two workers: identical metrics, and identical augmented views, which differ between epochs
     (each batch carries the epoch its augmentation was drawn for). A run stopped after epoch 1
     and resumed continues with the same metrics and the same random stream."""
     # the cifar preset plus two of Kornia's ops by name: they run in Ray Data's tasks and stay reproducible
@@ -216,18 +237,15 @@ def test_deterministic_runs_repeat_and_resume_continues(ray_cluster, data, tmp_p
         data=str(data),
         epochs=2,
         batch_size=16,
-        num_workers=1,
+        num_workers=2,  # the ranks' shares of each epoch must repeat too
         deterministic=True,
         storage_path=str(tmp_path),
         val_fraction=0.25,
         preset=str(preset),
         progressive_resize="24",  # epoch 1 at 24 px, epoch 2 at 32: the resumed run must pick up the size
     )
-    coordinators_before = _split_coordinators()
     run_a, _ = _run(name="a", **common)
     assert [int(r["image_size"]) for r in _rows(tmp_path / "a" / "metrics.csv")] == [24, 32]
-    # one worker takes each dataset whole, so no split coordinator starts before its first step
-    assert _split_coordinators() == coordinators_before
     run_b, _ = _run(name="b", **common)
     a, b = (tmp_path / "a" / "metrics.csv").read_text(), (tmp_path / "b" / "metrics.csv").read_text()
     assert a == b, "same seed and world size must give identical metrics"
@@ -294,23 +312,23 @@ def test_init_weights_load_every_matching_tensor_and_report_what_stays_fresh(tmp
 
 def test_missing_init_weights_is_a_config_error(data, tmp_path):
     with pytest.raises(ConfigError, match="--init-weights .*no such file"):
-        job.prepare(TrainConfig(data=str(data), init_weights=str(tmp_path / "nope.pt"), storage_path=str(tmp_path)))
+        prepare(TrainConfig(data=str(data), init_weights=str(tmp_path / "nope.pt"), storage_path=str(tmp_path)))
 
 
 def test_asking_for_gpus_on_a_cpu_cluster_is_a_config_error(ray_cluster):
-    capacity = job.cluster_capacity()
+    capacity = planning.cluster_capacity()
     assert (capacity.cpus, capacity.gpus, capacity.hosts) == (4, 0, 1)  # 2 nodes, one machine
     assert capacity.nodes == ((2.0, 0.0), (2.0, 0.0))
     with pytest.raises(ConfigError, match="no GPUs"):
-        job.plan_resources(TrainConfig(device="cuda"), capacity)
+        planning.plan_resources(TrainConfig(device="cuda"), capacity)
 
 
 def test_fp16_autocast_on_cpu_is_a_config_error(data, tmp_path):
     with pytest.raises(ConfigError, match="--amp fp16 on CPU.*--amp bf16"):  # before Ray starts
-        job.prepare(TrainConfig(data=str(data), device="cpu", amp="fp16", storage_path=str(tmp_path)))
+        prepare(TrainConfig(data=str(data), device="cpu", amp="fp16", storage_path=str(tmp_path)))
     with pytest.raises(ConfigError, match="--amp fp16 on CPU"):  # --device auto on a cluster without GPUs
-        job.plan_resources(TrainConfig(amp="fp16"), job.Capacity(cpus=2, gpus=0, hosts=1, autoscaling=False))
-    assert job.plan_resources(TrainConfig(amp="fp16"), job.Capacity(cpus=8, gpus=1, hosts=1, autoscaling=False)).use_gpu
+        planning.plan_resources(TrainConfig(amp="fp16"), planning.Capacity(cpus=2, gpus=0, hosts=1))
+    assert planning.plan_resources(TrainConfig(amp="fp16"), planning.Capacity(cpus=8, gpus=1, hosts=1)).use_gpu
 
 
 def test_coverage_tells_repeats_drops_and_swaps_apart():
@@ -324,7 +342,7 @@ def test_coverage_tells_repeats_drops_and_swaps_apart():
         return {"count": len(ks), "distinct": len(set(ks)), "key_sum": sum(set(ks))}
 
     def cov(*ranks, bad=None):
-        (c,) = job.coverage([list(ranks)], tree, bad or {})
+        (c,) = audit.coverage([list(ranks)], tree, bad or {})
         return {k: c[k] for k in ("exactly_once", "every_image", "as_expected", "repeated", "missing")}
 
     once = cov(rank(11, 22), rank(33, 44, 55))

@@ -24,7 +24,7 @@ class ConfigError(ValueError):
 
 def check_amp(amp: str, on_gpu: bool) -> None:
     """fp16 autocast on a CPU runs, but torch's float16 CPU kernels are many times slower than
-    float32 and bf16 (docs/benchmarks.md, "Mixed precision on the CPU")."""
+    float32 and bf16 (docs/benchmark-log.md, "Mixed precision on the CPU")."""
     if amp == "fp16" and not on_gpu:
         raise ConfigError(
             "--amp fp16 on CPU: torch's float16 kernels there are many times slower than float32; "
@@ -140,7 +140,7 @@ class TrainConfig:
     dashboard: bool = _f(
         False,
         "a plain local run starts Ray's dashboard too (http://127.0.0.1:8265); off by default: it adds seconds of "
-        "start-up on a small machine (docs/benchmarks.md). A cluster keeps its own",
+        "start-up on a small machine (docs/benchmark-log.md). A cluster keeps its own",
     )
     # resolution
     image_size: int = _f(
@@ -202,6 +202,11 @@ class TrainConfig:
     def peak_lr(self) -> float:
         """The linear scaling rule: lr is quoted per 256 images of global batch."""
         return self.lr * self.batch_size / 256
+
+    @property
+    def run_dir(self) -> str:
+        """STORAGE_PATH/NAME: where the run's records and checkpoints go (resolve the defaults first)."""
+        return "/".join([self.storage_path.rstrip("/"), self.name])
 
     def with_defaults_resolved(self) -> "TrainConfig":
         """Fill in the run name; paths made absolute so every process agrees on them."""

@@ -58,7 +58,7 @@ RAY_DATA_LOGGING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ray
 
 def quiet_worker_process() -> None:
     """Ray's `worker_process_setup_hook` for the processes of a cluster the job joins (`ray job
-    submit`, RAY_ADDRESS; jobs/train.py connect): what the environment does for a cluster the
+    submit`, RAY_ADDRESS; training/session.py connect): what the environment does for a cluster the
     job starts itself. No deprecation notices from Ray's own code, and Ray Data's console
     gets warnings only, without its per-execution notices (ray_data_logging.yaml, found in
     this process's copy of the package: a working_dir lies elsewhere on every node)."""

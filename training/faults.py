@@ -26,6 +26,7 @@ import time
 import traceback
 
 import ray
+import ray.train
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from training import artifacts, ray_private

@@ -113,7 +113,7 @@ class Predictor:
     def __init__(self, info: dict | str, device: str = "cpu"):
         """`info`: load_model_file's dict, or the model file's path, which each actor reads itself."""
         from augment.ops import Normalize
-        from augment.presets import Pipeline
+        from augment.pipeline import Pipeline
         from training.model import resnet18
 
         info = load_model_file(info) if isinstance(info, str) else info

@@ -40,16 +40,16 @@ from ray.data.block import BlockAccessor, BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
 from augment.decode import SHRINKING_OPS, BadImage, decode_image, stack_images
-from augment.stage import GPU_TASK_ENV, AugmentStage, augment_task
 from training import ray_private
 from training.data import Split, label_of, stable_hash
+from training.stage import StageArgs, add_augment
 from training.storage import filesystem
 
 ROWS_PER_TASK = 256  # at most this many files per read task (one augment call per block on CPUs)
 # Thumbnails decoded in the read task (files averaging under THUMBNAIL_BYTES, e.g. CIFAR's 32 px
 # PNGs of ~3 KB) go THUMBNAIL_ROWS to a task: 256 of them take ~65 ms, short enough that Ray
 # Data's round trip per task held the cifar case to 2-3 tasks at a time; 1,024-row tasks gave
-# about a third more img/s (docs/benchmarks.md, "Ingest"). DECODED_BLOCK_BYTES caps the pixels
+# about a third more img/s (docs/benchmark-log.md, "Ingest"). DECODED_BLOCK_BYTES caps the pixels
 # of one block, whatever the files hold (a small PNG may be a large flat image).
 THUMBNAIL_BYTES, THUMBNAIL_ROWS = 8 * 1024, 1024
 DECODED_BLOCK_BYTES = 64 * 2**20
@@ -58,7 +58,7 @@ MAX_TASKS = 4096  # Ray Data warns of "excessive task creation" from 5,000 read 
 TASK_BYTES = 64 * 2**20  # encoded bytes per read task at most (camera photos: a few files each)
 # CPU, auto: decode in the augment call (JPEGs at reduced size) when the train preset crops
 # photos and the files average at least this; below it the images are small, a reduced-size
-# decode rarely applies, and the read task decodes them (docs/benchmarks.md, "Ingest").
+# decode rarely applies, and the read task decodes them (docs/benchmark-log.md, "Ingest").
 SHRINK_MIN_FILE_BYTES = 32 * 1024
 
 
@@ -334,30 +334,6 @@ def read_split(
     return ray.data.read_datasource(source, num_cpus=num_cpus, override_num_blocks=source.num_tasks)
 
 
-def task_resources(plan, inputs: int | None = None) -> dict:
-    """map_batches arguments of an augment task beyond its function: Ray's remote args, and on
-    a GPU share also a cap on the tasks at once: plan.augment_concurrency, the planned number
-    beside the trainers, where Ray Data would start up to 16 on each GPU the trainers leave;
-    no more than the blocks the read hands the map (`inputs`: one per read task; 0, an empty
-    split: no cap), as Ray Data warns of a cap it cannot reach.
-
-    - `max_calls=0`: Ray ends a GPU task's worker process after each task by default, and a
-      fresh process pays the CUDA context, nvjpeg and kernel loading (about 7 s on an H200)
-      in its first block; with 0 the processes outlive the epoch and keep their pipeline on
-      the device (augment_task), as CPU tasks do.
-    - GPU_TASK_ENV: a process that outlives its task may get another GPU of the node in its
-      next one; Ray then leaves CUDA_VISIBLE_DEVICES alone and the task picks its device by
-      the id Ray gave it (augment.stage.task_device).
-    - A GPU task's 1 CPU is Ray Data's default, left unsaid: Ray Data warns when both are given
-      (the plan may lower the share below 1 on a small node, and then gives it)."""
-    if not plan.augment_gpus:
-        return {"num_cpus": plan.augment_cpus}
-    cpus = {} if plan.augment_cpus == 1 else {"num_cpus": plan.augment_cpus}
-    size = plan.augment_concurrency if inputs is None else min(plan.augment_concurrency, inputs)
-    cap = {"compute": ray.data.TaskPoolStrategy(size=size)} if size else {}
-    return {"num_gpus": plan.augment_gpus, "max_calls": 0, "runtime_env": {"env_vars": GPU_TASK_ENV}} | cpus | cap
-
-
 def check_decodes(split: Split, class_names, *, num_cpus: float) -> dict[str, str]:
     """--strict: decode every file of the split once, now; {path: reason} of those that fail."""
     ds = read_split(split, class_names, decode="check", num_cpus=num_cpus)
@@ -376,7 +352,7 @@ def build_datasets(cfg, tree, preset, plan, clock, bad_log=None, decode: DecodeP
       GPU about 7 s more in each actor's first block); task worker processes stay alive between
       epochs and keep their pipeline (augment_task). On CPUs the augment call is fused with the
       read (one task reads, decodes and augments its files). On a GPU each augment task holds a
-      share of it (task_resources) and decodes a batch of JPEGs with nvjpeg.
+      share of it (training/stage.py task_resources) and decodes a batch of JPEGs with nvjpeg.
     - --augment-actors N: an actor pool of N per split, on a GPU share each where there is one.
     Nothing is decoded up front (but with --strict): the first step waits for the first batch.
     """
@@ -399,42 +375,19 @@ def build_datasets(cfg, tree, preset, plan, clock, bad_log=None, decode: DecodeP
             num_cpus=plan.augment_cpus,
             rows_per_task=rows,
         )
-        kwargs = {
-            "preset": preset.to_dict(),
-            "train": train,
-            "seed": cfg.seed,
-            "clock": clock if train else None,
-            "schedule": cfg.augment_schedule,  # the stage applies both schedules to train only
-            "resize": cfg.progressive_resize,
-            "epochs": cfg.epochs,
-            "shrink": decode.shrink and train,
-            "bad_log": bad_log,
-        }
-        out[split_name] = add_augment(
-            ds, plan, kwargs, rows=rows, inputs=read_plan(split, rows)[1] if len(split) else 0
+        args = StageArgs.of(
+            preset.to_dict(),
+            train=train,
+            seed=cfg.seed,
+            schedule=cfg.augment_schedule,  # the stage applies both schedules to train only
+            resize=cfg.progressive_resize,
+            epochs=cfg.epochs,
+            shrink=decode.shrink and train,
         )
+        clock_or_none = clock if train else None
+        inputs = read_plan(split, rows)[1] if len(split) else 0
+        out[split_name] = add_augment(ds, plan, args, clock=clock_or_none, bad_log=bad_log, rows=rows, inputs=inputs)
     return out
-
-
-def add_augment(ds, plan, kwargs: dict, *, rows: int, inputs: int):
-    """ds with the augment stage mapped over it where the plan puts it (build_datasets): `rows`
-    images per call, `inputs` the read's blocks."""
-    if not plan.augment_tasks:
-        return ds.map_batches(
-            AugmentStage,
-            fn_constructor_kwargs=kwargs,
-            compute=ray.data.ActorPoolStrategy(size=plan.augment_actors),
-            num_gpus=plan.augment_gpus,
-            batch_format="numpy",
-            batch_size=rows,
-            num_cpus=plan.augment_cpus,
-        )
-    # CPU: one call per read task's block, so Ray Data fuses read and augment. GPU: Ray fuses no
-    # read with a map that holds GPUs (it wants a batch size there), so read tasks pass the
-    # encoded files to augment tasks, a batch at a time
-    batch = rows if plan.augment_gpus else None
-    resources = task_resources(plan, inputs=inputs)
-    return ds.map_batches(augment_task, fn_kwargs=kwargs, batch_format="numpy", batch_size=batch, **resources)
 
 
 class SplitValUnequally(ray.train.DataConfig):

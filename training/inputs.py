@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from augment.errors import check_preset_name
+from augment.presets import check_preset_name
 from augment.schedule import parse_resize, parse_schedule
 from training import artifacts, storage
 from training.config import ConfigError, TrainConfig, check_amp
@@ -112,9 +112,9 @@ def check_sizes_and_device(cfg: TrainConfig, name: str, preset=None) -> None:
     size, the preset file's ops at the run's sizes (`preset`: loaded, None for a built-in one,
     whose ops fit any size), and --amp fp16 for a run that starts a cluster of this machine,
     where it would find no GPU."""
-    from augment.errors import BUILTIN_TRAIN_SIZES
+    from augment.presets import PRESETS
 
-    check_resize_start(cfg, cfg.image_size or (preset.train_size if preset else BUILTIN_TRAIN_SIZES[name]))
+    check_resize_start(cfg, cfg.image_size or (preset or PRESETS[name]).train_size)
     if preset is not None and (cfg.image_size or cfg.progressive_resize != "none"):
         from training.sizing import sized_preset  # torch: loaded with the preset file already
 
@@ -131,7 +131,7 @@ def few_steps_warning(cfg: TrainConfig, tree: ImageTree) -> str | None:
     """A warning line where an epoch is fewer than MIN_STEPS_PER_EPOCH steps: on 360 photos,
     --batch-size 256 (1 step an epoch) sat at chance for 7 of 30 epochs with a validation loss
     up to 131,177, where 64 (5 steps) trained from the first epochs (the first-hour trial of
-    docs/benchmarks.md, "Small datasets")."""
+    docs/benchmark-log.md, "Small datasets")."""
     steps = len(tree.train) // cfg.batch_size
     if steps >= MIN_STEPS_PER_EPOCH:
         return None
@@ -170,7 +170,7 @@ def check_inputs(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree]:
     if cfg.preset != "auto":
         check_preset_name(cfg.preset)
     # Ray Train, rank 0 and the driver all write there; the probe leaves no directory behind
-    storage.check_writable(run_directory(cfg), "--storage-path")
+    storage.check_writable(cfg.run_dir, "--storage-path")
     if not cfg.fresh:
         check_same_run(cfg, tree)
     if cfg.init_weights:  # last: it imports torch and torchvision
@@ -246,7 +246,7 @@ def check_same_run(cfg: TrainConfig, tree: ImageTree) -> None:
     the two ways out. Nothing is written."""
     import json
 
-    run_dir = run_directory(cfg)
+    run_dir = cfg.run_dir
     with storage.errors(run_dir, "reading"):
         if not artifacts.exists(artifacts.join(run_dir, "metrics.csv")):
             return
@@ -283,16 +283,27 @@ def check_same_run(cfg: TrainConfig, tree: ImageTree) -> None:
         )
 
 
+def prepare(cfg: TrainConfig):
+    """Every check that needs no cluster, in the order the entry point runs them, then
+    start_fresh: (cfg with defaults resolved, the tree, the preset's name, the preset where
+    it is a file, loaded and checked; None for a built-in one, which the caller loads while
+    Ray starts). DataError, ConfigError, PresetError or StorageError for any mistake (exit 2)."""
+    cfg, tree = check_inputs(cfg)  # light: a mistake is reported before anything heavy starts
+    name, preset = preset_name(cfg, tree), None  # --preset auto: the tree's header sizes chose it
+    if check_preset_name(name):  # a file: loaded and checked before Ray starts too
+        from augment.presets import load_preset
+
+        preset = load_preset(name)
+    check_sizes_and_device(cfg, name, preset)
+    start_fresh(cfg)  # --fresh: the old run goes only once every input has passed
+    return cfg, tree, name, preset
+
+
 def start_fresh(cfg: TrainConfig) -> None:
     """With --fresh, remove the run directory NAME already has (Ray Train would otherwise
     resume from its checkpoints); nothing without it. Call it after every input, the preset
     file included, has been checked: a mistake must leave the old run as it was."""
-    run_dir = run_directory(cfg)
+    run_dir = cfg.run_dir
     with storage.errors(run_dir, "writing"):
         if cfg.fresh and artifacts.exists(run_dir):
             artifacts.remove_tree(run_dir)
-
-
-def run_directory(cfg: TrainConfig) -> str:
-    """STORAGE_PATH/NAME, of a config whose defaults are resolved."""
-    return artifacts.join(cfg.storage_path, cfg.name)

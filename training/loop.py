@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import hashlib
 import math
 import os
-import queue
 import random
 import tempfile
-import threading
 import time
 
 import numpy as np
@@ -34,23 +31,20 @@ import torch.nn.functional as F
 
 from augment.mix import MixUpCutMix, mix_generator
 from augment.ops import Normalize
-from training import artifacts, ray_private
+from training import artifacts
+from training.audit import KEY_MOD, shard_record, view_digest
 from training.config import TrainConfig
 from training.console import EpochProgress, quiet_worker_logs
+from training.feed import EpochData, IngestWatch
 from training.model import load_init_weights, resnet18, uses_small_stem
-from training.resources import left_over, tasks_fit
+from training.spec import WorkerSpec
 
 CHECKPOINT_FILE = "checkpoint.pt"
-KEY_MOD = (1 << 31) - 1  # per-epoch key and view digests are kept modulo this (int64 math never overflows)
 TIMING_COLUMNS = ("epoch_s", "images_per_s", "data_wait_frac")  # wall-clock, never deterministic
 
 
 class StaleBatch(RuntimeError):
     """A batch whose augmentation was drawn for another epoch than the one being trained."""
-
-
-class IngestStalled(RuntimeError):
-    """No batch arrives, and Ray says the data tasks cannot run."""
 
 
 class CheckpointMismatch(RuntimeError):
@@ -240,16 +234,16 @@ class Learner:
             ) from None
 
 
-def build_learner(cfg: TrainConfig, job: dict, world: int, device: torch.device) -> tuple[Learner, str]:
+def build_learner(spec: WorkerSpec, world: int, device: torch.device) -> tuple[Learner, str]:
     """The learner, with initial weights identical on every rank, and their digest."""
+    cfg, num_classes = spec.config, spec.num_classes
     torch.manual_seed(cfg.seed)
-    num_classes = len(job["class_names"])
-    model = resnet18(num_classes, small_stem=uses_small_stem(cfg.small_stem, job["image_size"]))
+    model = resnet18(num_classes, small_stem=uses_small_stem(cfg.small_stem, spec.image_size))
     if cfg.init_weights:
         skipped = load_init_weights(model, cfg.init_weights)
         if ray.train.get_context().get_world_rank() == 0:
             fresh = ", ".join(sorted({k.rsplit(".", 1)[0] for k in skipped}))
-            _say(job, f"init weights from {cfg.init_weights}; fresh: {fresh}")
+            _say(spec, f"init weights from {cfg.init_weights}; fresh: {fresh}")
     init_digest = params_digest(model)
     model = ray.train.torch.prepare_model(model)
     if cfg.compile:
@@ -258,39 +252,22 @@ def build_learner(cfg: TrainConfig, job: dict, world: int, device: torch.device)
     bare = getattr(bare, "_orig_mod", bare)
     optimizer = build_optimizer(cfg, model)
     per_worker = cfg.batch_size // world
-    mix = job["preset"].get("mix")
+    mix = spec.mix
     learner = Learner(
         cfg=cfg,
         device=device,
         model=model,
         bare=bare,
         optimizer=optimizer,
-        scheduler=build_scheduler(cfg, optimizer, max(1, math.ceil(job["train_size"] / world / per_worker))),
+        scheduler=build_scheduler(cfg, optimizer, max(1, math.ceil(spec.train_images / world / per_worker))),
         scaler=torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16"),
-        normalize=Normalize(job["preset"]["mean"], job["preset"]["std"]).to(device),
+        normalize=Normalize(spec.mean, spec.std).to(device),
         mix=MixUpCutMix(num_classes=num_classes, **({"label_smoothing": cfg.label_smoothing} | mix)) if mix else None,
     )
     return learner, init_digest
 
 
 # --------------------------------------------------------------------------- epochs
-
-
-def view_digest(images: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Sum over the batch of hash(key, the image's augmented pixels), mod KEY_MOD, on the
-    device: order-free, so two epochs or runs that trained on the same views of the same
-    images have the same sum, and a reused augmentation shows as an equal sum."""
-    flat = images.reshape(images.shape[0], -1)
-    weights = _view_weights(flat.shape[1], str(images.device))
-    rows = max(1, (1 << 22) // max(1, flat.shape[1]))  # int32 products: ~16 MB at a time
-    pixels = torch.cat([(flat[i : i + rows].to(torch.int32) * weights).sum(1) for i in range(0, len(flat), rows)])
-    return ((pixels % KEY_MOD) * (keys % KEY_MOD + 1) % KEY_MOD).sum() % KEY_MOD
-
-
-@functools.lru_cache(maxsize=8)
-def _view_weights(n: int, device: str) -> torch.Tensor:
-    g = torch.Generator().manual_seed(n)  # the same weights in every process and run
-    return torch.randint(1, 1 << 15, (n,), generator=g, dtype=torch.int32).to(device)
 
 
 def train_step(learner: Learner, batch: dict, *, epoch: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -372,14 +349,6 @@ def train_epoch(learner: Learner, batches, *, epoch: int, rank: int, bar=None) -
     }
 
 
-def shard_record(keys: list[torch.Tensor], count: int, views: int, rng: str) -> dict:
-    """What this rank trained on in one epoch, for the driver's coverage check: rows, distinct
-    images and the sum of their keys, the digest of the views, the random stream's state."""
-    distinct = torch.unique(torch.cat(keys)) if keys else torch.zeros(0, dtype=torch.int64)
-    key_sum = int((distinct % KEY_MOD).sum()) % KEY_MOD
-    return {"count": count, "distinct": int(distinct.numel()), "key_sum": key_sum, "views": views, "rng": rng}
-
-
 @torch.no_grad()
 def evaluate(learner: Learner, batches, num_classes: int) -> dict:
     """Deterministic validation over this rank's shard (torchvision's evaluate); loss, top-1,
@@ -412,176 +381,41 @@ def evaluate(learner: Learner, batches, num_classes: int) -> dict:
 # --------------------------------------------------------------------------- the data side
 
 
-@dataclasses.dataclass(frozen=True)
-class StallLimits:
-    """How long a train worker waits for a batch before it asks Ray why (IngestWatch)."""
-
-    starved_s: float = 30.0  # then stop if the train workers leave Ray Data no room for a task
-    pending_s: float = 600.0  # then stop if Ray reports data tasks that wait for resources
-    poll_s: float = 5.0  # how often it looks again while the wait goes on
-
-
-class IngestWatch:
-    """Why no batch arrives: asked by BatchFeed while the trainer waits.
-
-    Starved: the nodes, less what the train workers hold on them, cannot run what Ray Data
-    needs at once (one read/augment task, or an augment pool's actors): the condition Ray
-    Data reports as "Cluster resources are not enough to run any task", which never clears
-    on a cluster that cannot grow. Pending: Ray reports tasks of the data tasks' size that
-    wait for a node with room, because other work holds the CPUs. An autoscaling cluster
-    may add nodes for either, so there the watch only waits."""
-
-    def __init__(self, ingest: dict, worker_nodes: list[str], limits: StallLimits):
-        self.worker, self.tasks = tuple(ingest["worker"]), [tuple(t) for t in ingest["tasks"]]
-        self.autoscaling, self.worker_nodes, self.limits = ingest["autoscaling"], worker_nodes, limits
-
-    def check(self, waited_s: float) -> None:
-        problem = None
-        if not self.autoscaling and waited_s >= self.limits.starved_s:
-            problem = self.starved()
-        if problem is None and not self.autoscaling and waited_s >= self.limits.pending_s:
-            problem = self.pending()
-        if problem:
-            raise IngestStalled(f"no batch for {waited_s:.0f} s: {problem}")
-
-    def starved(self) -> str | None:
-        alive = [n for n in ray.nodes() if n["Alive"]]
-        nodes = [(n["Resources"].get("CPU", 0.0), n["Resources"].get("GPU", 0.0)) for n in alive]
-        counts = [self.worker_nodes.count(n["NodeID"]) for n in alive]
-        free = left_over(nodes, counts, self.worker)
-        if tasks_fit(free, self.tasks):
-            return None
-        need = ", ".join(f"{c:g} CPU" + (f" + {g:g} GPU" if g else "") for c, g in self.tasks)
-        return (
-            f"the {len(self.worker_nodes)} train worker(s) hold {self.worker[0]:g} CPU each, which leaves Ray Data "
-            f"{', '.join(f'{c:g}' for c, _ in free)} CPU on the node(s), and it needs {need} at once; "
-            "lower --num-workers or --cpus-per-worker"
-        )
-
-    def pending(self) -> str | None:
-        shapes = {(round(c, 4), round(g, 4)) for c, g in self.tasks}
-        waiting = sum(
-            count
-            for bundle, count in ray_private.pending_demands()
-            if (round(bundle.get("CPU", 0.0), 4), round(bundle.get("GPU", 0.0), 4)) in shapes
-        )
-        if not waiting:
-            return None
-        return (
-            f"Ray reports {waiting} data task(s) waiting for a node with the CPUs they need; other work holds "
-            "them (see `ray status`); free them or give this job a cluster of its own"
-        )
-
-
-class BatchFeed:
-    """One epoch's batches, pulled in a thread from the moment the feed is made and handed
-    over through a one-batch queue. The train loop makes the first epoch's feed before it
-    builds the model, so Ray Data's start (read, decode and augment workers and their
-    imports) overlaps the build. While the trainer waits for a batch, `watch` (set before
-    iterating) is asked every StallLimits.poll_s whether the data can come at all."""
-
-    _END = object()
-
-    def __init__(self, batches, watch: IngestWatch | None = None):
-        self.watch = watch
-        self._queue: queue.Queue = queue.Queue(maxsize=1)
-        threading.Thread(target=self._pull, args=(batches,), daemon=True, name="batch-feed").start()
-
-    def _pull(self, batches) -> None:
-        try:
-            for batch in batches:
-                self._queue.put(batch)
-            self._queue.put(self._END)
-        except BaseException as e:  # re-raised in the training thread
-            self._queue.put(e)
-
-    def __iter__(self):
-        while (item := self._next()) is not self._END:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-
-    def _next(self):
-        waited = 0.0
-        while True:
-            timeout = self.watch.limits.poll_s if self.watch else None
-            t0 = time.monotonic()
-            try:
-                return self._queue.get(timeout=timeout)
-            except queue.Empty:
-                waited += time.monotonic() - t0
-                self.watch.check(waited)
-
-
-class EpochData:
-    """This rank's batches: a feed per training epoch, the validation split at each evaluation."""
-
-    def __init__(self, job: dict, cfg: TrainConfig, rank: int, world: int, device: torch.device):
-        self.clock, self.cfg, self.rank, self.device = job["clock"], cfg, rank, device
-        self.per_worker = cfg.batch_size // world
-        self.train = ray.train.get_dataset_shard("train")
-        # "val" is asked for at the first validation: with several workers, its split
-        # coordinator (one more process) starts after the first steps
-        self.val = None
-        self.watch: IngestWatch | None = None  # set once the ranks' nodes are known
-
-    def feed(self, epoch: int) -> BatchFeed:
-        if self.rank == 0:  # before this rank asks for the epoch's data: the split barrier holds the others
-            ray.get(self.clock.set.remote(epoch))
-        # Every epoch reads the files in a permutation of its own (training/ingest.py), so at
-        # epoch 0 a local shuffle adds little, and Ray Data's would hold back the first batch until
-        # batch + 1.5 x buffer rows had arrived; block prefetch would wait for the second
-        # block. Without both, the first step starts on the first block.
-        first = epoch == 0
-        batches = self.train.iter_torch_batches(
-            batch_size=self.per_worker,
-            device=self.device,
-            local_shuffle_buffer_size=None if first else min(4 * self.per_worker, 2048),
-            local_shuffle_seed=self.cfg.seed * 1_000_003 + epoch * 1009 + self.rank,  # per epoch and rank
-            prefetch_batches=0 if first else 2,
-        )
-        return BatchFeed(batches, self.watch)
-
-    def validation(self):
-        if self.val is None:  # every rank asks at once: a barrier
-            self.val = ray.train.get_dataset_shard("val")
-        return self.val.iter_torch_batches(batch_size=self.per_worker, device=self.device)
-
-
 # --------------------------------------------------------------------------- the loop
 
 
-def train_loop(job: dict) -> None:
+def train_loop(config: dict) -> None:
     """Ray Train's per-worker function: restore, build, then per epoch train, evaluate,
     record and checkpoint."""
-    cfg, ctx = TrainConfig(**job["config"]), ray.train.get_context()
+    spec: WorkerSpec = config["spec"]
+    cfg, ctx = spec.config, ray.train.get_context()
     quiet_worker_logs(cfg.verbose)
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    device = setup_worker(cfg, job["threads_per_worker"])
+    device = setup_worker(cfg, spec.threads_per_worker)
     state, resumed_from = restore(device)
     first, last = state["epoch"] + 1, last_epoch(cfg, state["epoch"] + 1)
-    data = EpochData(job, cfg, rank, world, device)
+    data = EpochData(spec, rank, world, device)
     feed = data.feed(first) if first < last else None  # the first batch is on its way while the model builds
-    learner, init_digest = build_learner(cfg, job, world, device)
+    learner, init_digest = build_learner(spec, world, device)
     ranks = _all_gather({"rank": rank, "node_id": ray.get_runtime_context().get_node_id(), "init_digest": init_digest})
-    data.watch = IngestWatch(job["ingest"], [r["node_id"] for r in ranks], job["stall"])
+    data.watch = IngestWatch(spec.ingest, [r["node_id"] for r in ranks], spec.stall)
     if feed is not None:
         feed.watch = data.watch
     resumed = resume_or_seed(learner, state, resumed_from, rank, world)
     if resumed and rank == 0:
-        _say(job, resumed)
-        job["board"].checkpointed.remote(resumed_from)  # what a stop before the next checkpoint resumes from
+        _say(spec, resumed)
+        spec.board.checkpointed.remote(resumed_from)  # what a stop before the next checkpoint resumes from
     state |= {"ranks": ranks, "resumed_at_epochs": state["resumed_at_epochs"] + ([first + 1] if resumed_from else [])}
     for epoch in range(first, last):
-        bar = EpochProgress(job["board"].post.remote, rank=rank, epoch=epoch)  # every rank; a fault line names the step
+        bar = EpochProgress(spec.board.post.remote, rank=rank, epoch=epoch)  # every rank; a fault line names the step
         stats = train_epoch(learner, feed or data.feed(epoch), epoch=epoch, rank=rank, bar=bar)
         bar.close()
         feed = None
-        stats |= evaluate(learner, data.validation(), len(job["class_names"]))
+        stats |= evaluate(learner, data.validation(), spec.num_classes)
         row = record_epoch(state, epoch, stats, lr=learner.scheduler.get_last_lr()[0], first=epoch == first)
         rng = _all_gather(rng_state(device))  # every rank's stream, restored per rank on resume
         if rank == 0:
-            write_records(cfg, job, state, row)
+            write_records(spec, state, row)
         saved = state | learner.state_dict() | {"rng": rng, "epochs": cfg.epochs} if rank == 0 else None
         report(row, saved, epoch)  # rank 0's checkpoint; `epochs`: the length its schedule was built for
 
@@ -657,11 +491,12 @@ def record_epoch(state: dict, epoch: int, stats: dict, *, lr: float, first: bool
     return row | timing
 
 
-def write_records(cfg: TrainConfig, job: dict, state: dict, row: dict) -> None:
-    run_dir = artifacts.join(cfg.storage_path, cfg.name)
+def write_records(spec: WorkerSpec, state: dict, row: dict) -> None:
+    cfg = spec.config
+    run_dir = cfg.run_dir
     artifacts.write_csv(artifacts.join(run_dir, "metrics.csv"), state["history"])
     artifacts.write_csv(artifacts.join(run_dir, "timings.csv"), state["timings"])
-    _say(job, format_row(row, cfg.epochs, job["sizes"] is not None), row["epoch"] - 1)
+    _say(spec, format_row(row, cfg.epochs, spec.sizes is not None), row["epoch"] - 1)
 
 
 def report(metrics: dict, state: dict | None, epoch: int) -> None:
@@ -674,18 +509,18 @@ def report(metrics: dict, state: dict | None, epoch: int) -> None:
         ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=f"checkpoint_epoch_{epoch + 1:04d}")
 
 
-def _say(job: dict, line: str, epoch: int = -1) -> None:
+def _say(spec: WorkerSpec, line: str, epoch: int = -1) -> None:
     """A line for the run's console: the driver prints it (training/console.py), after closing the
     bar of `epoch` when the line ends one."""
     try:
-        ray.get(job["board"].say.remote(epoch, line))
+        ray.get(spec.board.say.remote(epoch, line))
     except ray.exceptions.RayActorError:  # the console's actor is gone: lose the line, not the run
         pass
 
 
 def format_row(row: dict, epochs: int, show_size: bool = False) -> str:
     waiting = row["data_wait_frac"]
-    hint = "  << input-bound: the model waited for data; leave Ray Data more CPUs or GPU (README)"
+    hint = "  << input-bound: the model waited for data; leave Ray Data more CPUs or GPU (docs/guide.md)"
     verdict = hint if waiting > 0.3 else ""
     size = f"  {row['image_size']}px" if show_size else ""
     return (

@@ -19,7 +19,7 @@ import time
 def autoscaler_ceiling() -> dict | None:
     """The most of each resource the cluster's autoscaler may reach (autoscaler v2, KubeRay),
     or None. Ray Train checks its workers against the same figure; no public API has it.
-    Used by training/job.py, cluster_capacity."""
+    Used by training/planning.py, cluster_capacity."""
     from ray._private.state import state
 
     return state.get_max_resources_from_cluster_config()
@@ -29,7 +29,7 @@ def v1_autoscaler_runs() -> bool:
     """True when `ray up`'s (v1) autoscaler manages this cluster. Every cluster's monitor
     writes a status; without an autoscaling config its read-only provider names each node's
     type "node_<node id>", while a real autoscaler uses the config's node types. `ray status`
-    reads the same key; no public API exposes it. Used by training/job.py, cluster_capacity."""
+    reads the same key; no public API exposes it. Used by training/planning.py, cluster_capacity."""
     from ray._private import ray_constants
     from ray.experimental.internal_kv import _internal_kv_get
 
@@ -44,7 +44,7 @@ def pending_demands() -> list[tuple[dict, int]]:
     """(resources, count) of the tasks and actors that wait for a node with room, as the
     GCS reports them to the autoscaler (what `ray status` shows as "Pending"). The public
     state API needs the dashboard, which a local run does not start. Used by
-    training/loop.py, IngestWatch."""
+    training/feed.py, IngestWatch."""
     import ray
     from ray.autoscaler.v2.sdk import get_cluster_status
 
@@ -98,8 +98,8 @@ def configure_ray_data_logging() -> None:
 
 def job_runtime_env() -> dict:
     """The runtime env that `ray job submit` gave this driver ({} when it was started otherwise):
-    ray.init refuses a runtime env of its own that sets the same fields. Used by jobs/train.py
-    connect."""
+    ray.init refuses a runtime env of its own that sets the same fields. Used by
+    training/session.py connect."""
     import json
     import os
 
@@ -118,7 +118,7 @@ def data_limits_from_the_start() -> None:
     the next ask), and ResourceManager.get_global_limits keeps that answer for a second
     (GLOBAL_LIMITS_UPDATE_INTERVAL_S). Every execution (each epoch's, each split's) therefore
     starts with limits of zero and runs one task at a time for its first second, which on
-    short epochs is a fifth of the epoch or more (docs/benchmarks.md, "Ingest"). This asks
+    short epochs is a fifth of the epoch or more (docs/benchmark-log.md, "Ingest"). This asks
     again at each scheduling step while the limits are still zero, for the execution's first
     ASK_AGAIN_S at most (limits that stay zero, e.g. a cluster that other work holds, are
     then refreshed each second as Ray does), and keeps Ray's one-second refresh once they are
@@ -236,9 +236,9 @@ def _check_data_limits():
 
 # (function here, its callers, check): a check returns None or what changed
 CHECKS = [
-    ("autoscaler_ceiling", "training/job.py cluster_capacity", _check_ceiling),
-    ("v1_autoscaler_runs", "training/job.py cluster_capacity", _check_v1_status),
-    ("pending_demands", "training/loop.py IngestWatch", _check_demands),
+    ("autoscaler_ceiling", "training/planning.py cluster_capacity", _check_ceiling),
+    ("v1_autoscaler_runs", "training/planning.py cluster_capacity", _check_v1_status),
+    ("pending_demands", "training/feed.py IngestWatch", _check_demands),
     ("trainer_without_placement_group_cleaner", "training/job.py _fit", _check_trainer_hook),
     ("worker_exception", "training/job.py worker_error", _check_worker_exception),
     ("worker_traceback", "training/faults.py error_detail", _check_worker_traceback),
@@ -247,6 +247,6 @@ CHECKS = [
         "training/console.py quiet_worker_process",
         lambda: _has("ray.data._internal.logging", "configure_logging"),
     ),
-    ("job_runtime_env", "jobs/train.py connect", _check_job_runtime_env),
+    ("job_runtime_env", "training/session.py connect", _check_job_runtime_env),
     ("data_limits_from_the_start", "training/ingest.py SplitSource.get_read_tasks", _check_data_limits),
 ]

@@ -5,7 +5,8 @@ larger than the image stops the run before Ray Data starts a task)."""
 from __future__ import annotations
 
 from augment.errors import PresetError
-from augment.presets import Pipeline, Preset, scale_geometry
+from augment.pipeline import Pipeline
+from augment.presets import Preset, scale_geometry
 from augment.schedule import resize_side
 from training.config import ConfigError, TrainConfig
 from training.inputs import check_resize_start

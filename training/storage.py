@@ -6,7 +6,7 @@ pyarrow's S3 client (the AWS SDK) finds the endpoint and the credentials as ever
 does, so the job's flags carry only URIs: AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3) names an
 S3-compatible server such as MinIO; the credentials come from AWS_ACCESS_KEY_ID and
 AWS_SECRET_ACCESS_KEY, from AWS_PROFILE and ~/.aws/credentials, or from the machine's role
-(README.md, "Object storage"). Ray Train (checkpoints) and Ray Data (reads) use the same
+(docs/guide.md, "Object storage"). Ray Train (checkpoints) and Ray Data (reads) use the same
 client in every process, so each node needs the same settings.
 """
 

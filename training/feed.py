@@ -1,0 +1,150 @@
+"""A train worker's input, watched: the batches of one epoch come through a feed thread and a
+one-batch queue (BatchFeed), so that a wait for data that will never come (the train
+workers leave Ray Data no room for a task, or Ray reports its tasks waiting for resources)
+stops the run with IngestStalled and one line (IngestWatch, StallLimits) instead of hanging.
+EpochData strings an epoch's iterator, its feed and the watch together."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import ray
+import torch
+
+from training import ray_private
+from training.planning import left_over, tasks_fit
+from training.spec import IngestNeeds, StallLimits, WorkerSpec
+
+
+class IngestStalled(RuntimeError):
+    """No batch arrives, and Ray says the data tasks cannot run."""
+
+
+class IngestWatch:
+    """Why no batch arrives: asked by BatchFeed while the trainer waits.
+
+    Starved: the nodes, less what the train workers hold on them, cannot run what Ray Data
+    needs at once (one read/augment task, or an augment pool's actors): the condition Ray
+    Data reports as "Cluster resources are not enough to run any task", which never clears
+    on a cluster that cannot grow. Pending: Ray reports tasks of the data tasks' size that
+    wait for a node with room, because other work holds the CPUs. An autoscaling cluster
+    may add nodes for either, so there the watch only waits."""
+
+    def __init__(self, ingest: IngestNeeds, worker_nodes: list[str], limits: StallLimits):
+        self.worker, self.tasks = tuple(ingest.worker), [tuple(t) for t in ingest.tasks]
+        self.autoscaling, self.worker_nodes, self.limits = ingest.autoscaling, worker_nodes, limits
+
+    def check(self, waited_s: float) -> None:
+        problem = None
+        if not self.autoscaling and waited_s >= self.limits.starved_s:
+            problem = self.starved()
+        if problem is None and not self.autoscaling and waited_s >= self.limits.pending_s:
+            problem = self.pending()
+        if problem:
+            raise IngestStalled(f"no batch for {waited_s:.0f} s: {problem}")
+
+    def starved(self) -> str | None:
+        alive = [n for n in ray.nodes() if n["Alive"]]
+        nodes = [(n["Resources"].get("CPU", 0.0), n["Resources"].get("GPU", 0.0)) for n in alive]
+        counts = [self.worker_nodes.count(n["NodeID"]) for n in alive]
+        free = left_over(nodes, counts, self.worker)
+        if tasks_fit(free, self.tasks):
+            return None
+        need = ", ".join(f"{c:g} CPU" + (f" + {g:g} GPU" if g else "") for c, g in self.tasks)
+        return (
+            f"the {len(self.worker_nodes)} train worker(s) hold {self.worker[0]:g} CPU each, which leaves Ray Data "
+            f"{', '.join(f'{c:g}' for c, _ in free)} CPU on the node(s), and it needs {need} at once; "
+            "lower --num-workers or --cpus-per-worker"
+        )
+
+    def pending(self) -> str | None:
+        shapes = {(round(c, 4), round(g, 4)) for c, g in self.tasks}
+        waiting = sum(
+            count
+            for bundle, count in ray_private.pending_demands()
+            if (round(bundle.get("CPU", 0.0), 4), round(bundle.get("GPU", 0.0), 4)) in shapes
+        )
+        if not waiting:
+            return None
+        return (
+            f"Ray reports {waiting} data task(s) waiting for a node with the CPUs they need; other work holds "
+            "them (see `ray status`); free them or give this job a cluster of its own"
+        )
+
+
+class BatchFeed:
+    """One epoch's batches, pulled in a thread from the moment the feed is made and handed
+    over through a one-batch queue. The train loop makes the first epoch's feed before it
+    builds the model, so Ray Data's start (read, decode and augment workers and their
+    imports) overlaps the build. While the trainer waits for a batch, `watch` (set before
+    iterating) is asked every StallLimits.poll_s whether the data can come at all."""
+
+    _END = object()
+
+    def __init__(self, batches, watch: IngestWatch | None = None):
+        self.watch = watch
+        self._queue: queue.Queue = queue.Queue(maxsize=1)
+        threading.Thread(target=self._pull, args=(batches,), daemon=True, name="batch-feed").start()
+
+    def _pull(self, batches) -> None:
+        try:
+            for batch in batches:
+                self._queue.put(batch)
+            self._queue.put(self._END)
+        except BaseException as e:  # re-raised in the training thread
+            self._queue.put(e)
+
+    def __iter__(self):
+        while (item := self._next()) is not self._END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def _next(self):
+        waited = 0.0
+        while True:
+            timeout = self.watch.limits.poll_s if self.watch else None
+            t0 = time.monotonic()
+            try:
+                return self._queue.get(timeout=timeout)
+            except queue.Empty:
+                waited += time.monotonic() - t0
+                self.watch.check(waited)
+
+
+class EpochData:
+    """This rank's batches: a feed per training epoch, the validation split at each evaluation."""
+
+    def __init__(self, spec: WorkerSpec, rank: int, world: int, device: torch.device):
+        cfg = spec.config
+        self.clock, self.cfg, self.rank, self.device = spec.clock, cfg, rank, device
+        self.per_worker = cfg.batch_size // world
+        self.train = ray.train.get_dataset_shard("train")
+        # "val" is asked for at the first validation: with several workers, its split
+        # coordinator (one more process) starts after the first steps
+        self.val = None
+        self.watch: IngestWatch | None = None  # set once the ranks' nodes are known
+
+    def feed(self, epoch: int) -> BatchFeed:
+        if self.rank == 0:  # before this rank asks for the epoch's data: the split barrier holds the others
+            ray.get(self.clock.set.remote(epoch))
+        # Every epoch reads the files in a permutation of its own (training/ingest.py), so at
+        # epoch 0 a local shuffle adds little, and Ray Data's would hold back the first batch until
+        # batch + 1.5 x buffer rows had arrived; block prefetch would wait for the second
+        # block. Without both, the first step starts on the first block.
+        first = epoch == 0
+        batches = self.train.iter_torch_batches(
+            batch_size=self.per_worker,
+            device=self.device,
+            local_shuffle_buffer_size=None if first else min(4 * self.per_worker, 2048),
+            local_shuffle_seed=self.cfg.seed * 1_000_003 + epoch * 1009 + self.rank,  # per epoch and rank
+            prefetch_batches=0 if first else 2,
+        )
+        return BatchFeed(batches, self.watch)
+
+    def validation(self):
+        if self.val is None:  # every rank asks at once: a barrier
+            self.val = ray.train.get_dataset_shard("val")
+        return self.val.iter_torch_batches(batch_size=self.per_worker, device=self.device)

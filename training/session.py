@@ -1,0 +1,111 @@
+"""The connection to Ray, with the console kept readable: which cluster a process joins or
+starts, and the settings that keep Ray's and Ray Data's notices about what the job does by
+design off the console. Every job, the tests and the benchmarks connect through here."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+# Ray's own notices about what this job does by design, which a user cannot act on (docs/design.md,
+# "Console"), matched on what the driver prints of other processes' output:
+# - Ray Data's augment actors take their constructor arguments from the object store and restart
+#   when they die (ray-project/ray#57733);
+# - a node that went: the raylet's death notice (with its last 20 log lines), the GCS's "marked
+#   dead", a placement group's bundle it cannot free there; the job's fault line names the node
+#   and faults.log keeps Ray's word on it (training/faults.py);
+# - the worker processes that a restart starts at once.
+RAY_NOTICES_SKIPPED = "|".join(
+    (
+        r"has constructor arguments in the object store and max_restarts > 0",
+        r"Raylet is terminated\. Termination is unexpected",
+        r"has been marked dead because the detector has missed too many heartbeats",
+        r"gcs_placement_group_scheduler\.cc:\d+: Failed to remove",
+        r"PYTHON worker processes have been started on node",
+    )
+)
+
+
+def quiet_ray_env(verbose: bool = False) -> dict:
+    """Keep the console readable: Ray Data logs only warnings, no deprecation noise from
+    Ray's own internals, none of RAY_NOTICES_SKIPPED. Environment variables reach the
+    processes of a cluster started here, and Ray reads the skip pattern when it is imported,
+    so this runs before `import ray`; it imports nothing heavy. Returns ray.init's logging
+    arguments. `verbose` keeps Ray's INFO logs (and its notices)."""
+    if verbose:
+        return {"logging_level": logging.INFO}
+    import training
+
+    skip = os.environ.get("RAY_DEDUP_LOGS_SKIP_REGEX")
+    if not skip or RAY_NOTICES_SKIPPED not in skip:  # the user's own pattern stays
+        os.environ["RAY_DEDUP_LOGS_SKIP_REGEX"] = f"{skip}|{RAY_NOTICES_SKIPPED}" if skip else RAY_NOTICES_SKIPPED
+    os.environ.setdefault(
+        "RAY_DATA_LOGGING_CONFIG", os.path.join(os.path.dirname(training.__file__), "ray_data_logging.yaml")
+    )
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
+    if "ray" not in sys.modules and not (os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID")):
+        # connect() will start a local cluster. Token authentication stays on, as Ray 2.60 turns it on
+        # for a new one; saying so spares the console Ray's warning that it did (RAY_AUTH_MODE=disabled
+        # opts out). Only before `import ray`: Ray's client reads the mode then, and a cluster started
+        # in token mode would refuse a client that read another.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    return {"logging_level": logging.WARNING}
+
+
+def quiet_ray_data(verbose: bool = False) -> None:
+    """Ray Data draws no progress bars of its own (the trainer's per-epoch bar shows the
+    progress that matters) and logs warnings only. Set before the datasets are built: they
+    copy the context, and their actors see the copy. `verbose` keeps Ray Data's bars."""
+    import ray.data
+
+    if verbose:
+        return
+    ctx = ray.data.DataContext.get_current()
+    ctx.print_on_execution_start = False
+    ctx.enable_progress_bars = False
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+
+
+def quiet_ray(verbose: bool = False) -> dict:
+    """Both of the above, for a caller that starts its own cluster (the tests)."""
+    kwargs = quiet_ray_env(verbose)
+    quiet_ray_data(verbose)
+    return kwargs
+
+
+def connect(verbose: bool = False, dashboard: bool = False) -> bool:
+    """Join the cluster of `ray job submit` / RAY_ADDRESS, or start a local one (or keep the
+    one this process is already connected to). True when it started a local cluster, which
+    lives and dies with this process."""
+    kwargs = quiet_ray_env(verbose)
+    import ray
+
+    started = False
+    if ray.is_initialized():
+        pass
+    elif os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"):
+        ray.init(**kwargs, **joined_runtime_env(verbose))
+    else:
+        # No node of a cluster that ends with this process can be drained by an autoscaler:
+        # Ray Train's preemption watcher (one more actor process to start) has nothing to watch.
+        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+        if dashboard:  # it listens on loopback only
+            ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", **kwargs)
+        else:
+            ray.init(address="local", include_dashboard=False, **kwargs)
+        started = True
+    quiet_ray_data(verbose)  # after ray.init: importing Ray Data first would delay the cluster's start
+    return started
+
+
+def joined_runtime_env(verbose: bool = False) -> dict:
+    """ray.init's runtime env for a cluster the job joins: the processes there were started
+    without this job's environment, so quiet_ray_env's settings reach them through Ray's worker
+    setup hook (training/console.py quiet_worker_process). A hook of the user's own, in the
+    runtime env of `ray job submit`, is kept, and then Ray's notices print as Ray has them."""
+    from training import ray_private
+
+    if verbose or "worker_process_setup_hook" in ray_private.job_runtime_env():
+        return {}
+    return {"runtime_env": {"worker_process_setup_hook": "training.console.quiet_worker_process"}}

@@ -1,0 +1,57 @@
+"""What the driver hands each train worker, as one typed, frozen object (Ray Train passes it
+to train_loop inside its config dict): the settings, what the driver found out about the
+data, the run's helper actors, and what the worker's feed watches for. Light (no torch, no
+Ray): Ray Train's controller unpickles it too."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from training.config import TrainConfig
+
+Node = tuple[float, float]  # (CPUs, GPUs) of one node, a worker, or a task
+
+
+@dataclasses.dataclass(frozen=True)
+class StallLimits:
+    """How long a train worker waits for a batch before it asks Ray why (IngestWatch)."""
+
+    starved_s: float = 30.0  # then stop if the train workers leave Ray Data no room for a task
+    pending_s: float = 600.0  # then stop if Ray reports data tasks that wait for resources
+    poll_s: float = 5.0  # how often it looks again while the wait goes on
+
+
+@dataclasses.dataclass(frozen=True)
+class IngestNeeds:
+    """What the plan reserved, for the feed's watch (training/feed.py IngestWatch): one train
+    worker's (CPUs, GPUs), what Ray Data must run at once to make progress, and whether the
+    cluster may grow (then the watch only waits)."""
+
+    worker: Node
+    tasks: tuple[Node, ...]
+    autoscaling: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSpec:
+    """Everything train_loop reads, built once per attempt by the driver (training/job.py
+    Attempt.worker_spec)."""
+
+    config: TrainConfig
+    class_names: tuple[str, ...]
+    image_size: int  # the side the model sees (eval), which picks the stem
+    mean: tuple[float, float, float]  # the preset's normalisation, applied on the worker's device
+    std: tuple[float, float, float]
+    mix: dict | None  # the preset's MixUp/CutMix settings (augment/mix.py); None: off
+    train_images: int  # the split's files: steps per epoch for the schedule
+    threads_per_worker: int
+    sizes: tuple[int, ...] | None  # --progressive-resize: each epoch's training side; None: fixed
+    ingest: IngestNeeds
+    stall: StallLimits
+    clock: Any  # the EpochClock actor (training/stage.py): rank 0 advances it before each epoch
+    board: Any  # the console's ProgressBoard actor: progress and lines go to the driver through it
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
