@@ -19,7 +19,8 @@ def to_canvas(images) -> tuple[torch.Tensor, torch.Tensor]:
     A fixed-shape batch is used as it is (no copy); a ragged one (an object array of HWC
     arrays) is copied into the top-left corners of a canvas. The rest of the canvas is left
     uninitialised: no op reads outside an image's size (crops mask, resampling weights
-    are zero there), and zero-filling it cost as much as the copy on 2 cores.
+    are zero there), so zero-filling it would be a second pass over the canvas for nothing
+    (docs/design.md, "Choices and where they were measured").
     """
     if isinstance(images, np.ndarray) and images.dtype == np.uint8 and images.ndim == 4:
         b, h, w, c = images.shape
@@ -49,9 +50,9 @@ def augment_batch(pipeline: Pipeline, images, keys: torch.Tensor, epoch: int, de
     """Decoded images (a uint8 (B, H, W, 3) array or a ragged object array) -> uint8 (B, S, S, 3).
 
     On the CPU a ragged batch goes to canvases a chunk at a time: one canvas for a whole
-    batch of photos is Hmax x Wmax per image (~1 GB for 1,024 mixed-size photos), and
-    touching that much fresh memory cost more than augmenting it. Each image's result is
-    the same either way. A GPU gets the whole batch in one copy.
+    batch of photos is Hmax x Wmax per image, and touching that much fresh memory costs
+    more than augmenting it (docs/design.md, "Choices and where they were measured"). Each
+    image's result is the same either way. A GPU gets the whole batch in one copy.
     """
     fixed = isinstance(images, np.ndarray) and images.dtype == np.uint8 and images.ndim == 4
     if device.type == "cpu" and not fixed:

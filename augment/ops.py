@@ -181,9 +181,9 @@ class HorizontalFlip(Op):
     def apply(self, x, params, sizes=None):
         if x.device.type != "cpu" or x.shape[1:].numel() < 3 * 64 * 64:  # one kernel for the batch
             return torch.where(params["flip"][:, None, None, None], x.flip(-1), x)
-        # CPU, images of 64 px and more: a copy, then only the images that flip. On 224 px
-        # chunks this took a third of torch.where's time; on 32 px ones Python's per-image cost
-        # made it slower (3.0 against 2.4 us per image)
+        # CPU, images of 64 px and more: a copy, then only the images that flip, which is cheaper
+        # there than torch.where; on smaller images Python's per-image cost outweighs the saving
+        # (docs/design.md, "Choices and where they were measured")
         out = x.clone()
         for i in params["flip"].nonzero()[:, 0].tolist():
             out[i] = x[i].flip(-1)
@@ -249,7 +249,8 @@ class ColorJitter(Op):
             # Brightness, contrast and saturation are each a blend f*x + (1-f)*m, with m = 0, the
             # mean grey level, or the grey image: m for every image at once from 0/1 selectors,
             # then one fused multiply-add. On a CPU the batch is planar (Pipeline makes it so):
-            # broadcasting the (B, 1, H, W) grey image over channels_last memory was slower (docs/benchmark-log.md).
+            # broadcasting the (B, 1, H, W) grey image over channels_last memory was slower
+            # (docs/design.md, "Choices and where they were measured").
             gray = (x[:, 0:1] * w[0]).add_(x[:, 1:2], alpha=w[1]).add_(x[:, 2:3], alpha=w[2])  # (B, 1, H, W)
             is_con, is_sat = (op == 1).to(x.dtype), (op == 2).to(x.dtype)
             m = gray * ((1.0 - f) * is_sat) + gray.mean(dim=(2, 3), keepdim=True) * ((1.0 - f) * is_con)
@@ -281,8 +282,8 @@ _GRAY = torch.tensor([0.2989, 0.587, 0.114])  # torchvision's rgb_to_grayscale w
 #
 # * CPU: one `F.interpolate(uint8, antialias=True)` per image. Each call is a whole-image
 #   kernel (torch's separable AVX2 uint8 path), and it beats the batched matmuls below
-#   there because it skips the zero weights (docs/benchmark-log.md, "Figures that were in code
-#   comments"); so here a loop over images is the right tool.
+#   there because it skips the zero weights (docs/design.md, "Choices and where they were
+#   measured"); so here a loop over images is the right tool.
 # * CUDA (or any device, method="matmul"): two batched matmuls with per-image weight
 #   matrices that reproduce torch's antialiased bilinear weights, so every box of every
 #   size is resampled in one pass over the whole batch. tests/test_augment.py checks that
@@ -332,10 +333,11 @@ def resample_boxes(canvas, box, resized, offset, out_hw, method: str = "auto", d
                 crop = F.interpolate(crop, size=(rh, rw), mode="bilinear", antialias=True, align_corners=False)
             out[b] = crop[0, :, oy : oy + oh, ox : ox + ow]
         return out.float().div_(255.0)
-    # on a GPU in float16 (tensor cores), where float32 made these two matmuls a third of an
-    # H200's decode + augment time (docs/benchmark-log.md, "GPU"). Pixels 0-255 are exact in it;
-    # the weights and the rows pass are rounded, so the result is within about 0.3 of a level,
-    # and a few per cent of pixels land on the neighbouring uint8 level (tests/test_augment.py)
+    # on a GPU in float16 (tensor cores): in float32 these two matmuls were a large share of the
+    # GPU's decode + augment time. Pixels 0-255 are exact in it; the weights and the rows pass
+    # are rounded, so the result is off by a fraction of a level, and some pixels land on the
+    # neighbouring uint8 level (tests/test_augment.py holds the bounds; docs/design.md,
+    # "Choices and where they were measured")
     dtype = dtype or (torch.float16 if canvas.device.type == "cuda" else torch.float32)
     wy = aa_weights(box[:, 0], box[:, 2], resized[:, 0], offset[:, 0], oh, canvas.shape[1]).to(dtype)  # (B, oh, Hmax)
     wx = aa_weights(box[:, 1], box[:, 3], resized[:, 1], offset[:, 1], ow, canvas.shape[2]).to(dtype)  # (B, ow, Wmax)
@@ -635,5 +637,6 @@ class Normalize(torch.nn.Module):
         if images.dtype != torch.uint8 or images.ndim != 4 or images.shape[-1] != 3:
             raise ValueError(f"Normalize expects uint8 (B, H, W, 3), got {images.dtype} {tuple(images.shape)}")
         # in place after the cast: one float batch allocated, not three (on a CPU, fresh memory
-        # for a 1,024 x 224^2 batch cost more than the arithmetic)
+        # for a large batch costs more than the arithmetic; docs/design.md, "Choices and where
+        # they were measured")
         return images.permute(0, 3, 1, 2).float().mul_(self.scale).sub_(self.shift)

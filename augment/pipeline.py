@@ -19,8 +19,8 @@ from augment.rng import KeyedRng
 from augment.schedule import parse_resize, parse_schedule, resize_side, strength
 
 # CPU only: the ops run on chunks of about this many output pixels at a time, so that the
-# float intermediates (12 bytes a pixel) stay in the L2/L3 caches (docs/benchmark-log.md,
-# "Figures that were in code comments"). Each image's result is the same either way (its
+# float intermediates (12 bytes a pixel) stay in the L2/L3 caches (docs/design.md, "Choices
+# and where they were measured"). Each image's result is the same either way (its
 # parameters come from its own key); the GPU takes the whole batch at once.
 CPU_CHUNK_PIXELS = 4 * 224 * 224
 
@@ -118,7 +118,9 @@ class Pipeline(torch.nn.Module):
         rng = KeyedRng(keys, self.seed, epoch)
         first = self.ops[0]
         x = first(canvas, rng, sizes) if geometry is None else first.apply(canvas, geometry, sizes)  # (B, 3, S, S)
-        if x.device.type == "cpu":  # planar: the pixel ops' broadcasts are faster on it there (docs/benchmark-log.md)
+        # planar on the CPU: the pixel ops' broadcasts are faster on it there (docs/design.md,
+        # "Choices and where they were measured")
+        if x.device.type == "cpu":
             x = x.contiguous()
         for i, op in enumerate(self.ops[1:]):
             x = op(x, rng) if rest is None or rest[i] is None else op.apply(x, rest[i])
@@ -140,8 +142,8 @@ class Pipeline(torch.nn.Module):
 def _to_uint8_nhwc(x: torch.Tensor) -> torch.Tensor:
     """float (B, 3, H, W) in [0, 1] -> uint8 (B, H, W, 3), rounded. On a GPU x is channels_last
     and the permute already contiguous. On the CPU (planar x) the values go into a float NHWC
-    buffer and numpy casts them: torch's float-to-uint8 cast and its uint8 transpose took 2.5
-    times as long (0.29 against 0.115 ms per 224 px image), the same bytes."""
+    buffer and numpy casts them: torch's float-to-uint8 cast and its uint8 transpose are slower
+    there, for the same bytes (docs/design.md, "Choices and where they were measured")."""
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or x.requires_grad:
         return x.mul(255.0).round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
     b, c, h, w = x.shape

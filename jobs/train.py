@@ -40,8 +40,8 @@ def parser() -> argparse.ArgumentParser:
 
 class _Preload(threading.Thread):
     """Imports torch and Ray Train and loads a built-in preset (`preset` is None until
-    then) while the main thread starts Ray: on a small machine both take seconds
-    (docs/benchmark-log.md, "Figures that were in code comments"), and neither needs the other.
+    then) while the main thread starts Ray: on a small machine both are slow (docs/design.md,
+    "Choices and where they were measured"), and neither needs the other.
     (Kornia is imported only by a preset that uses it.)"""
 
     def __init__(self, preset_name: str, preset=None):

@@ -22,8 +22,8 @@ prepared shard's columns), so no map function or actor argument grows with the d
 
 Light on purpose (no torch at import): Ray Train's controller and dataset manager and, with
 more than one worker, Ray Data's split coordinators unpickle what this module defines, and
-each is a process of its own; importing torch there would cost seconds of start-up apiece
-on a small machine.
+each is a process of its own; importing torch there would slow the start of each on a small
+machine (docs/design.md, "Choices and where they were measured").
 """
 
 from __future__ import annotations
@@ -47,10 +47,11 @@ from training.storage import filesystem
 
 ROWS_PER_TASK = 256  # at most this many files per read task (one augment call per block on CPUs)
 # Thumbnails decoded in the read task (files averaging under THUMBNAIL_BYTES, e.g. CIFAR's 32 px
-# PNGs of ~3 KB) go THUMBNAIL_ROWS to a task: 256 of them take ~65 ms, short enough that Ray
-# Data's round trip per task held the cifar case to 2-3 tasks at a time; 1,024-row tasks gave
-# about a third more img/s (docs/benchmark-log.md, "Ingest"). DECODED_BLOCK_BYTES caps the pixels
-# of one block, whatever the files hold (a small PNG may be a large flat image).
+# PNGs of ~3 KB) go THUMBNAIL_ROWS to a task: a task of ROWS_PER_TASK of them is so short that
+# Ray Data's round trip per task keeps fewer tasks running than the budget allows, and larger
+# tasks spread that cost over more images (docs/design.md, "Choices and where they were
+# measured"). DECODED_BLOCK_BYTES caps the pixels of one block, whatever the files hold (a small
+# PNG may be a large flat image).
 THUMBNAIL_BYTES, THUMBNAIL_ROWS = 8 * 1024, 1024
 DECODED_BLOCK_BYTES = 64 * 2**20
 MIN_TASKS, MIN_ROWS_PER_TASK = 8, 16  # a small split still gets a few tasks, of 16 rows at least
@@ -348,11 +349,12 @@ def build_datasets(cfg, tree, preset, plan, clock, bad_log=None, decode: DecodeP
 
     Where the augmentation runs (plan.augment_gpus, plan.augment_actors):
     - The default, CPU or GPU: Ray Data tasks. Ray starts a fresh actor pool for every epoch's
-      execution (3-5 s of process start and imports on a small machine, each epoch, and on a
-      GPU about 7 s more in each actor's first block); task worker processes stay alive between
-      epochs and keep their pipeline (augment_task). On CPUs the augment call is fused with the
-      read (one task reads, decodes and augments its files). On a GPU each augment task holds a
-      share of it (training/stage.py task_resources) and decodes a batch of JPEGs with nvjpeg.
+      execution (process start and imports each epoch, and on a GPU the CUDA and nvjpeg
+      loading again in each actor's first block; docs/design.md, "Choices and where they were
+      measured"); task worker processes stay alive between epochs and keep their pipeline
+      (augment_task). On CPUs the augment call is fused with the read (one task reads, decodes
+      and augments its files). On a GPU each augment task holds a share of it
+      (training/stage.py task_resources) and decodes a batch of JPEGs with nvjpeg.
     - --augment-actors N: an actor pool of N per split, on a GPU share each where there is one.
     Nothing is decoded up front (but with --strict): the first step waits for the first batch.
     """

@@ -18,8 +18,8 @@ def uses_small_stem(setting: str, image_size: int) -> bool:
 
 def resnet18(num_classes: int, *, small_stem: bool) -> torch.nn.Module:
     """Random init from torch's global RNG: seed it first so every rank builds the same weights."""
-    # here, not at the top: its import pulls torch._dynamo (seconds; docs/benchmark-log.md), which the driver needs
-    # only to check an --init-weights file
+    # here, not at the top: its import pulls torch._dynamo, slow to import (docs/design.md, "Choices and where
+    # they were measured"), which the driver needs only to check an --init-weights file
     import torchvision
 
     model = torchvision.models.resnet18(weights=None, num_classes=num_classes)

@@ -126,7 +126,8 @@ def check_storage(storage_path: str, capacity: Capacity, log=print) -> None:
 
 # On GPUs each trainer's GPU keeps GPU_INGEST_SHARE for augmentation: by default GPU_TASKS_PER_GPU
 # Ray Data tasks at once, each a process that decodes (nvjpeg) and augments a batch and outlives
-# the epoch (docs/benchmark-log.md, "GPU"); with --augment-actors, the share per actor.
+# the epoch (docs/design.md, "Choices and where they were measured"); with --augment-actors,
+# the share per actor.
 GPU_INGEST_SHARE, GPU_TASKS_PER_GPU = 0.25, 4
 
 

@@ -209,9 +209,9 @@ def task_resources(plan, inputs: int | None = None) -> dict:
     split: no cap), as Ray Data warns of a cap it cannot reach.
 
     - `max_calls=0`: Ray ends a GPU task's worker process after each task by default, and a
-      fresh process pays the CUDA context, nvjpeg and kernel loading (about 7 s on an H200)
-      in its first block; with 0 the processes outlive the epoch and keep their pipeline on
-      the device (augment_task), as CPU tasks do.
+      fresh process pays the CUDA context, nvjpeg and kernel loading in its first block
+      (docs/design.md, "Choices and where they were measured"); with 0 the processes outlive
+      the epoch and keep their pipeline on the device (augment_task), as CPU tasks do.
     - GPU_TASK_ENV: a process that outlives its task may get another GPU of the node in its
       next one; Ray then leaves CUDA_VISIBLE_DEVICES alone and the task picks its device by
       the id Ray gave it (task_device).
