@@ -33,7 +33,7 @@ import json
 from pathlib import Path
 
 from augment.errors import PresetError  # raised here, importable from here
-from augment.schedule import MIN_IMAGE_SIZE
+from augment.schedule import MIN_IMAGE_SIZE, resize_side
 
 PRESET_FILE_SUFFIXES = (".yaml", ".yml", ".json")
 
@@ -49,6 +49,9 @@ class Preset:
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
     mix: dict | None = None  # MixUp/CutMix settings for the trainer (augment/mix.py); None = off
+
+    def __hash__(self) -> int:  # its op specs are dicts; its JSON form is the identity
+        return hash(json.dumps(self.to_dict(), sort_keys=True))
 
     @property
     def image_size(self) -> int:
@@ -73,6 +76,29 @@ class Preset:
             train=(scale_geometry(self.train[0], side, base), *self.train[1:]),
             eval=(scale_geometry(self.eval[0], side, base), *self.eval[1:]),
         )
+
+    def train_sides(self, resize: str, epochs: int) -> list[int]:
+        """The training crops' side, epoch by epoch, under a progressive-resize schedule
+        (augment/schedule.py; "none": the train size every epoch)."""
+        return [resize_side(resize, e, epochs, self.train_size) for e in range(epochs)]
+
+    def check_sides(self, train_sides) -> None:
+        """Builds the pipelines at every side a run uses (each of `train_sides`, and the eval
+        size), so that an op that does not fit one of them (a Kornia kernel larger than the
+        image) is a PresetError now, not a failed task later."""
+        from augment.pipeline import Pipeline
+
+        full = self.train_size
+        for side in sorted(set(train_sides)):
+            first = self.train[0] if side == full else scale_geometry(self.train[0], side, full)
+            try:
+                Pipeline((first, *self.train[1:]), seed=0)
+            except PresetError as e:
+                raise PresetError(f"its train ops at {side} px: {e}") from None
+        try:
+            Pipeline(self.eval, seed=0)
+        except PresetError as e:
+            raise PresetError(f"its eval ops at {self.image_size} px: {e}") from None
 
     def to_dict(self) -> dict:
         out = {

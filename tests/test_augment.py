@@ -183,7 +183,7 @@ def test_stage_stamps_every_row_with_the_epoch_it_augmented_for(ray_cluster):
 
     batch = {"image": _batch(8).numpy(), "label": np.arange(8), "key": np.arange(8, dtype=np.int64)}
     clock = ray_cluster.remote(num_cpus=0)(EpochClock).remote()
-    stage = AugmentStage(StageArgs.of(PRESETS["cifar"].to_dict(), train=True, seed=0), clock=clock, device="cpu")
+    stage = AugmentStage(StageArgs(PRESETS["cifar"], train=True, seed=0), clock=clock, device="cpu")
     outs = {}
     for epoch in (0, 3):
         ray_cluster.get(clock.set.remote(epoch))
@@ -423,11 +423,11 @@ def test_schedule_scales_jitter_erasing_and_crop_range():
 
 def test_stage_schedules_train_only():
     stage = AugmentStage(
-        StageArgs.of(PRESETS["cifar"].to_dict(), train=False, seed=0, schedule="linear-decay", epochs=4), device="cpu"
+        StageArgs(PRESETS["cifar"], train=False, seed=0, schedule="linear-decay", epochs=4), device="cpu"
     )
     assert stage.pipeline.schedule == "none"
     stage = AugmentStage(
-        StageArgs.of(PRESETS["cifar"].to_dict(), train=True, seed=0, schedule="linear-decay", epochs=4), device="cpu"
+        StageArgs(PRESETS["cifar"], train=True, seed=0, schedule="linear-decay", epochs=4), device="cpu"
     )
     assert stage.pipeline.schedule == "linear-decay" and stage.pipeline.epochs == 4
 
@@ -577,7 +577,7 @@ def test_preview_shows_the_views_the_training_stage_makes(preset, tmp_path, monk
     decoded = np.empty(4, dtype=object)
     decoded[:] = [decode_image(d) for d in datas]
     for rows in (by_bytes, batch | {"image": decoded}):  # decoded in the augment call, or in the read task
-        stage = AugmentStage(StageArgs.of(PRESETS[preset].to_dict(), train=True, seed=4), clock=clock, device="cpu")
+        stage = AugmentStage(StageArgs(PRESETS[preset], train=True, seed=4), clock=clock, device="cpu")
         for epoch in range(3):
             clock.epoch = epoch
             out = stage(rows)

@@ -241,7 +241,7 @@ from training.stage import AugmentStage, StageArgs
 batch = {"image": np.zeros((4, 40, 48, 3), np.uint8), "label": np.arange(4), "key": np.arange(4)}
 for name in PRESETS:
     for train in (True, False):
-        AugmentStage(StageArgs.of(PRESETS[name].to_dict(), train=train, seed=0), device="cpu")(batch)
+        AugmentStage(StageArgs(PRESETS[name], train=train, seed=0), device="cpu")(batch)
 print("kornia" in sys.modules)
 hue = dict(PRESETS["cifar"].to_dict(), train=[{"center_crop": {"size": 32}}, {"color_jitter": {"hue": 0.1}}])
 AugmentStage(StageArgs.of(hue, train=True, seed=0), device="cpu")(batch)

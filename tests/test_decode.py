@@ -266,9 +266,7 @@ def test_the_stage_decodes_bytes_and_reports_bad_files_by_path(encoded):
             self.rows += rows
 
     log = Log()
-    stage = AugmentStage(
-        StageArgs.of(PRESETS["imagenet"].to_dict(), train=True, seed=0, shrink=True), device="cpu", bad_log=log
-    )
+    stage = AugmentStage(StageArgs(PRESETS["imagenet"], train=True, seed=0, shrink=True), device="cpu", bad_log=log)
     n = len(encoded)
     batch = {
         "bytes": np.array(encoded, dtype=object),

@@ -4,6 +4,7 @@ cannot come."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import threading
@@ -13,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from augment.presets import PRESETS
 from training import audit, feed, loop
 from training.config import TrainConfig
 from training.feed import BatchFeed, IngestStalled, IngestWatch
@@ -276,10 +278,7 @@ def _built_learner(monkeypatch, cfg: TrainConfig, mix: dict | None) -> Learner:
     spec = WorkerSpec(
         config=cfg,
         class_names=("a", "b", "c"),
-        image_size=32,
-        mean=MEAN,
-        std=STD,
-        mix=mix,
+        preset=dataclasses.replace(PRESETS["cifar"], mean=MEAN, std=STD, mix=mix),
         train_images=64,
         threads_per_worker=1,
         sizes=None,

@@ -93,7 +93,7 @@ def test_resolution_mistakes_exit_2_before_ray_starts(tree, tmp_path, capsys, mo
     import ray
 
     import jobs.train
-    from training.sizing import sized_preset
+    from training.inputs import sized_preset
 
     connected, was = [], ray.is_initialized()
     monkeypatch.setattr(jobs.train, "connect", lambda *a, **k: connected.append(a) or pytest.fail("Ray was started"))
@@ -115,8 +115,8 @@ def test_resolution_mistakes_exit_2_before_ray_starts(tree, tmp_path, capsys, mo
 
 def test_a_kornia_op_that_does_not_fit_a_runs_size_is_a_config_error_before_training():
     """A blur that fits the preset's 64 px but not the 8 px a progressive resize starts at: one
-    line from job.sized_preset (called before Ray Data starts), not a failed Ray task."""
-    from training.sizing import sized_preset
+    line from training.inputs.sized_preset (called before Ray Data starts), not a failed Ray task."""
+    from training.inputs import sized_preset
 
     blur = {"kornia.RandomGaussianBlur": {"kernel_size": [31, 31], "sigma": [0.1, 2.0], "p": 1.0}}
     train = [{"random_resized_crop": {"size": 64}}, blur]

@@ -74,7 +74,7 @@ class TrainConfig:
     )
     # model
     small_stem: str = _f(
-        "auto", "3x3 stride-1 stem without max-pool: auto (images <= 64 px), on, off", choices=("auto", "on", "off")
+        "auto", "3x3 stride-1 stem without max-pool: auto (images <= 32 px), on, off", choices=("auto", "on", "off")
     )
     amp: str = _f(
         "off",

@@ -377,8 +377,8 @@ def build_datasets(cfg, tree, preset, plan, clock, bad_log=None, decode: DecodeP
             num_cpus=plan.augment_cpus,
             rows_per_task=rows,
         )
-        args = StageArgs.of(
-            preset.to_dict(),
+        args = StageArgs(
+            preset,
             train=train,
             seed=cfg.seed,
             schedule=cfg.augment_schedule,  # the stage applies both schedules to train only

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from augment.errors import PresetError
 from augment.presets import check_preset_name
 from augment.schedule import parse_resize, parse_schedule
 from training import artifacts, storage
@@ -107,6 +108,19 @@ def local_gpus() -> int:
     return found if visible is None else min(found, len(visible.split(",")))
 
 
+def sized_preset(cfg: TrainConfig, preset):
+    """The preset at --image-size, checked at every side the run trains and evaluates at
+    (--progressive-resize's, epoch by epoch): ConfigError for one that does not fit."""
+    if cfg.image_size:
+        preset = preset.at_size(cfg.image_size)
+    check_resize_start(cfg, preset.train_size)
+    try:
+        preset.check_sides(preset.train_sides(cfg.progressive_resize, cfg.epochs))
+    except PresetError as e:
+        raise ConfigError(f"preset {preset.name!r}: {e}") from None
+    return preset
+
+
 def check_sizes_and_device(cfg: TrainConfig, name: str, preset=None) -> None:
     """The rest of the checks that need no cluster: --progressive-resize against the training
     size, the preset file's ops at the run's sizes (`preset`: loaded, None for a built-in one,
@@ -116,9 +130,7 @@ def check_sizes_and_device(cfg: TrainConfig, name: str, preset=None) -> None:
 
     check_resize_start(cfg, cfg.image_size or (preset or PRESETS[name]).train_size)
     if preset is not None and (cfg.image_size or cfg.progressive_resize != "none"):
-        from training.sizing import sized_preset  # torch: loaded with the preset file already
-
-        sized_preset(cfg, preset)
+        sized_preset(cfg, preset)  # torch: loaded with the preset file already
     local = not (os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"))
     if cfg.device == "auto" and local:
         check_amp(cfg.amp, on_gpu=local_gpus() > 0)

@@ -32,15 +32,10 @@ from training.data import BadFileLog, DataError, ImageTree
 from training.faults import CheckpointNotice, FaultLog, alive_nodes, describe, driver_actor, lost_nodes
 from training.feed import IngestStalled
 from training.ingest import DecodePlan, SplitValUnequally, augment_rows, build_datasets, choose_decode
-from training.inputs import (
-    auto_preset,
-    data_place,
-    few_steps_warning,
-)
+from training.inputs import auto_preset, data_place, few_steps_warning, sized_preset
 from training.loop import CHECKPOINT_FILE, CheckpointMismatch, StaleBatch, train_loop
 from training.planning import ResourcePlan, check_storage, cluster_capacity, plan_resources, wait_for_a_plan
 from training.results import report_bad_files, write_bad_files, write_results
-from training.sizing import sized_preset, train_sizes
 from training.spec import IngestNeeds, StallLimits, WorkerSpec
 from training.stage import EpochClock
 
@@ -154,7 +149,7 @@ def write_config(run_dir: str, attempt: "Attempt", plan: ResourcePlan, rows: int
             | {"decode": dataclasses.asdict(attempt.decode), "augment_batch_size": rows},
             "preset": preset.to_dict(),
             "image_size": preset.image_size,  # evaluation's, and training's at the end
-            "train_image_sizes": train_sizes(cfg, preset),  # per epoch
+            "train_image_sizes": preset.train_sides(cfg.progressive_resize, cfg.epochs),  # per epoch
             "class_names": list(tree.class_names),
             "git_commit": git_commit(),
             "data_root": data_place(tree.root),
@@ -175,6 +170,11 @@ class Attempt:
     stall: StallLimits
     own_cluster: bool
 
+    @property
+    def resizes(self) -> bool:
+        """--progressive-resize is on: each epoch's side is shown and recorded."""
+        return bool(parse_resize(self.cfg.progressive_resize))
+
     def worker_spec(self, plan: ResourcePlan) -> WorkerSpec:
         """What train_loop receives: the config, what the driver found out, and the run's helper
         actors (the epoch clock, and the console's progress board)."""
@@ -182,13 +182,10 @@ class Attempt:
         return WorkerSpec(
             config=cfg,
             class_names=tuple(self.tree.class_names),
-            image_size=preset.image_size,
-            mean=preset.mean,
-            std=preset.std,
-            mix=dict(preset.mix) if preset.mix else None,
+            preset=preset,
             train_images=len(self.tree.train),
             threads_per_worker=plan.threads_per_worker,
-            sizes=tuple(train_sizes(cfg, preset)) if parse_resize(cfg.progressive_resize) else None,
+            sizes=tuple(preset.train_sides(cfg.progressive_resize, cfg.epochs)) if self.resizes else None,
             ingest=IngestNeeds(worker=plan.worker, tasks=tuple(plan.ingest_tasks()), autoscaling=self.autoscaling),
             stall=self.stall,
             clock=self.actors["clock"],
@@ -271,7 +268,7 @@ def _fit(
         epochs=cfg.epochs,
         log=log,
         stream=bar_stream,
-        sizes=train_sizes(cfg, attempt.preset) if parse_resize(cfg.progressive_resize) else None,
+        sizes=attempt.preset.train_sides(cfg.progressive_resize, cfg.epochs) if attempt.resizes else None,
     )
     built_for = plan
     try:

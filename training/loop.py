@@ -252,7 +252,7 @@ def build_learner(spec: WorkerSpec, world: int, device: torch.device) -> tuple[L
     bare = getattr(bare, "_orig_mod", bare)
     optimizer = build_optimizer(cfg, model)
     per_worker = cfg.batch_size // world
-    mix = spec.mix
+    mix = spec.preset.mix
     learner = Learner(
         cfg=cfg,
         device=device,
@@ -261,7 +261,7 @@ def build_learner(spec: WorkerSpec, world: int, device: torch.device) -> tuple[L
         optimizer=optimizer,
         scheduler=build_scheduler(cfg, optimizer, max(1, math.ceil(spec.train_images / world / per_worker))),
         scaler=torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16"),
-        normalize=Normalize(spec.mean, spec.std).to(device),
+        normalize=Normalize(spec.preset.mean, spec.preset.std).to(device),
         mix=MixUpCutMix(num_classes=num_classes, **({"label_smoothing": cfg.label_smoothing} | mix)) if mix else None,
     )
     return learner, init_digest
@@ -299,54 +299,79 @@ def check_stamp(stamps: torch.Tensor, epoch: int) -> None:
         )
 
 
+class EpochMeter:
+    """The per-step bookkeeping of one training epoch (as torchvision's MetricLogger keeps a
+    train_one_epoch's): the loss and accuracy sums and the stale rows, kept on the device so
+    that no step waits for the host; the audit's view digest and keys (training/audit.py);
+    the time spent waiting for input, the first step's end and the side trained at."""
+
+    def __init__(self, device: torch.device, epoch: int):
+        self.device, self.epoch = device, epoch
+        self.sums = torch.zeros(3, device=device, dtype=torch.float64)  # loss*n, correct, stale rows
+        self.views = torch.zeros((), device=device, dtype=torch.int64)
+        self.keys, self.count, self.steps, self.rng = [], 0, 0, rng_digest()  # the stream where the epoch starts
+        self.wait_s, self.start, self.first_step_at, self.side = 0.0, time.perf_counter(), None, None
+
+    def timed(self, batches):
+        """The batches, with the time blocked on each (the model waiting for input) counted."""
+        it = iter(batches)
+        while True:
+            t0 = time.perf_counter()
+            batch = next(it, None)
+            self.wait_s += time.perf_counter() - t0
+            if batch is None:
+                return
+            yield batch
+
+    def update(self, batch: dict, loss: torch.Tensor, logits: torch.Tensor) -> None:
+        y = batch["label"]
+        stale = (batch["epoch"] != self.epoch).sum().double()
+        self.sums += torch.stack([loss.detach().double() * y.shape[0], (logits.argmax(1) == y).sum().double(), stale])
+        self.views = (self.views + view_digest(batch["image"], batch["key"])) % KEY_MOD
+        self.keys.append(batch["key"])
+        self.count += y.shape[0]
+        self.steps += 1
+        self.side = batch["image"].shape[1]  # the height trained at (progressive resizing changes it)
+        if self.first_step_at is None:  # once per epoch: when the first step finished (start-up ends there)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.first_step_at = time.time()
+
+    def summary(self) -> dict:
+        """The epoch's figures over all ranks (the epoch's host syncs are here); StaleBatch if any
+        batch was augmented for another epoch."""
+        elapsed = time.perf_counter() - self.start
+        seen = _all_gather(shard_record(self.keys, self.count, int(self.views), self.rng))
+        loss_sum, correct, stale, count = _all_reduce(
+            torch.cat([self.sums, self.sums.new_tensor([self.count])])
+        ).tolist()
+        if stale:
+            raise StaleBatch(f"epoch {self.epoch + 1}: {int(stale)} image(s) were augmented for another epoch")
+        return {
+            "train_loss": loss_sum / max(count, 1),
+            "train_acc": correct / max(count, 1),
+            "train_images": int(count),
+            "epoch_s": elapsed,
+            "data_wait_frac": self.wait_s / max(elapsed, 1e-9),  # this rank's share of time waiting for input
+            "seen": seen,
+            "first_step_at": self.first_step_at,
+            "image_size": self.side,
+        }
+
+
 def train_epoch(learner: Learner, batches, *, epoch: int, rank: int, bar=None) -> dict:
     """One pass over this rank's shard (torchvision's train_one_epoch); loss and accuracy summed
     over ranks. Fails (StaleBatch) if any batch was augmented for another epoch."""
     learner.model.train()
-    device = learner.device
-    sums = torch.zeros(3, device=device, dtype=torch.float64)  # loss*n, correct, stale rows: no per-step sync
-    views = torch.zeros((), device=device, dtype=torch.int64)
-    keys, local_count, rng = [], 0, rng_digest()  # the rank's stream where the epoch starts
-    wait_s, start, step, first_step_at, side = 0.0, time.perf_counter(), 0, None, None
-    it = iter(batches)
-    while True:
-        t0 = time.perf_counter()
-        batch = next(it, None)  # time blocked here is time the model waited for input
-        wait_s += time.perf_counter() - t0
-        if batch is None:
-            break
-        if step == 0:
+    meter = EpochMeter(learner.device, epoch)
+    for batch in meter.timed(batches):
+        if meter.steps == 0:
             check_stamp(batch["epoch"], epoch)
-        side = batch["image"].shape[1]  # the height trained at, as Preset.train_size (progressive resizing changes it)
-        loss, logits = train_step(learner, batch, epoch=epoch, step=step, rank=rank)
-        step += 1
-        y = batch["label"]
-        stale = (batch["epoch"] != epoch).sum().double()
-        sums += torch.stack([loss.detach().double() * y.shape[0], (logits.argmax(1) == y).sum().double(), stale])
-        views = (views + view_digest(batch["image"], batch["key"])) % KEY_MOD
-        keys.append(batch["key"])
-        local_count += y.shape[0]
-        if first_step_at is None:  # once per epoch: when the first step finished (start-up ends there)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            first_step_at = time.time()
+        loss, logits = train_step(learner, batch, epoch=epoch, step=meter.steps, rank=rank)
+        meter.update(batch, loss, logits)
         if bar is not None:
-            bar.update(y.shape[0], sums)  # reads the loss sum (a host sync) at most once an interval
-    elapsed = time.perf_counter() - start
-    seen = _all_gather(shard_record(keys, local_count, int(views), rng))  # the epoch's host syncs are here
-    loss_sum, correct, stale, count = _all_reduce(torch.cat([sums, sums.new_tensor([local_count])])).tolist()
-    if stale:
-        raise StaleBatch(f"epoch {epoch + 1}: {int(stale)} image(s) were augmented for another epoch")
-    return {
-        "train_loss": loss_sum / max(count, 1),
-        "train_acc": correct / max(count, 1),
-        "train_images": int(count),
-        "epoch_s": elapsed,
-        "data_wait_frac": wait_s / max(elapsed, 1e-9),  # this rank's share of time waiting for input
-        "seen": seen,
-        "first_step_at": first_step_at,
-        "image_size": side,
-    }
+            bar.update(batch["label"].shape[0], meter.sums)  # reads the loss sum (a host sync) at most once an interval
+    return meter.summary()
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""torchvision's ResNet18, with the small-image stem for inputs of 64 px or less."""
+"""torchvision's ResNet18, with the small-image stem for inputs of 32 px or less (--small-stem auto)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 
 from training.config import ConfigError
 
-SMALL_IMAGE_MAX_SIDE = 64  # at or below this the ImageNet stem (7x7/2 conv + max-pool) loses too much
+# --small-stem auto: the small stem at or below this side (docs/design.md, "Choices and where they were measured")
+SMALL_IMAGE_MAX_SIDE = 32
 
 
 def uses_small_stem(setting: str, image_size: int) -> bool:

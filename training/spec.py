@@ -1,13 +1,15 @@
 """What the driver hands each train worker, as one typed, frozen object (Ray Train passes it
 to train_loop inside its config dict): the settings, what the driver found out about the
-data, the run's helper actors, and what the worker's feed watches for. Light (no torch, no
-Ray): Ray Train's controller unpickles it too."""
+data, the run's helper actors, and what the worker's feed watches for. TrainConfig and
+Preset travel as themselves. Light (no torch, no Ray): Ray Train's controller unpickles it
+too."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
+from augment.presets import Preset
 from training.config import TrainConfig
 
 Node = tuple[float, float]  # (CPUs, GPUs) of one node, a worker, or a task
@@ -40,10 +42,7 @@ class WorkerSpec:
 
     config: TrainConfig
     class_names: tuple[str, ...]
-    image_size: int  # the side the model sees (eval), which picks the stem
-    mean: tuple[float, float, float]  # the preset's normalisation, applied on the worker's device
-    std: tuple[float, float, float]
-    mix: dict | None  # the preset's MixUp/CutMix settings (augment/mix.py); None: off
+    preset: Preset  # at the run's size: its normalisation and MixUp/CutMix apply on the worker
     train_images: int  # the split's files: steps per epoch for the schedule
     threads_per_worker: int
     sizes: tuple[int, ...] | None  # --progressive-resize: each epoch's training side; None: fixed
@@ -55,3 +54,8 @@ class WorkerSpec:
     @property
     def num_classes(self) -> int:
         return len(self.class_names)
+
+    @property
+    def image_size(self) -> int:
+        """The side the model sees (eval), which picks the stem."""
+        return self.preset.image_size

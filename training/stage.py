@@ -28,11 +28,12 @@ plan that names these classes, and only the processes that augment need torch.
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import numpy as np
 import ray
 import ray.data
+
+from augment.presets import Preset, preset_from_dict
 
 
 class EpochClock:
@@ -52,10 +53,10 @@ class EpochClock:
 @dataclasses.dataclass(frozen=True)
 class StageArgs:
     """What an augment stage is built from, one per split: hashable, so it is also the key of a
-    task process's pipeline cache (STAGES). The preset travels as its JSON text (Preset.to_dict):
-    light to unpickle in Ray's coordinator processes, and hashable."""
+    task process's pipeline cache (STAGES). Light to unpickle in Ray's coordinator processes
+    (augment/presets.py imports no torch)."""
 
-    preset: str
+    preset: Preset
     train: bool  # the preset's train ops (and the schedules); else its eval ops, fixed
     seed: int
     schedule: str = "none"  # --augment-schedule: strength by epoch (train only)
@@ -64,8 +65,9 @@ class StageArgs:
     resize: str = "none"  # --progressive-resize (train only)
 
     @classmethod
-    def of(cls, preset: dict, **fields) -> "StageArgs":
-        return cls(preset=json.dumps(preset, sort_keys=True), **fields)
+    def of(cls, preset: Preset | dict, **fields) -> "StageArgs":
+        """From a preset, or a preset's mapping (Preset.to_dict, a file's contents), checked."""
+        return cls(preset=preset if isinstance(preset, Preset) else preset_from_dict(preset), **fields)
 
 
 class AugmentStage:
@@ -76,12 +78,11 @@ class AugmentStage:
         import torch
 
         from augment.pipeline import Pipeline
-        from augment.presets import preset_from_dict
 
         if device == "auto":  # an actor: Ray fixed its GPU in CUDA_VISIBLE_DEVICES when it started
             device = "cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu"
         self.device = torch.device(device)
-        spec = preset_from_dict(json.loads(args.preset))
+        spec = args.preset
         # the strength and resolution schedules are training-time knobs; evaluation stays fixed,
         # at the final size (docs/design.md)
         ops = spec.train if args.train else spec.eval
