@@ -36,9 +36,6 @@ import warnings
 import numpy as np
 
 SHRINK_FACTORS = (1, 2, 4, 8)  # the scales libjpeg's IDCT produces directly
-# Ops of a preset whose crop lets the CPU decode a JPEG at a reduced size (augment/ops.py
-# implements max_shrink for exactly these; a test holds the two equal).
-SHRINKING_OPS = ("random_resized_crop",)
 
 
 class BadImage(ValueError):

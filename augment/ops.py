@@ -611,6 +611,11 @@ class KorniaOp(Op):
         return self.kornia(x, params["seeds"].tolist())  # host sync on a GPU, once a batch
 
 
+def can_shrink(name: str) -> bool:
+    """Whether op `name`, first in a preset, lets the CPU decode a JPEG at a reduced size."""
+    return name in OPS and OPS[name].max_shrink is not Op.max_shrink
+
+
 def check_params(op_cls: type[Op], params: dict) -> None:
     """Raise a ValueError naming the valid parameters when `params` has an unknown one."""
     import inspect

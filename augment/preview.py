@@ -10,8 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from augment.batch import to_canvas
-from augment.pipeline import Pipeline
+from augment.pipeline import Pipeline, to_canvas
 from augment.presets import Preset
 
 

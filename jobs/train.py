@@ -1,4 +1,4 @@
-"""Train ResNet18 on an image folder with GPU (Kornia) augmentation on Ray.
+"""Train ResNet18 on an image folder on Ray, with whole batches augmented on a GPU share or on CPUs.
 
     python -m jobs.train                                  # bundled digits data, local Ray
     python -m jobs.train --data ~/photos --epochs 30      # your folder: <class>/<image>
@@ -137,7 +137,18 @@ def rerun_command(argv, cfg) -> str:
         args.append("--no-fresh")
     if cfg.stop_after and "--stop-after" not in given:
         args += ["--stop-after", "0"]
-    return shlex.join(["python", "-m", "jobs.train", *args])
+    return shlex.join([interpreter(), "-m", "jobs.train", *args])
+
+
+def interpreter() -> str:
+    """The Python that runs this job as the user would type it here: a path inside the current
+    directory (the repository's .venv/bin/python) relative to it, else `python` (a cluster's
+    own, under `ray job submit`)."""
+    import os
+
+    here, exe = os.getcwd(), sys.executable
+    inside = bool(exe) and os.path.commonpath([here, os.path.abspath(exe)]) == here
+    return os.path.relpath(exe, here) if inside else "python"
 
 
 if __name__ == "__main__":

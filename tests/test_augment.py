@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from augment.batch import to_canvas
 from augment.ops import OPS, Normalize, resample_boxes
-from augment.pipeline import Pipeline
+from augment.pipeline import Pipeline, to_canvas
 from augment.presets import PRESETS, PresetError, load_preset, preset_from_dict
 from augment.rng import KeyedRng, reference_seed, reference_uniform
 from training.stage import AugmentStage, StageArgs
@@ -415,8 +414,10 @@ def test_schedule_scales_jitter_erasing_and_crop_range():
     assert not torch.equal(first, x)
     assert torch.equal(pipe(canvas, sizes, _keys(), epoch=2), x)  # strength 0: whole image, no jitter, nothing erased
     mid = pipe(canvas, sizes, _keys(), epoch=1)  # strength 0.5: crop area >= 54 %, factors within 0.8..1.2
-    assert pipe.ops[0].scale == pytest.approx((0.54, 1.0)) and pipe.ops[1].brightness == pytest.approx(0.2)
-    assert pipe.ops[2].scale == pytest.approx((0.01, 0.165))
+    ops = pipe.at_epoch(1).ops
+    assert ops[0].scale == pytest.approx((0.54, 1.0)) and ops[1].brightness == pytest.approx(0.2)
+    assert ops[2].scale == pytest.approx((0.01, 0.165))
+    assert pipe.at_epoch(0).ops[0].scale == pytest.approx((0.08, 1.0))  # an epoch's ops are its own
     assert (mid.float() - x.float()).abs().mean() < (first.float() - x.float()).abs().mean()
     assert torch.equal(pipe(canvas, sizes, _keys(), epoch=0), first)  # back to epoch 0: same as before
 
@@ -619,7 +620,7 @@ def test_an_empty_batch_goes_through_every_preset_and_op(name, train):
     out = augment_batch(pipeline, empty, torch.zeros(0, dtype=torch.int64), 0, torch.device("cpu"))
     assert out.shape[0] == 0 and out.dtype == torch.uint8 and out.shape[-1] == 3
     x, sizes = torch.zeros((0, 3, 96, 96)), torch.zeros((0, 2), dtype=torch.int64)
-    for op in pipeline.ops:
+    for op in pipeline.at_epoch(0).ops:
         if op.name not in ("random_resized_crop", "resize_center_crop", "random_crop", "center_crop"):
             params = op.sample(KeyedRng(_keys(0), seed=0, epoch=0), sizes)
             assert op.apply(x, params, sizes).shape[0] == 0, op.name

@@ -18,10 +18,9 @@ import torch
 from PIL import Image
 from scipy.stats import ks_2samp
 
-from augment.batch import to_canvas
 from augment.decode import decode_image
 from augment.ops import OPS
-from augment.pipeline import Pipeline
+from augment.pipeline import Pipeline, to_canvas
 from augment.presets import PRESETS
 from augment.rng import KeyedRng
 from bench.augment import synthetic_photo

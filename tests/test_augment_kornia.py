@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from augment.batch import to_canvas
 from augment.kornia_ops import kornia_choices
-from augment.pipeline import Pipeline
+from augment.pipeline import Pipeline, to_canvas
 from augment.presets import PresetError, load_preset, preset_from_dict
 from augment.rng import reference_seed
 from training.stage import AugmentStage, StageArgs
@@ -140,12 +139,12 @@ def test_the_probe_picks_the_cheapest_way_that_keeps_each_image_its_own():
         ).train,
         seed=0,
     )
-    assert [op.kornia.modes[3, 32, 32] for op in pipe.ops[2:]] == ["group", "one"]
+    assert [op.kornia.modes[3, 32, 32] for op in pipe.at_epoch(0).ops[2:]] == ["group", "one"]
     blur = Pipeline(
         preset_from_dict(_preset({"kornia.RandomGaussianBlur": KORNIA_CASES["kornia.RandomGaussianBlur"]})).train,
         seed=0,
     )
-    assert blur.ops[2].kornia.modes[3, 32, 32] == "stack"
+    assert blur.at_epoch(0).ops[2].kornia.modes[3, 32, 32] == "stack"
 
 
 BAD = {

@@ -3,6 +3,7 @@ is guessed from an abbreviation."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -71,15 +72,27 @@ def test_the_one_line_comes_before_anything_heavy_starts():
         (["--name=x", "--stop-after=2", "--data", "my photos"], "python -m jobs.train --data 'my photos' --name run-1"),
     ],
 )
-def test_the_command_to_resume_is_the_same_one_with_the_runs_name(argv, expected):
+def test_the_command_to_resume_is_the_same_one_with_the_runs_name(argv, expected, monkeypatch):
     from training.config import TrainConfig
 
+    monkeypatch.setattr(sys, "executable", "/usr/bin/python3")  # a Python outside the current directory
     assert train_job.rerun_command(argv, TrainConfig(name="run-1")) == expected
 
 
-def test_settings_a_config_file_gave_are_turned_off_in_the_command_to_resume():
+def test_the_command_to_resume_names_the_venvs_python_from_the_repository_root(monkeypatch, tmp_path):
     from training.config import TrainConfig
 
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "executable", os.path.join(os.getcwd(), ".venv", "bin", "python"))
+    assert train_job.rerun_command(["--epochs", "5"], TrainConfig(name="r")) == (
+        ".venv/bin/python -m jobs.train --epochs 5 --name r"
+    )
+
+
+def test_settings_a_config_file_gave_are_turned_off_in_the_command_to_resume(monkeypatch):
+    from training.config import TrainConfig
+
+    monkeypatch.setattr(sys, "executable", "/usr/bin/python3")
     cfg = TrainConfig(name="run-1", fresh=True, stop_after=3)  # as from a --config file
     assert train_job.rerun_command(["--config", "c.yaml"], cfg) == (
         "python -m jobs.train --config c.yaml --name run-1 --no-fresh --stop-after 0"

@@ -12,8 +12,8 @@ import torch
 from PIL import Image
 
 from augment.batch import augment_batch, decode_augment
-from augment.decode import SHRINK_FACTORS, SHRINKING_OPS, BadImage, decode_image, read_header
-from augment.ops import OPS, Op, RandomResizedCrop
+from augment.decode import SHRINK_FACTORS, BadImage, decode_image, read_header
+from augment.ops import RandomResizedCrop
 from augment.pipeline import Pipeline
 from augment.presets import PRESETS
 from augment.rng import KeyedRng
@@ -166,9 +166,11 @@ def test_shrink_factor_keeps_the_crop_at_least_the_output_and_rescales_the_box()
         assert bool(((small_edge * f - edge).abs() <= f // 2).all())  # each edge within half a small pixel
 
 
-def test_only_the_listed_ops_let_the_decoder_shrink():
-    shrinking = sorted(name for name, cls in OPS.items() if cls.max_shrink is not Op.max_shrink)
-    assert shrinking == sorted(SHRINKING_OPS)
+def test_a_crop_that_draws_boxes_lets_the_decoder_shrink_and_a_fixed_one_does_not():
+    from augment.ops import can_shrink
+
+    assert can_shrink("random_resized_crop")
+    assert not any(can_shrink(name) for name in ("random_crop", "center_crop", "resize_center_crop", "nope"))
 
 
 @pytest.fixture(scope="module")
@@ -210,9 +212,8 @@ def test_reduced_size_decode_stays_close_and_independent_of_the_batch(encoded):
     full, _, _ = decode_augment(pipeline, encoded, keys, 3, CPU, shrink=False)
     small, kept, bad = decode_augment(pipeline, encoded, keys, 3, CPU, shrink=True)
     assert kept == list(range(7)) and len(bad) == 2
-    factors = pipeline.ops[0].max_shrink(
-        pipeline.geometry(torch.tensor([read_header(d)[:2] for d in encoded[:7]]), keys[:7], 3)
-    )
+    pipe = pipeline.at_epoch(3)
+    factors = pipe.decode_scales(pipe.sample(torch.tensor([read_header(d)[:2] for d in encoded[:7]]), keys[:7]))
     assert int(factors.max()) > 1  # some images were decoded at a reduced size
     diff = (small.float() - full.float()).abs()
     assert float(diff.mean()) < 2.0  # the same crop (edges within half a small pixel), filtered differently

@@ -388,7 +388,12 @@ def test_ctrl_c_while_a_checkpoint_goes_to_s3_stops_cleanly_and_the_next_run_res
         s3.gate.release()
     assert proc.returncode == 130, out[-3000:]
     # the line names the checkpoint, and the command to resume is the same one, --name included
-    resume = shlex.join(["python", "-m", "jobs.train", *args[3:]])
+    import contextlib
+
+    from jobs.train import interpreter
+
+    with contextlib.chdir(REPO):  # the run's own directory: the python it names from there
+        resume = shlex.join([interpreter(), "-m", "jobs.train", *args[3:]])
     assert (
         "stopped: interrupted; the last checkpoint is checkpoint_epoch_0001 in s3://runs/interrupted; "
         f"to resume: {resume}" in out

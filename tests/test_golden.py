@@ -80,9 +80,10 @@ def test_an_images_imagenet_parameters_are_pinned():
     images at seed 7, epoch 3 (imagenet preset)."""
     pipe = Pipeline(PRESETS["imagenet"].train, seed=7)
     keys = torch.tensor([0, 1, HASHES["cat/001.png"]])
-    crop = pipe.geometry(torch.tensor([[300, 400], [500, 333], [224, 224]]), keys, epoch=3)
+    draws = pipe.at_epoch(3).sample(torch.tensor([[300, 400], [500, 333], [224, 224]]), keys)
+    crop = draws.first
     assert crop["box"].tolist() == [[40, 56, 237, 285], [270, 51, 168, 154], [65, 31, 98, 122]]
-    flip, jitter = pipe.draw_rest(keys, epoch=3)
+    flip, jitter = draws.rest
     assert flip["flip"].tolist() == [True, False, True]
     assert jitter["order"].tolist() == [[1, 0, 2], [2, 1, 0], [1, 0, 2]]
     factors = [[0.9536637, 1.1325842, 0.9495115], [0.9434044, 1.0455383, 1.0016810], [1.1920675, 0.8101664, 0.9146600]]

@@ -81,8 +81,9 @@ def compare_presets(name: str, device: torch.device) -> None:
     sizes = torch.tensor([im.shape[:2] for im in images], dtype=torch.int64)
     for specs in (preset.eval, preset.train):
         cpu_pipe, dev_pipe = Pipeline(specs, seed=5), Pipeline(specs, seed=5).to(device)
-        cpu_draws = [cpu_pipe.geometry(sizes, keys, 2), cpu_pipe.draw_rest(keys, 2)]
-        dev_draws = [dev_pipe.geometry(sizes.to(device), keys.to(device), 2), dev_pipe.draw_rest(keys.to(device), 2)]
+        cpu_drawn = cpu_pipe.at_epoch(2).sample(sizes, keys)
+        dev_drawn = dev_pipe.at_epoch(2).sample(sizes.to(device), keys.to(device))
+        cpu_draws, dev_draws = ([d.first, list(d.rest)] for d in (cpu_drawn, dev_drawn))
         _same_draws(_as_cpu(cpu_draws), _as_cpu(dev_draws), f"{name} {'eval' if specs is preset.eval else 'train'}")
         on_cpu = augment_batch(cpu_pipe, images, keys, 2, CPU)
         on_dev = augment_batch(dev_pipe, images, keys, 2, device)

@@ -532,7 +532,7 @@ def test_a_task_process_keeps_its_pipeline_for_one_device_at_a_time(monkeypatch)
 
     import torch
 
-    from augment import stage
+    from training import stage
 
     emptied = []
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext(emptied.append(str(d))))

@@ -46,7 +46,9 @@ def test_a_rerun_resumes_from_the_latest_checkpoint_when_an_earlier_one_scored_b
     def fit(epochs):
         loop = {"epochs": epochs, "val_acc": [0.9, 0.5, 0.7], "seen": str(tmp_path / "seen")}
         run = ray.train.RunConfig(name="r", storage_path=str(tmp_path), checkpoint_config=checkpoint_config())
-        TorchTrainer(train_fn, train_loop_config=loop, scaling_config=ray.train.ScalingConfig(1), run_config=run).fit()
+        TorchTrainer(
+            train_fn, train_loop_config=loop, scaling_config=ray.train.ScalingConfig(num_workers=1), run_config=run
+        ).fit()
         return sorted(json.loads(p.read_text()) for p in (tmp_path / "r").glob("checkpoint_*/epoch.json"))
 
     assert fit(2) == [1, 2]  # epoch 1 the best (0.9), epoch 2 the latest (0.5)

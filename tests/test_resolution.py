@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from augment.batch import to_canvas
-from augment.pipeline import Pipeline
+from augment.pipeline import Pipeline, to_canvas
 from augment.presets import PRESETS, PresetError, preset_from_dict
 from augment.schedule import parse_resize, resize_side
 from training.config import ConfigError, TrainConfig
@@ -73,7 +72,7 @@ def test_the_train_stage_makes_each_epochs_size_and_eval_stays_at_the_full_one()
     canvas, sizes, keys = _canvas()
     sides = [train.pipeline(canvas, sizes, keys, e).shape[1] for e in (0, 1, 2, 0)]
     assert sides == [train.pipeline.size_at(e)[0] for e in (0, 1, 2, 0)] == [16, 24, 32, 16]
-    assert train.pipeline.ops[0].padding == 2  # back at 16 px, the padding is scaled again
+    assert train.pipeline.at_epoch(0).ops[0].padding == 2  # at 16 px, the padding is scaled too
     again = AugmentStage(StageArgs.of(preset, train=True, seed=0, resize="16", epochs=3), device="cpu")
     assert torch.equal(again.pipeline(canvas, sizes, keys, 1), train.pipeline(canvas, sizes, keys, 1))  # replayable
     val = AugmentStage(StageArgs.of(preset, train=False, seed=0, resize="16", epochs=3), device="cpu")
@@ -85,8 +84,9 @@ def test_progressive_resize_and_strength_schedules_compose():
     canvas, sizes, keys = _canvas(h=300, w=400)
     for epoch, side, scale in ((0, 96, 0.08), (1, 160, 0.54), (2, 224, 1.0)):
         assert pipe(canvas, sizes, keys, epoch).shape == (6, side, side, 3)
-        assert pipe.ops[0].scale == pytest.approx((scale, 1.0))  # the rebuilt crop op at the epoch's strength
-    assert pipe(canvas, sizes, keys, 0).shape == (6, 96, 96, 3) and pipe.ops[0].scale == pytest.approx((0.08, 1.0))
+        assert pipe.at_epoch(epoch).ops[0].scale == pytest.approx((scale, 1.0))  # the crop op at the epoch's strength
+    assert pipe(canvas, sizes, keys, 0).shape == (6, 96, 96, 3)
+    assert pipe.at_epoch(0).ops[0].scale == pytest.approx((0.08, 1.0))
 
 
 def test_resolution_mistakes_exit_2_before_ray_starts(tree, tmp_path, capsys, monkeypatch):

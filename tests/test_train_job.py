@@ -223,9 +223,9 @@ def test_validation_scores_every_image_once(two_worker_run):
 
 
 def test_deterministic_runs_repeat_and_resume_continues(ray_cluster, data, tmp_path):
-    """Two runs of two workers: identical metrics, and identical augmented views, which differ between epochs
-    (each batch carries the epoch its augmentation was drawn for). A run stopped after epoch 1
-    and resumed continues with the same metrics and the same random stream."""
+    """Two runs of two workers, the second stopped after epoch 1 and resumed: identical metrics,
+    identical augmented views, which differ between epochs (each batch carries the epoch its
+    augmentation was drawn for), and the same random streams."""
     # the cifar preset plus two of Kornia's ops by name: they run in Ray Data's tasks and stay reproducible
     preset = tmp_path / "cifar-kornia.yaml"
     preset.write_text(
@@ -247,14 +247,11 @@ def test_deterministic_runs_repeat_and_resume_continues(ray_cluster, data, tmp_p
     )
     run_a, _ = _run(name="a", **common)
     assert [int(r["image_size"]) for r in _rows(tmp_path / "a" / "metrics.csv")] == [24, 32]
-    run_b, _ = _run(name="b", **common)
-    a, b = (tmp_path / "a" / "metrics.csv").read_text(), (tmp_path / "b" / "metrics.csv").read_text()
-    assert a == b, "same seed and world size must give identical metrics"
+    a = (tmp_path / "a" / "metrics.csv").read_text()
     train_ops = json.loads((tmp_path / "a" / "config.json").read_text())["preset"]["train"]
     assert [next(iter(op)) for op in train_ops][2:] == ["kornia.RandomGaussianBlur", "kornia.RandomAffine"]
-    views = [[e["views"] for e in run["fingerprints"]] for run in (run_a, run_b)]
-    assert views[0] == views[1], "the same images got other augmented views in a second run"
-    assert views[0][0] != views[0][1], "epoch 2 trained on epoch 1's augmented views"
+    views = [e["views"] for e in run_a["fingerprints"]]
+    assert views[0] != views[1], "epoch 2 trained on epoch 1's augmented views"
     assert all(c["exactly_once"] for c in run_a["coverage"])
     # model_best.pt holds the weights of the epoch with the best validation accuracy, model.pt the last's
     accs = [float(r["val_acc"]) for r in _rows(tmp_path / "a" / "metrics.csv")]
@@ -271,7 +268,7 @@ def test_deterministic_runs_repeat_and_resume_continues(ray_cluster, data, tmp_p
     assert second["resumed_at_epochs"] == [2]
     rows = _rows(tmp_path / "c" / "metrics.csv")
     assert [r["epoch"] for r in rows] == ["1", "2"]
-    assert (tmp_path / "c" / "metrics.csv").read_text() == a
+    assert (tmp_path / "c" / "metrics.csv").read_text() == a, "same seed and world size must give identical metrics"
     assert second["val_acc"] == run_a["val_acc"]
     # the resumed attempt put the random stream back where epoch 1 left it, and saw the same views
     assert second["fingerprints"] == run_a["fingerprints"]

@@ -39,7 +39,7 @@ import ray.train
 from ray.data.block import BlockAccessor, BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from augment.decode import SHRINKING_OPS, BadImage, decode_image, stack_images
+from augment.decode import BadImage, decode_image, stack_images
 from training import ray_private
 from training.data import Split, label_of, stable_hash
 from training.stage import StageArgs, add_augment
@@ -84,8 +84,10 @@ def choose_decode(setting: str, split: Split, train_preset: tuple, use_gpu: bool
         return DecodePlan("augment", shrink, f"--decode {setting}" + (", nvjpeg on the GPU" if use_gpu else ""))
     if use_gpu:
         return DecodePlan("augment", False, "GPU: nvjpeg in the augment call")
+    from augment.ops import can_shrink  # torch: the driver has it loaded by now
+
     mean_kb = split.mean_file_bytes / 1024
-    crops = next(iter(train_preset[0])) in SHRINKING_OPS
+    crops = can_shrink(next(iter(train_preset[0])))
     if crops and mean_kb >= SHRINK_MIN_FILE_BYTES / 1024:
         return DecodePlan("augment", True, f"CPU, files average {mean_kb:.0f} KB")
     small = f"files average {mean_kb:.0f} KB" if crops else f"the preset's crop is {next(iter(train_preset[0]))}"
