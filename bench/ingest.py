@@ -87,7 +87,7 @@ def child(data: str, preset_name: str, batch: int) -> dict:
     from training.ingest import build_datasets, choose_decode
     from training.inputs import scan_data
     from training.session import connect
-    from training.stage import EpochClock
+    from training.stamp import EpochClock
 
     connect()
     cfg = TrainConfig(data=data, preset=preset_name, batch_size=batch)

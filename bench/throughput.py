@@ -138,7 +138,7 @@ def run_ray(
     from training.ingest import build_datasets, choose_decode
     from training.inputs import scan_data
     from training.session import connect
-    from training.stage import EpochClock
+    from training.stamp import EpochClock
 
     connect()
     cfg = TrainConfig(data=data, preset=preset_name, batch_size=batch, epochs=epochs, decode=decode, **overrides)

@@ -178,7 +178,7 @@ def test_ragged_batch_equals_each_image_alone():
 
 
 def test_stage_stamps_every_row_with_the_epoch_it_augmented_for(ray_cluster):
-    from training.stage import EpochClock
+    from training.stamp import EpochClock
 
     batch = {"image": _batch(8).numpy(), "label": np.arange(8), "key": np.arange(8, dtype=np.int64)}
     clock = ray_cluster.remote(num_cpus=0)(EpochClock).remote()

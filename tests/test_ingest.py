@@ -122,7 +122,7 @@ def _epoch_keys(cfg, tree, clock, epochs) -> list[list[int]]:
 
 def test_every_epoch_reads_a_new_order_from_seed_and_epoch(ray_cluster, order_tree):
     from training.inputs import scan_data
-    from training.stage import EpochClock
+    from training.stamp import EpochClock
 
     tree = scan_data(str(order_tree), 0.1)
     assert len(tree.train) > 200
@@ -492,7 +492,7 @@ def test_the_gpu_plans_datasets_augment_as_the_cpu_plans_do(gpu_node, order_tree
     Prepared shards read by row groups, which may hand the map fewer blocks than batches."""
     from jobs.prepare import main as prepare
     from training.inputs import scan_data
-    from training.stage import EpochClock
+    from training.stamp import EpochClock
 
     data = str(order_tree)
     if source == "prepared shards":

@@ -28,6 +28,7 @@ LIGHT = {
     "training.ray_private": ("torch", "ray.train"),
     "training.ingest": ("torch",),
     "training.stage": ("torch",),
+    "training.stamp": ("torch",),
 }
 
 

@@ -18,9 +18,10 @@ from augment.presets import PRESETS
 from training import audit, feed, loop
 from training.config import TrainConfig
 from training.feed import BatchFeed, IngestStalled, IngestWatch
-from training.loop import Learner, StaleBatch, build_optimizer, build_scheduler, train_epoch
+from training.loop import Learner, build_optimizer, build_scheduler, train_epoch
 from training.model import resnet18
 from training.spec import IngestNeeds, StallLimits, WorkerSpec
+from training.stamp import StaleBatch
 
 
 def _tiny_model() -> torch.nn.Module:

@@ -99,7 +99,7 @@ def test_validation_decodes_photos_at_full_size_where_training_shrinks_them(ray_
 
     from training import planning
     from training.ingest import build_datasets, choose_decode
-    from training.stage import EpochClock
+    from training.stamp import EpochClock
 
     cfg = TrainConfig(data=str(photos), preset="imagenet", val_fraction=0.5)
     tree, preset = scan_tree(str(photos), 0.5), PRESETS["imagenet"]

@@ -16,6 +16,7 @@ import torch
 from training import ray_private
 from training.planning import left_over, tasks_fit
 from training.spec import IngestNeeds, StallLimits, WorkerSpec
+from training.stamp import advance
 
 
 class IngestStalled(RuntimeError):
@@ -129,7 +130,7 @@ class EpochData:
 
     def feed(self, epoch: int) -> BatchFeed:
         if self.rank == 0:  # before this rank asks for the epoch's data: the split barrier holds the others
-            ray.get(self.clock.set.remote(epoch))
+            advance(self.clock, epoch)
         # Every epoch reads the files in a permutation of its own (training/ingest.py), so at
         # epoch 0 a local shuffle adds little, and Ray Data's would hold back the first batch until
         # batch + 1.5 x buffer rows had arrived; block prefetch would wait for the second

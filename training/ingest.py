@@ -43,6 +43,7 @@ from augment.decode import BadImage, decode_image, stack_images
 from training import ray_private
 from training.data import Split, label_of, stable_hash
 from training.stage import StageArgs, add_augment
+from training.stamp import current_epoch
 from training.storage import filesystem
 
 ROWS_PER_TASK = 256  # at most this many files per read task (one augment call per block on CPUs)
@@ -175,7 +176,7 @@ class SplitSource(Datasource):
 
     def get_read_tasks(self, parallelism: int, per_task_row_limit=None, data_context=None) -> list[ReadTask]:
         ray_private.data_limits_from_the_start()  # this process is about to execute the dataset
-        epoch = ray.get(self._clock.get.remote()) if self._shuffle and self._clock is not None else 0
+        epoch = current_epoch(self._clock) if self._shuffle else 0
         units = ray.get(self._units)
         order = epoch_order(self._n, self._seed, epoch) if self._shuffle else np.arange(self._n)
         mean_bytes, per_task = self._bytes / max(1, self._rows), self._units_per_task

@@ -33,11 +33,11 @@ from training.faults import CheckpointNotice, FaultLog, alive_nodes, describe, d
 from training.feed import IngestStalled
 from training.ingest import DecodePlan, SplitValUnequally, augment_rows, build_datasets, choose_decode
 from training.inputs import auto_preset, data_place, few_steps_warning, sized_preset
-from training.loop import CHECKPOINT_FILE, CheckpointMismatch, StaleBatch, train_loop
+from training.loop import CHECKPOINT_FILE, CheckpointMismatch, train_loop
 from training.planning import ResourcePlan, check_storage, cluster_capacity, plan_resources, wait_for_a_plan
 from training.results import report_bad_files, write_bad_files, write_results
 from training.spec import IngestNeeds, StallLimits, WorkerSpec
-from training.stage import EpochClock
+from training.stamp import EpochClock, StaleBatch
 
 
 class TrainingFailed(RuntimeError):

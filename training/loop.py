@@ -38,13 +38,10 @@ from training.console import EpochProgress, quiet_worker_logs
 from training.feed import EpochData, IngestWatch
 from training.model import load_init_weights, resnet18, uses_small_stem
 from training.spec import WorkerSpec
+from training.stamp import check_stamp, refuse_stale, stale_rows
 
 CHECKPOINT_FILE = "checkpoint.pt"
 TIMING_COLUMNS = ("epoch_s", "images_per_s", "data_wait_frac")  # wall-clock, never deterministic
-
-
-class StaleBatch(RuntimeError):
-    """A batch whose augmentation was drawn for another epoch than the one being trained."""
 
 
 class CheckpointMismatch(RuntimeError):
@@ -289,16 +286,6 @@ def train_step(learner: Learner, batch: dict, *, epoch: int, step: int, rank: in
     return loss, logits
 
 
-def check_stamp(stamps: torch.Tensor, epoch: int) -> None:
-    """The augment stage stamps each row with the epoch its parameters were drawn for."""
-    first = int(stamps[0])  # a host sync: once per epoch
-    if first != epoch:
-        raise StaleBatch(
-            f"epoch {epoch + 1}: the first batch was augmented for epoch {first + 1}; the augment stage read "
-            "the epoch clock before rank 0 advanced it (docs/design.md, 'Epoch stamp')"
-        )
-
-
 class EpochMeter:
     """The per-step bookkeeping of one training epoch (as torchvision's MetricLogger keeps a
     train_one_epoch's): the loss and accuracy sums and the stale rows, kept on the device so
@@ -325,7 +312,7 @@ class EpochMeter:
 
     def update(self, batch: dict, loss: torch.Tensor, logits: torch.Tensor) -> None:
         y = batch["label"]
-        stale = (batch["epoch"] != self.epoch).sum().double()
+        stale = stale_rows(batch["epoch"], self.epoch).double()
         self.sums += torch.stack([loss.detach().double() * y.shape[0], (logits.argmax(1) == y).sum().double(), stale])
         self.views = (self.views + view_digest(batch["image"], batch["key"])) % KEY_MOD
         self.keys.append(batch["key"])
@@ -345,8 +332,7 @@ class EpochMeter:
         loss_sum, correct, stale, count = _all_reduce(
             torch.cat([self.sums, self.sums.new_tensor([self.count])])
         ).tolist()
-        if stale:
-            raise StaleBatch(f"epoch {self.epoch + 1}: {int(stale)} image(s) were augmented for another epoch")
+        refuse_stale(stale, self.epoch)
         return {
             "train_loss": loss_sum / max(count, 1),
             "train_acc": correct / max(count, 1),

@@ -14,12 +14,8 @@ CPU otherwise, and then augments whole batches, decoded or still encoded:
 A file that fails to decode is dropped from its batch on its own and reported, with its
 path, to the run's bad-file log.
 
-The epoch, which the augmentation depends on, comes from a tiny `EpochClock` actor that
-rank 0 of the trainer advances before each epoch starts (Ray Data's split coordinator
-holds every epoch's execution until all ranks have asked for it, so no batch of epoch e
-is augmented before the clock says e). Every row carries the epoch its parameters were
-drawn for (`epoch`); the trainer refuses a batch stamped for another epoch, so a change in
-that ordering fails loudly instead of reusing an epoch's augmentation.
+The epoch, which the augmentation depends on, comes from the run's epoch clock, and every
+row carries the epoch its parameters were drawn for (training/stamp.py: the epoch stamp).
 
 This module imports no torch at import: Ray's coordinator processes unpickle the dataset
 plan that names these classes, and only the processes that augment need torch.
@@ -34,20 +30,7 @@ import ray
 import ray.data
 
 from augment.presets import Preset, preset_from_dict
-
-
-class EpochClock:
-    """Holds the current epoch; run as an actor with num_cpus=0."""
-
-    def __init__(self):
-        self.epoch = 0
-
-    def set(self, epoch: int) -> int:
-        self.epoch = epoch
-        return epoch
-
-    def get(self) -> int:
-        return self.epoch
+from training.stamp import current_epoch, stamp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +82,7 @@ class AugmentStage:
 
         if self.device.index is not None:  # a task's cuda:N: what lands on "the" GPU lands on ours
             torch.cuda.set_device(self.device)
-        epoch = ray.get(self.clock.get.remote()) if self.clock is not None else 0
+        epoch = current_epoch(self.clock)
         keys = torch.as_tensor(np.array(batch["key"]))
         if "bytes" in batch:
             out, kept, bad = decode_augment(self.pipeline, batch["bytes"], keys, epoch, self.device, shrink=self.shrink)
@@ -114,7 +97,7 @@ class AugmentStage:
             "image": out.cpu().numpy(),  # .cpu() is a sync point on GPU
             "label": label,
             "key": key,
-            "epoch": np.full(len(key), epoch, dtype=np.int64),
+            "epoch": stamp(len(key), epoch),
         }
 
 
