@@ -315,8 +315,10 @@ def test_an_execution_runs_tasks_side_by_side_from_its_first_second(ray_cluster,
     finally:
         if patched is not original:  # as it was; else read_split has just put the workaround in place
             ResourceManager.get_global_limits = patched
-    assert len(control) == 8 and _started_at_once(control) == 1, control  # else drop the workaround
-    assert _started_at_once(ours) >= 3, ours  # 4 CPUs, 0.5 each: up to 8 at once
+    # Ray's own start (the control) ran one task at a time in most runs but not in every one (a
+    # first second that ends early), so it is the bar ours must clear, not a verdict of its own
+    assert len(control) == 8, control
+    assert _started_at_once(ours) >= max(3, _started_at_once(control)), (ours, control)  # 4 CPUs at 0.5: up to 8
 
 
 def _task_processes(split, class_names, args: dict, executions: int) -> list[dict[str, int]]:
