@@ -8,6 +8,7 @@ import torch
 
 from augment.decode import BadImage, decode_cuda, decode_image, read_header
 from augment.pipeline import Pipeline, to_canvas
+from augment.ragged import CHW, RaggedImages
 
 
 def augment_batch(pipeline: Pipeline, images, keys: torch.Tensor, epoch: int, device: torch.device) -> torch.Tensor:
@@ -31,8 +32,10 @@ def decode_augment(
     augmentation is the same whatever batch it lands in and however it is decoded. With
     `shrink` (the CPU train path), a JPEG whose crop still covers the output at 1/2, 1/4 or
     1/8 scale is decoded at that scale and its draws fitted to it (the epoch pipeline's
-    decode_scales and fit_to_decoded). On a GPU the batch is decoded at full size by nvjpeg;
-    everything after the decode call is the same code on both devices. Work goes in chunks
+    decode_scales and fit_to_decoded). On a GPU the batch is decoded at full size by nvjpeg
+    and goes to the first op as one ragged buffer (augment/ragged.py), with no canvas and
+    nothing launched per image; everything after the first op is the same code on both
+    devices. Work goes in chunks
     on the CPU, so that the decoded pixels of a chunk are augmented while in the caches, the
     whole batch at once on a GPU. `nvjpeg` (default: on a CUDA device) picks the batched
     decode call, which torchvision also runs on CPU tensors: the tests take the GPU path
@@ -62,7 +65,10 @@ def decode_augment(
         if not good:
             continue
         sel = torch.tensor(good, dtype=torch.int64, device=device) + c.start  # the decoded images' rows among the n
-        if not nvjpeg and pipe.takes_image_list:
+        if nvjpeg:  # every image to the first op as it was decoded, in one buffer: no canvas
+            canvas = RaggedImages.from_images(images, device, CHW)
+            decoded = canvas.sizes
+        elif pipe.takes_image_list:
             canvas = [torch.from_numpy(a) for a in images]
             decoded = torch.tensor([a.shape[:2] for a in images], dtype=torch.int64)
         else:

@@ -17,8 +17,9 @@ settings; tests/test_decode.py holds them equal at every scale), faster, as Pill
 copies the image twice more (docs/benchmark-log.md, "Ingest"). Pillow decodes every other
 format and every JPEG simplejpeg refuses, and names what is wrong.
 * `decode_cuda(datas, headers, device)`: the JPEGs of a batch in one batched nvjpeg call
-  (torchvision.io.decode_jpeg on the device); every file nvjpeg does not take (other
-  formats, CMYK, a stream it refuses) is decoded on the CPU and uploaded.
+  (torchvision.io.decode_jpeg on the device), ordered against the caller's stream; every
+  file nvjpeg does not take (other formats, CMYK, a stream it refuses) is decoded on the
+  CPU, for the caller to upload with the rest.
 
 `read_header(data)` gives (height, width, jpeg) from the file's header without decoding
 it: crop parameters are drawn from it before the decode (docs/design.md, "Decoding").
@@ -143,10 +144,19 @@ def stack_images(images: list[np.ndarray]) -> np.ndarray:
 
 
 def decode_cuda(datas: list[bytes], jpeg: list[bool], device) -> list:
-    """Full-size decode of a batch on a GPU: uint8 (H, W, 3) tensors on `device`, or a
-    BadImage in the place of a file no decoder reads. The JPEGs nvjpeg takes (`jpeg`, from
-    read_header) go in one batched call; if nvjpeg refuses the batch, they go one by one;
-    what it refuses then, and every other file, is decoded by Pillow and uploaded.
+    """Full-size decode of a batch for a GPU: per file a uint8 (3, H, W) tensor on `device`
+    (what nvjpeg decoded), a uint8 (H, W, 3) numpy array (what the CPU decoded; the caller
+    uploads these together, augment/ragged.py), or a BadImage for a file no decoder reads.
+    The JPEGs nvjpeg takes (`jpeg`, from read_header) go in one batched call; if nvjpeg
+    refuses the batch, they go one by one; what it refuses then, and every other file, is
+    decoded on the CPU.
+
+    The call is ordered against the caller's stream on both sides. torchvision decodes on a
+    stream of its own that nothing orders against the caller's (pytorch/vision#9606): its
+    output may take memory that kernels still queued on the caller's stream read, and the
+    caller's next kernels may read the output before it is written. So the caller's stream
+    is drained before the call, and the device synchronised after it (two host syncs a
+    batch; tests/test_gpu.py runs the reproducer's pattern).
 
     nvjpeg decodes a truncated stream without an error (the missing rows come back grey),
     where the CPU decoders report it: a JPEG that does not end in its end-of-image marker
@@ -154,25 +164,43 @@ def decode_cuda(datas: list[bytes], jpeg: list[bool], device) -> list:
     import torch
     from torchvision.io import ImageReadMode, decode_jpeg
 
+    device = torch.device(device)
     out: list = [None] * len(datas)
     idx = [i for i, ok in enumerate(jpeg) if ok and ends_complete(datas[i])]
     if idx:
         with warnings.catch_warnings():  # bytes are read-only; nvjpeg only reads them
             warnings.simplefilter("ignore", UserWarning)
             encoded = [torch.frombuffer(datas[i], dtype=torch.uint8) for i in idx]
-        try:
-            decoded = decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device)
-        except RuntimeError:  # one bad stream fails the whole call: retry each alone
-            decoded = [_nvjpeg_one(t, device) for t in encoded]
+        with _ordered(device):
+            try:
+                decoded = decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device)
+            except RuntimeError:  # one bad stream fails the whole call: retry each alone
+                decoded = [_nvjpeg_one(t, device) for t in encoded]
         for i, image in zip(idx, decoded, strict=True):
-            out[i] = None if image is None else image.permute(1, 2, 0)  # (3, H, W) -> (H, W, 3) view
+            out[i] = image
     for i, image in enumerate(out):
         if image is None:
             try:
-                out[i] = torch.from_numpy(decode_image(datas[i])).to(device)
+                out[i] = decode_image(datas[i])
             except BadImage as e:
                 out[i] = e
     return out
+
+
+@contextlib.contextmanager
+def _ordered(device):
+    """Work queued on `device` before the block is finished when it starts, and the block's
+    own (on any stream) when it ends. A no-op off CUDA."""
+    import torch
+
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.current_stream(device).synchronize()
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize(device)
 
 
 def ends_complete(data: bytes) -> bool:

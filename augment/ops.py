@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from augment.decode import SHRINK_FACTORS
 from augment.kornia_ops import KeyedKornia, build_keyed
+from augment.ragged import RaggedImages, crop, resample
 from augment.rng import KeyedRng
 
 OPS: dict[str, type["Op"]] = {}
@@ -98,6 +99,8 @@ def gather_crop(canvas: torch.Tensor, sizes: torch.Tensor, top, left, out_hw, fi
     `fill`, which is how padding works without materialising a padded copy.
     One advanced-indexing gather for the whole batch; returns uint8 (B, out_h, out_w, 3).
     """
+    if isinstance(canvas, RaggedImages):
+        return crop(canvas, top, left, out_hw, fill)
     out_h, out_w = out_hw
     dev = canvas.device
     rows = top[:, None] + torch.arange(out_h, device=dev)  # (B, out_h)
@@ -179,11 +182,12 @@ class HorizontalFlip(Op):
         return {"flip": rng.uniform(self.stream, 1)[:, 0] < self.p}
 
     def apply(self, x, params, sizes=None):
-        if x.device.type != "cpu" or x.shape[1:].numel() < 3 * 64 * 64:  # one kernel for the batch
-            return torch.where(params["flip"][:, None, None, None], x.flip(-1), x)
-        # CPU, images of 64 px and more: a copy, then only the images that flip, which is cheaper
-        # there than torch.where; on smaller images Python's per-image cost outweighs the saving
-        # (docs/design.md, "Choices and where they were measured")
+        if x.device.type != "cpu" or not x.is_contiguous() or x.shape[1:].numel() < 3 * 64 * 64:
+            return torch.where(params["flip"][:, None, None, None], x.flip(-1), x)  # one kernel for the batch
+        # the CPU's own path (planar), images of 64 px and more: a copy, then only the images that
+        # flip, which is cheaper there than torch.where; on smaller images Python's per-image cost
+        # outweighs the saving (docs/design.md, "Choices and where they were measured"). The
+        # GPU's path run on a CPU (channels_last) takes torch.where, as on a GPU.
         out = x.clone()
         for i in params["flip"].nonzero()[:, 0].tolist():
             out[i] = x[i].flip(-1)
@@ -317,6 +321,8 @@ def resample_boxes(canvas, box, resized, offset, out_hw, method: str = "auto", d
     (H, W, 3) images; box, resized, offset: int64. `dtype`: the matmuls' (None: float16 on
     a GPU, float32 on the CPU).
     Returns float (B, 3, oh, ow) in [0, 1]: planar from the CPU loop, channels_last otherwise."""
+    if isinstance(canvas, RaggedImages):  # the GPU path: no canvas (augment/ragged.py)
+        return resample(canvas, box, resized, offset, out_hw, dtype)
     if isinstance(canvas, list):
         method = "loop"
     elif method == "auto":

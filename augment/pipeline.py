@@ -24,6 +24,7 @@ from augment.errors import PresetError
 from augment.kornia_ops import is_kornia
 from augment.ops import OPS, KorniaOp, Op
 from augment.presets import scale_geometry, spec_side
+from augment.ragged import RaggedImages
 from augment.rng import KeyedRng
 from augment.schedule import parse_resize, parse_schedule, resize_side, strength
 
@@ -121,7 +122,8 @@ class EpochPipeline(torch.nn.Module):
 
     @torch.no_grad()
     def apply(self, canvas, sizes: torch.Tensor, draws: Draws) -> torch.Tensor:
-        """canvas: uint8 (B, Hmax, Wmax, 3), or a list of HWC images where takes_image_list;
+        """canvas: uint8 (B, Hmax, Wmax, 3), a RaggedImages (augment/ragged.py: the GPU's), or
+        a list of HWC images where takes_image_list;
         sizes: int64 (B, 2) of the images in it -> uint8 (B, S, S, 3). A canvas on the CPU goes
         through a chunk of images at a time."""
         b = len(canvas)
@@ -136,8 +138,8 @@ class EpochPipeline(torch.nn.Module):
         rng = KeyedRng(draws.keys, self.seed, self.epoch)
         x = self.ops[0].apply(canvas, draws.first, sizes)  # float (B, 3, S, S)
         # planar on the CPU: the pixel ops' broadcasts are faster on it there (docs/design.md,
-        # "Choices and where they were measured")
-        if x.device.type == "cpu":
+        # "Choices and where they were measured"); the GPU's ragged path stays as on a GPU
+        if x.device.type == "cpu" and not isinstance(canvas, RaggedImages):
             x = x.contiguous()
         for op, params in zip(self.ops[1:], draws.rest, strict=True):
             x = op(x, rng) if params is None else op.apply(x, params)
@@ -149,14 +151,18 @@ class EpochPipeline(torch.nn.Module):
         (B, S, S, 3) on `device`. On the CPU a ragged batch goes to canvases a chunk at a time:
         one canvas for a whole batch of photos holds Hmax x Wmax per image, and touching that
         much fresh memory cost more than augmenting it (docs/design.md, "Choices and where
-        they were measured"). A GPU gets the whole batch in one copy."""
+        they were measured"). A GPU gets a ragged batch in one buffer and one copy, without a
+        canvas (augment/ragged.py)."""
         fixed = isinstance(images, np.ndarray) and images.dtype == np.uint8 and images.ndim == 4
         if device.type == "cpu" and not fixed:
             return torch.cat([self(*to_canvas(images[c]), keys[c]) for c in self.chunks(len(images))])
-        canvas, sizes = to_canvas(images)
-        if device.type == "cuda":  # uint8 over PCIe: a quarter of the bytes of float32
-            canvas = canvas.pin_memory().to(device, non_blocking=True)
-        return self(canvas, sizes.to(device), keys.to(device))
+        if fixed or device.type == "cpu":
+            canvas, sizes = to_canvas(images)
+            if device.type == "cuda":  # uint8 over PCIe: a quarter of the bytes of float32
+                canvas = canvas.pin_memory().to(device, non_blocking=True)
+            return self(canvas, sizes.to(device), keys.to(device))
+        batch = RaggedImages.from_images(list(images), device)  # one upload, no canvas (augment/ragged.py)
+        return self(batch, batch.sizes, keys.to(device))
 
     def forward(self, canvas: torch.Tensor, sizes: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """sample, then apply: canvas uint8 (B, Hmax, Wmax, 3); sizes int64 (B, 2); keys int64 (B,)."""

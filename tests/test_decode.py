@@ -230,7 +230,10 @@ def test_the_gpu_paths_batched_decode_runs_the_same_code_on_cpu_tensors(encoded)
     cpu, kept, bad = decode_augment(pipeline, encoded, keys, 1, CPU, shrink=False)
     gpu_path, kept_g, bad_g = decode_augment(pipeline, encoded, keys, 1, CPU, shrink=True, nvjpeg=True)
     assert kept_g == kept and sorted(bad_g) == sorted(bad)  # shrink is a CPU-only path: ignored here
-    assert int((gpu_path.int() - cpu.int()).abs().max()) <= 1
+    # torchvision's and simplejpeg's decoders differ by a level here and there, which colour
+    # jitter's contrast and saturation may widen to two
+    diff = (gpu_path.int() - cpu.int()).abs()
+    assert int(diff.max()) <= 2 and float((diff > 1).float().mean()) < 1e-3
 
 
 def test_a_truncated_jpeg_is_not_left_to_nvjpeg(monkeypatch):
@@ -253,7 +256,7 @@ def test_a_truncated_jpeg_is_not_left_to_nvjpeg(monkeypatch):
     monkeypatch.setattr(torchvision.io, "decode_jpeg", lenient)
     good, bad = decode_cuda([whole, cut], [True, True], CPU)
     assert given == [whole]  # only the complete file went to the batched call
-    assert good.shape == (120, 160, 3) and isinstance(bad, BadImage) and "truncated" in str(bad)
+    assert good.shape == (3, 120, 160) and isinstance(bad, BadImage) and "truncated" in str(bad)
 
 
 def test_the_stage_decodes_bytes_and_reports_bad_files_by_path(encoded):
@@ -290,6 +293,7 @@ def test_nvjpeg_decodes_a_batch_like_the_cpu(encoded):
     images = decode_cuda(encoded[:7], flags, torch.device("cuda"))
     for data, image in zip(encoded[:7], images, strict=True):
         ref = torch.from_numpy(decode_image(data))
+        image = image.permute(1, 2, 0)  # nvjpeg's (3, H, W)
         assert image.shape == ref.shape and image.device.type == "cuda"
         # nvjpeg's IDCT and chroma upsampling differ from libjpeg-turbo's (docs/benchmark-log.md, "GPU")
         assert float((image.cpu().float() - ref.float()).abs().mean()) < 2.0

@@ -1,7 +1,8 @@
 """The GPU path against the CPU path (`pytest -m gpu`; each test skips, saying why, where
 torch sees no CUDA device): the keyed generator, every built-in preset, and a whole
 `jobs.train --device cuda --amp bf16` run with its augment actors on shares of the GPU.
-nvjpeg's batched decode is tested in tests/test_decode.py."""
+nvjpeg's batched decode is tested in tests/test_decode.py, and here its ordering against
+the caller's stream."""
 
 from __future__ import annotations
 
@@ -148,3 +149,33 @@ def test_a_cuda_bf16_run_augments_on_gpu_shares_and_covers_every_image(jpeg_tree
     assert all(c["exactly_once"] for c in summary["coverage"]), summary["coverage"]
     assert summary["train_images"] + summary["val_images"] == 161  # the split counts the bad file too
     assert summary["val_acc"] > 0.25  # four tinted classes: better than chance after two epochs
+
+
+def test_the_batched_decoder_never_writes_over_memory_the_callers_queued_kernels_read():
+    """pytorch/vision#9606's reproducer, through augment.decode.decode_cuda: the caller's
+    stream is held busy, then reads tensors that are freed at once, so the caching allocator
+    may hand their blocks to the decoder's outputs. Unordered, the decoder writes them before
+    those reads run (199 of 200 iterations corrupted on an H100). Every queued sum and every
+    decoded image must come out as computed alone."""
+    from augment.decode import decode_cuda, read_header
+    from bench.decode import encoded_photos
+
+    device = torch.device("cuda")
+    files = encoded_photos("imagenet", 8)
+    jpeg = [read_header(f)[2] for f in files]
+    reference = [int(image.sum()) for image in decode_cuda(files, jpeg, device)]
+    sizes = [image.numel() for image in decode_cuda(files, jpeg, device)]
+    corrupted = []
+    for iteration in range(200):
+        victims = [
+            torch.full((n // 4,), float(i + 1), device=device) for i, n in enumerate(sizes)
+        ]  # the outputs' bytes
+        expected = [v.numel() * (i + 1) for i, v in enumerate(victims)]
+        torch.cuda._sleep(200_000_000)  # the caller's stream busy for a while (PyTorch's own tests' stall)
+        sums = [v.sum() for v in victims]  # queued reads of the victims
+        del victims  # freed while those reads still wait
+        decoded = decode_cuda(files, jpeg, device)
+        got = [float(s) for s in sums]
+        if got != expected or [int(image.sum()) for image in decoded] != reference:
+            corrupted.append(iteration)
+    assert not corrupted, f"{len(corrupted)} of 200 iterations corrupted (first: {corrupted[0]})"
