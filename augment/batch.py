@@ -25,6 +25,7 @@ def decode_augment(
     *,
     shrink: bool,
     nvjpeg: bool | None = None,
+    ragged: bool = True,
 ):
     """Encoded files -> (uint8 (B', S, S, 3), indices of the B' rows kept, [(row, reason)] of the rest).
 
@@ -39,7 +40,8 @@ def decode_augment(
     on the CPU, so that the decoded pixels of a chunk are augmented while in the caches, the
     whole batch at once on a GPU. `nvjpeg` (default: on a CUDA device) picks the batched
     decode call, which torchvision also runs on CPU tensors: the tests take the GPU path
-    through it on a machine without one.
+    through it on a machine without one. `ragged=False` gives that path the canvas it had
+    before (a padded batch, the matmul resampler), for bench/gpu_path.py to compare.
     """
     nvjpeg = device.type == "cuda" if nvjpeg is None else nvjpeg
     pipe = pipeline.at_epoch(epoch)
@@ -65,9 +67,12 @@ def decode_augment(
         if not good:
             continue
         sel = torch.tensor(good, dtype=torch.int64, device=device) + c.start  # the decoded images' rows among the n
-        if nvjpeg:  # every image to the first op as it was decoded, in one buffer: no canvas
+        if nvjpeg and ragged:  # every image to the first op as it was decoded, in one buffer: no canvas
             canvas = RaggedImages.from_images(images, device, CHW)
             decoded = canvas.sizes
+        elif nvjpeg:
+            canvas, decoded = to_canvas([a.permute(1, 2, 0) if isinstance(a, torch.Tensor) else a for a in images])
+            canvas, decoded = canvas.to(device), decoded.to(device)
         elif pipe.takes_image_list:
             canvas = [torch.from_numpy(a) for a in images]
             decoded = torch.tensor([a.shape[:2] for a in images], dtype=torch.int64)

@@ -198,7 +198,12 @@ def _horizontal(batch: RaggedImages, rows, y, x0, wx, dtype) -> torch.Tensor:
     n = batch.pixels.numel() - (kx - 1) * px
     windows = batch.pixels.as_strided((n, kx), (1, px))  # every run of kx pixels of a channel
     picked = windows.index_select(0, index.reshape(-1)).view(*start.shape, kx)  # (R, ow, 3, Kx) uint8
-    return (picked.to(dtype) * wx.to(dtype)[rows][:, :, None, :]).sum(-1)
+    weights = wx.to(dtype)[rows]  # (R, ow, Kx)
+    if picked.device.type == "cuda":  # one multiply and one reduction, bound by memory
+        return (picked.to(dtype) * weights[:, :, None, :]).sum(-1)
+    # a (3, Kx) @ (Kx, 1) product per band row and output column: on a CPU this spares the memory
+    # of the (R, ow, 3, Kx) product (docs/design.md, "Choices and where they were measured")
+    return torch.matmul(picked.to(dtype), weights[..., None])[..., 0]
 
 
 def crop(batch: RaggedImages, top, left, out_hw, fill: float = 0.0) -> torch.Tensor:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, one script for one H200 (16 cores): 4 min 37 s in its last
-# run; its steps' time limits add up to 9 min 15 s (photos 45 s, train 240, decode 120, tests 150):
+# run (before the gpu_path step); its steps' time limits add up to 11 min 15 s (photos 45 s, train
+# 240, decode 120, gpu_path 90, tests 180):
 # end-to-end ResNet18 at 224 px in bf16 (jobs.train vs the seed's plain script vs synthetic
 # batches on the device), decode (nvjpeg) + augment from JPEG bytes, the gpu-marked tests,
 # and with PIPELINES=1 the augment stage against the seed's pipelines on the device.
@@ -48,9 +49,15 @@ step decode
 timeout 120 "$PY" -m bench.decode --device cuda --batch-sizes 256 1024 --processes 4 --seconds 3 \
     --json "$OUT/decode-cuda.json" 2>&1 | tee "$OUT/decode-cuda.txt"
 
-# 4. correctness on CUDA (at most 150 s)
+# 3b. the GPU path without a canvas (augment/ragged.py) against the canvas before it, side by
+# side: operations dispatched per batch and img/s, batches of 256 and 1,024 (at most 90 s)
+step gpu_path
+timeout 90 "$PY" -m bench.gpu_path --batch-sizes 256 1024 --seconds 4 --paths ragged canvas \
+    --json "$OUT/gpu-path-cuda.json" 2>&1 | tee "$OUT/gpu-path-cuda.txt"
+
+# 4. correctness on CUDA, the decoder's stream ordering included (at most 180 s)
 step tests
-timeout 150 "$PY" -m pytest -m gpu -rs -q -p no:cacheprovider tests/test_gpu.py tests/test_decode.py 2>&1 | tee "$OUT/tests.txt"
+timeout 180 "$PY" -m pytest -m gpu -rs -q -p no:cacheprovider tests/test_gpu.py tests/test_decode.py 2>&1 | tee "$OUT/tests.txt"
 
 # 5. the augment stage alone against the seed's pipelines (at most 80 s; only with PIPELINES=1)
 if [ "${PIPELINES:-0}" = 1 ]; then

@@ -20,7 +20,9 @@ A `TorchDispatchMode` counts the torch operations one batch dispatches, in three
 Target (the GPU stage's issue): the same `ops` for a batch of 256 and of 1,024, that is,
 nothing launched per image. Columns: ops, views, decoder per batch size, and img/s over
 `--seconds` of repeated batches (on the CPU, one torch thread: a slow path there, since the
-CPU's own path resamples per image; see docs/design.md).
+CPU's own path resamples per image; see docs/design.md). `--paths ragged canvas` also runs
+the path as it was before augment/ragged.py (the batch copied into a padded canvas, the
+matmul resampler), side by side.
 """
 
 from __future__ import annotations
@@ -55,29 +57,48 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def one_batch(pipeline: Pipeline, files: list[bytes], device: torch.device, epoch: int) -> torch.Tensor:
+def one_batch(pipeline: Pipeline, files: list[bytes], device: torch.device, epoch: int, ragged: bool) -> torch.Tensor:
     keys = torch.arange(len(files), dtype=torch.int64) * 7919 + epoch
-    out, kept, bad = decode_augment(pipeline, files, keys, epoch, device, shrink=False, nvjpeg=True)
+    out, kept, bad = decode_augment(pipeline, files, keys, epoch, device, shrink=False, nvjpeg=True, ragged=ragged)
     if bad or len(kept) != len(files):
         raise RuntimeError(f"bench: {len(bad)} of the generated files did not decode: {bad[:3]}")
     return out
 
 
-def count(pipeline: Pipeline, files: list[bytes], device: torch.device) -> OpCounter:
-    one_batch(pipeline, files, device, 0)  # warm-up: lazy imports, the allocator
+def count(pipeline: Pipeline, files: list[bytes], device: torch.device, ragged: bool) -> OpCounter:
+    one_batch(pipeline, files, device, 0, ragged)  # warm-up: lazy imports, the allocator
     with OpCounter() as counter:
-        one_batch(pipeline, files, device, 1)
+        one_batch(pipeline, files, device, 1, ragged)
     return counter
 
 
-def images_per_s(pipeline: Pipeline, files: list[bytes], device: torch.device, seconds: float) -> float:
+def images_per_s(pipeline: Pipeline, files: list[bytes], device: torch.device, seconds: float, ragged: bool) -> float:
     start, n, epoch = time.perf_counter(), 0, 2
     while time.perf_counter() - start < seconds or n == 0:
-        one_batch(pipeline, files, device, epoch)
+        one_batch(pipeline, files, device, epoch, ragged)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         n, epoch = n + len(files), epoch + 1
     return n / (time.perf_counter() - start)
+
+
+def measure(pipeline, distinct, device, batch_sizes, seconds: float, path: str) -> dict:
+    """One path's counts and img/s for each batch size, printed as they come."""
+    figures = {"ops_per_batch": {}, "views_per_batch": {}, "decoder_calls_per_batch": {}, "images_per_s": {}}
+    for batch in batch_sizes:
+        files = [distinct[i % len(distinct)] for i in range(batch)]
+        kinds = count(pipeline, files, device, path == "ragged").kinds
+        rate = images_per_s(pipeline, files, device, seconds, path == "ragged")
+        for name, value in (
+            ("ops_per_batch", kinds["ops"]),
+            ("views_per_batch", kinds["views"]),
+            ("decoder_calls_per_batch", kinds["decoder"]),
+            ("images_per_s", round(rate, 1)),
+        ):
+            figures[name][str(batch)] = value
+        print(f"{path:<7} {batch:>6} {kinds['ops']:>6} {kinds['views']:>6} {kinds['decoder']:>8} {rate:>9.1f}")
+    figures["nothing_per_image"] = len(set(figures["ops_per_batch"].values())) == 1
+    return figures
 
 
 def main(argv=None) -> dict:
@@ -86,6 +107,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--images", type=int, default=256, help="distinct JPEGs, cycled to fill a batch")
     ap.add_argument("--seconds", type=float, default=10.0, help="timing per batch size")
+    ap.add_argument(
+        "--paths", nargs="+", default=["ragged"], choices=("ragged", "canvas"), help="canvas: the padded batch before"
+    )
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -93,24 +117,12 @@ def main(argv=None) -> dict:
     distinct = encoded_photos("imagenet", args.images)
     pipeline = Pipeline(PRESETS["imagenet"].train, seed=0).to(device)
     result = {"device": str(device), "preset": "imagenet", "torch_threads": 1}
-    result |= {"ops_per_batch": {}, "views_per_batch": {}, "decoder_calls_per_batch": {}, "images_per_s": {}}
-    print(f"{'batch':>6} {'ops':>6} {'views':>6} {'decoder':>8} {'img/s':>9}")
-    for batch in args.batch_sizes:
-        files = [distinct[i % len(distinct)] for i in range(batch)]
-        counter = count(pipeline, files, device)
-        rate = images_per_s(pipeline, files, device, args.seconds)
-        for name, value in (
-            ("ops_per_batch", counter.kinds["ops"]),
-            ("views_per_batch", counter.kinds["views"]),
-            ("decoder_calls_per_batch", counter.kinds["decoder"]),
-            ("images_per_s", round(rate, 1)),
-        ):
-            result[name][str(batch)] = value
-        kinds = counter.kinds
-        print(f"{batch:>6} {kinds['ops']:>6} {kinds['views']:>6} {kinds['decoder']:>8} {rate:>9.1f}")
-    sizes = [str(b) for b in args.batch_sizes]
-    result["nothing_per_image"] = len({result["ops_per_batch"][b] for b in sizes}) == 1
-    print(f"ops per batch the same for every batch size: {result['nothing_per_image']}")
+    print(f"{'path':<7} {'batch':>6} {'ops':>6} {'views':>6} {'decoder':>8} {'img/s':>9}")
+    for path in args.paths:
+        figures = measure(pipeline, distinct, device, args.batch_sizes, args.seconds, path)
+        result |= figures if path == "ragged" else {path: figures}  # the job's path at the top level
+    if "ragged" in args.paths:
+        print(f"ragged: ops per batch the same for every batch size: {result['nothing_per_image']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
