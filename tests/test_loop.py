@@ -281,6 +281,7 @@ def _built_learner(monkeypatch, cfg: TrainConfig, mix: dict | None) -> Learner:
         class_names=("a", "b", "c"),
         preset=dataclasses.replace(PRESETS["cifar"], mean=MEAN, std=STD, mix=mix),
         train_images=64,
+        rows_grouped=False,
         threads_per_worker=1,
         sizes=None,
         ingest=IngestNeeds(worker=(1.0, 0.0), tasks=((0.5, 0.0),), autoscaling=False),
@@ -360,3 +361,25 @@ def test_a_step_trains_on_the_mixers_images_and_soft_targets(monkeypatch, mix):
     if drawn["mode"] != "none":  # neither the unmixed images nor the unmixed targets give that loss
         assert abs(loss - _soft_loss(before(x), targets)) > 0.01
         assert abs(loss - _soft_loss(logits, smoothed)) > 0.01
+
+
+def test_the_feed_mixes_rows_only_where_they_come_in_fixed_groups(ray_cluster):
+    """A tree's files are read in a new permutation every epoch, so the feed adds no local
+    shuffle buffer there and a batch is a run of rows as read; a prepared split's row groups
+    are fixed, so from epoch 1 on its rows are mixed across blocks."""
+    import ray
+
+    ds = ray.data.range(512, override_num_blocks=8)
+
+    def batches(shuffle: bool, epoch: int) -> list[list[int]]:
+        it = feed.train_batches(ds.iterator(), 32, torch.device("cpu"), epoch, seed=0, rank=0, shuffle=shuffle)
+        return [b["id"].tolist() for b in it]
+
+    def runs(got):  # batches that are one run of consecutive rows
+        return sum(b == list(range(b[0], b[0] + len(b))) for b in got)
+
+    for shuffle, epoch in ((False, 0), (False, 3), (True, 0)):
+        got = batches(shuffle, epoch)
+        assert sorted(sum(got, [])) == list(range(512)) and runs(got) == len(got) == 16, (shuffle, epoch)
+    mixed = batches(True, 1)
+    assert sorted(sum(mixed, [])) == list(range(512)) and runs(mixed) == 0

@@ -67,6 +67,11 @@ class Split:
         return len(self.rel_paths)
 
     @property
+    def grouped(self) -> bool:
+        """Read in fixed groups of rows (a prepared split's row groups), not file by file."""
+        return False
+
+    @property
     def paths(self) -> list[str]:
         """Every file's absolute path or URI (built on demand: the split keeps relative paths)."""
         return [f"{self.root}/{r}" for r in self.rel_paths]

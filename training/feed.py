@@ -115,6 +115,29 @@ class BatchFeed:
                 self.watch.check(waited)
 
 
+def train_batches(shard, batch_size: int, device: torch.device, epoch: int, *, seed: int, rank: int, shuffle: bool):
+    """One epoch of a rank's training batches from its shard (a Ray DataIterator), as the
+    trainer steps on them: uint8 images and their columns as tensors on `device`.
+
+    - No local shuffle buffer where every epoch already reads the files in a permutation of its
+      own (training/ingest.py): consecutive files of a uniform permutation are already a uniform
+      random partition into batches, as torch's RandomSampler makes. The buffer only mixes
+      (`shuffle`) where the rows come in fixed groups: a prepared split's row groups, whose
+      members would otherwise share a batch every epoch (docs/design.md, "Hand-off").
+    - The first epoch also goes without block prefetch, so its first step starts on its first
+      block; on a GPU, batches are pinned before their copy to the device.
+    """
+    first = epoch == 0
+    return shard.iter_torch_batches(
+        batch_size=batch_size,
+        device=device,
+        local_shuffle_buffer_size=min(4 * batch_size, 2048) if shuffle and not first else None,
+        local_shuffle_seed=seed * 1_000_003 + epoch * 1009 + rank,  # per epoch and rank
+        prefetch_batches=0 if first else 2,
+        pin_memory=device.type == "cuda",
+    )
+
+
 class EpochData:
     """This rank's batches: a feed per training epoch, the validation split at each evaluation."""
 
@@ -123,6 +146,7 @@ class EpochData:
         self.clock, self.cfg, self.rank, self.device = spec.clock, cfg, rank, device
         self.per_worker = cfg.batch_size // world
         self.train = ray.train.get_dataset_shard("train")
+        self.shuffle = spec.rows_grouped
         # "val" is asked for at the first validation: with several workers, its split
         # coordinator (one more process) starts after the first steps
         self.val = None
@@ -131,17 +155,8 @@ class EpochData:
     def feed(self, epoch: int) -> BatchFeed:
         if self.rank == 0:  # before this rank asks for the epoch's data: the split barrier holds the others
             advance(self.clock, epoch)
-        # Every epoch reads the files in a permutation of its own (training/ingest.py), so at
-        # epoch 0 a local shuffle adds little, and Ray Data's would hold back the first batch until
-        # batch + 1.5 x buffer rows had arrived; block prefetch would wait for the second
-        # block. Without both, the first step starts on the first block.
-        first = epoch == 0
-        batches = self.train.iter_torch_batches(
-            batch_size=self.per_worker,
-            device=self.device,
-            local_shuffle_buffer_size=None if first else min(4 * self.per_worker, 2048),
-            local_shuffle_seed=self.cfg.seed * 1_000_003 + epoch * 1009 + self.rank,  # per epoch and rank
-            prefetch_batches=0 if first else 2,
+        batches = train_batches(
+            self.train, self.per_worker, self.device, epoch, seed=self.cfg.seed, rank=self.rank, shuffle=self.shuffle
         )
         return BatchFeed(batches, self.watch)
 

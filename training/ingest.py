@@ -141,7 +141,7 @@ class SplitSource(Datasource):
         rows_per_task: int = ROWS_PER_TASK,
     ):
         super().__init__()
-        self._prepared = getattr(split, "row_groups", None) is not None
+        self._prepared = split.grouped
         if self._prepared:
             units = split.row_groups
         else:
@@ -201,7 +201,7 @@ class SplitSource(Datasource):
 def read_plan(split: Split, rows_per_task: int) -> tuple[int, int]:
     """(files or row groups per read task, read tasks) of an execution of `split`: at most
     rows_per_task rows and TASK_BYTES a task, and a few tasks at least."""
-    units = len(split.row_groups) if getattr(split, "row_groups", None) is not None else len(split)
+    units = len(split.row_groups) if split.grouped else len(split)
     mean_bytes = split.total_bytes / max(1, len(split))
     rows = min(rows_per_task, max(MIN_ROWS_PER_TASK, math.ceil(len(split) / MIN_TASKS)))
     rows = max(1, min(rows, int(TASK_BYTES // max(1.0, mean_bytes))), math.ceil(len(split) / MAX_TASKS))

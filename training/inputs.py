@@ -44,7 +44,7 @@ def typical_size(split) -> tuple[int, int] | None:
 
     import numpy as np
 
-    if getattr(split, "row_groups", None) is not None or not len(split):
+    if split.grouped or not len(split):
         return None
     fs, base, _ = storage.filesystem(split.root)
     picks = np.unique(np.linspace(0, len(split) - 1, min(SAMPLED_HEADERS, len(split))).round().astype(int))

@@ -184,6 +184,7 @@ class Attempt:
             class_names=tuple(self.tree.class_names),
             preset=preset,
             train_images=len(self.tree.train),
+            rows_grouped=self.tree.train.grouped,
             threads_per_worker=plan.threads_per_worker,
             sizes=tuple(preset.train_sides(cfg.progressive_resize, cfg.epochs)) if self.resizes else None,
             ingest=IngestNeeds(worker=plan.worker, tasks=tuple(plan.ingest_tasks()), autoscaling=self.autoscaling),

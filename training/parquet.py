@@ -45,6 +45,10 @@ class PreparedSplit(Split):
     shards: tuple[str, ...] = ()  # shard URIs, in the order they were written
     row_groups: np.ndarray | None = None  # int64 (n, 3): shard index, row group, rows; read in a new order every epoch
 
+    @property
+    def grouped(self) -> bool:
+        return self.row_groups is not None
+
 
 def is_prepared(root: str) -> bool:
     """Is `root` the output of jobs.prepare (has its manifest)?"""

@@ -44,6 +44,7 @@ class WorkerSpec:
     class_names: tuple[str, ...]
     preset: Preset  # at the run's size: its normalisation and MixUp/CutMix apply on the worker
     train_images: int  # the split's files: steps per epoch for the schedule
+    rows_grouped: bool  # a prepared split, read in fixed row groups: the feed mixes them (training/feed.py)
     threads_per_worker: int
     sizes: tuple[int, ...] | None  # --progressive-resize: each epoch's training side; None: fixed
     ingest: IngestNeeds

@@ -1,0 +1,112 @@
+"""The hand-off: augmented 224 px blocks from a Ray Data map stage to a trainer's batches (not a test).
+
+    python -m bench.handoff                          # 16,384 images an epoch, batches of 256
+    python -m bench.handoff --epochs 5 --json handoff.json
+
+Ray Data tasks make uint8 (256, 224, 224, 3) blocks with the augment stage's columns (image,
+label, key, epoch), as the augment tasks hand them on; the trainer's side takes them through
+`training.feed.train_batches`, the call the train workers make, on the CPU. Two feeds side
+by side, epoch by epoch in turn (these machines are noisy):
+
+* job      what the job does for an image tree: no local shuffle buffer;
+* shuffle  with the local shuffle buffer (what the job keeps for prepared shards' row groups).
+
+Columns: img/s (best of --epochs) and host CPU per image, in µs: the whole machine's busy
+CPU time over the epoch (every Ray process, the block's making included) per image, median
+over the epochs. Target (the GPU stage's issue): at most 150 µs of host CPU per image.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import time
+
+import numpy as np
+import psutil
+import torch
+
+SIDE = 224
+
+
+def busy_s() -> float:
+    """The machine's CPU time spent busy so far, all cores (s)."""
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+
+
+@functools.lru_cache(maxsize=1)
+def template() -> np.ndarray:
+    """A batch of pixels, made once per worker process."""
+    return np.random.default_rng(0).integers(0, 256, (256, SIDE, SIDE, 3), dtype=np.uint8)
+
+
+def make_block(batch: dict) -> dict:
+    """A map task's output block: a copy of a template batch, as an augment task writes its
+    output (no random numbers: their cost is not the hand-off's)."""
+    n = len(batch["id"])
+    image = np.empty((n, SIDE, SIDE, 3), dtype=np.uint8)
+    image[:] = template()[:n]
+    ids = batch["id"].astype(np.int64)
+    return {"image": image, "label": ids % 10, "key": ids * 7919, "epoch": np.ones(n, np.int64)}
+
+
+def dataset(images: int, block_rows: int):
+    """Blocks made by Ray Data tasks, as the job's augment tasks make them."""
+    import ray
+
+    blocks = max(1, images // block_rows)
+    return ray.data.range(images, override_num_blocks=blocks).map_batches(make_block, batch_size=block_rows)
+
+
+def epoch(ds, batch_size: int, shuffle: bool, number: int) -> tuple[float, float]:
+    """(img/s, busy µs per image) of one epoch through train_batches."""
+    from training.feed import train_batches
+
+    busy, start, n = busy_s(), time.perf_counter(), 0
+    for batch in train_batches(ds.iterator(), batch_size, torch.device("cpu"), number, seed=0, rank=0, shuffle=shuffle):
+        n += len(batch["image"])
+    wall, cpu = time.perf_counter() - start, busy_s() - busy
+    return n / wall, cpu / n * 1e6
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m bench.handoff", description=__doc__.split("\n")[0])
+    ap.add_argument("--images", type=int, default=16384, help="images an epoch")
+    ap.add_argument("--batch-size", type=int, default=256, help="the trainer's batch")
+    ap.add_argument("--block-rows", type=int, default=256, help="rows a map task hands on")
+    ap.add_argument("--epochs", type=int, default=4, help="measured epochs per feed (after one warm-up each)")
+    ap.add_argument("--json", metavar="FILE")
+    args = ap.parse_args(argv)
+    import ray
+
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    from bench.handoff import dataset as by_name  # pickled by module name, not as __main__'s
+
+    ds = by_name(args.images, args.block_rows)
+    feeds = {"job": False, "shuffle": True}
+    runs = {name: [] for name in feeds}
+    for shuffle in feeds.values():
+        epoch(ds, args.batch_size, shuffle, 1)  # warm-up: the map stage's workers start
+    for _ in range(args.epochs):
+        for name, shuffle in feeds.items():
+            runs[name].append(epoch(ds, args.batch_size, shuffle, 1))  # epoch 1: the buffer applies
+    result = {"cpus": os.cpu_count(), "images": args.images, "batch_size": args.batch_size, "feeds": {}}
+    print(f"{'feed':<8} {'img/s':>8} {'host CPU µs/img':>16}")
+    for name, measured in runs.items():
+        rate, cpu = max(r for r, _ in measured), statistics.median(c for _, c in measured)
+        result["feeds"][name] = {"images_per_s": round(rate, 1), "host_cpu_us_per_image": round(cpu, 1)}
+        print(f"{name:<8} {rate:>8.1f} {cpu:>16.1f}")
+    result |= result["feeds"]["job"]  # the job's own figures at the top level
+    ray.shutdown()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()
