@@ -39,6 +39,8 @@ from training.results import report_bad_files, write_bad_files, write_results
 from training.spec import IngestNeeds, StallLimits, WorkerSpec
 from training.stamp import EpochClock, StaleBatch
 
+HEALTH_CHECK_ENV, HEALTH_CHECK_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", 0.5
+
 
 class TrainingFailed(RuntimeError):
     """Training started but did not finish."""
@@ -198,6 +200,11 @@ class Attempt:
         checkpoint kept (the best val_acc), and the datasets split as SplitValUnequally says.
         Ray Train restarts nothing itself (max_failures=0): _fit does, with a plan made again."""
         cfg = self.cfg
+        # how often Ray Train's controller polls the workers, which it reads from the driver's
+        # environment when the trainer starts: it notices the end of a run (and a dead worker)
+        # at its next poll (docs/design.md, "Choices and where they were measured"); a value the
+        # user set is kept
+        os.environ.setdefault(HEALTH_CHECK_ENV, str(HEALTH_CHECK_S))
         return (ray_private.trainer_without_placement_group_cleaner() if self.own_cluster else TorchTrainer)(
             train_loop,
             train_loop_config={"spec": self.worker_spec(plan)},
