@@ -164,7 +164,7 @@ def test_the_batched_decoder_never_writes_over_memory_the_callers_queued_kernels
     files = encoded_photos("imagenet", 8)
     jpeg = [read_header(f)[2] for f in files]
     reference = [int(image.sum()) for image in decode_cuda(files, jpeg, device)]
-    sizes = [image.numel() for image in decode_cuda(files, jpeg, device)]
+    sizes = [int(image.nbytes) for image in decode_cuda(files, jpeg, device)]
     corrupted = []
     for iteration in range(200):
         victims = [
