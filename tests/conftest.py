@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -50,12 +51,22 @@ def bar_frames(text: str) -> list[tuple[int, float, float]]:
 _shared: dict = {}  # the session's cluster, so that `own_cluster` tests can stop it first
 
 
+# the tests' runs train with torchvision's ImageNet stem unless a test asks for another:
+# `--small-stem auto` takes the small-image stem for their 32 px images, whose steps cost about
+# five times as much on the 2-core machine (docs/benchmarks.md, "Small-image stem"); the stem
+# rule has tests of its own (tests/test_train_job.py)
+TEST_STEM = "off"
+
+
 def prepare(cfg):
     """training.inputs.prepare with a built-in preset loaded too: (cfg, tree, preset), what
-    jobs.train hands training.job.run."""
+    jobs.train hands training.job.run; a config that leaves --small-stem at auto trains with
+    TEST_STEM."""
     from augment.presets import load_preset
     from training.inputs import prepare as check
 
+    if cfg.small_stem == "auto":
+        cfg = dataclasses.replace(cfg, small_stem=TEST_STEM)
     cfg, tree, name, preset = check(cfg)
     return cfg, tree, preset or load_preset(name)
 

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.conftest import bar_frames, prepare, registered_checkpoint, write_tree
+from tests.conftest import TEST_STEM, bar_frames, prepare, registered_checkpoint, write_tree
 from training import job, planning
 from training.config import TrainConfig
 from training.data import DataError
@@ -372,6 +372,8 @@ def test_ctrl_c_while_a_checkpoint_goes_to_s3_stops_cleanly_and_the_next_run_res
         "s3://runs",
         "--name",
         "interrupted",
+        "--small-stem",
+        TEST_STEM,
     ]
     env = {**os.environ, "RAY_ADDRESS": ""}
     s3.gate.hold("/runs/interrupted/checkpoint_epoch_0002/checkpoint.pt")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import registered_checkpoint, write_tree
+from tests.conftest import TEST_STEM, registered_checkpoint, write_tree
 
 REPO = Path(__file__).resolve().parents[1]
 # what the console of a clean run, or of one that survived a fault, must not show
@@ -86,7 +86,7 @@ def _start(cluster, tmp_path, *, head_cpus: int, node_cpus: int, per_class: int,
     head.wait_for_nodes()
     data = write_tree(tmp_path / "data", {"a": per_class, "b": per_class})
     flags.pop("before", lambda: None)()  # changes to the tree before the job starts
-    flags = {"batch_size": 16, "val_fraction": 0.25} | flags
+    flags = {"batch_size": 16, "val_fraction": 0.25, "small_stem": TEST_STEM} | flags
     return head, doomed, Job(head.address, tmp_path, data=str(data), **flags)
 
 
@@ -128,7 +128,7 @@ def _train_worker_on(address: str, node_id: str) -> bool:
 
 
 def test_a_lost_worker_node_is_told_in_one_line_and_the_run_completes_on_its_replacement(cluster, tmp_path):
-    """A spot node taken back: killed (no shutdown), a new node 10 s later. The job's own actors
+    """A spot node taken back: killed (no shutdown), a new node 5 s later. The job's own actors
     live with the driver, so the node that goes holds none of them."""
     broken = tmp_path / "data" / "a" / "broken.png"  # reported before the loss: still listed after it
     head, doomed, job = _start(
@@ -150,7 +150,7 @@ def test_a_lost_worker_node_is_told_in_one_line_and_the_run_completes_on_its_rep
         assert actors.get(name) == driver_node, (name, actors)  # with the driver: the lost node cannot take them
     assert _train_worker_on(head.address, doomed.node_id)  # the fault hits a train worker
     head.remove_node(doomed, allow_graceful=False)  # the fault: the machine is gone
-    time.sleep(10)
+    time.sleep(5)
     head.add_node(num_cpus=2)
     code = job.wait(600)
     text = job.text()

@@ -23,6 +23,8 @@ RAY_NOTICES_SKIPPED = "|".join(
         r"has been marked dead because the detector has missed too many heartbeats",
         r"gcs_placement_group_scheduler\.cc:\d+: Failed to remove",
         r"PYTHON worker processes have been started on node",
+        # Ray Data's tasks on a node that went are retried by Ray: a fault the job survives
+        r"Task \S+ failed\. There are \S+ retries remaining, so the task will be retried\..*search the node ID",
     )
 )
 
