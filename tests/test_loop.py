@@ -197,6 +197,25 @@ def test_batch_feed_hands_over_every_batch_and_the_source_error():
         next(feed)
 
 
+def test_a_lone_last_image_joins_the_batch_before_it_and_trains_under_the_imagenet_stem():
+    """17 images in batches of 8 end with a batch of one, which batch norm refuses at 1 x 1
+    (torchvision's stem at 32 px): it is folded into the batch before, nothing lost."""
+    batches = _batches(3, epoch=0)
+    batches[2] = {k: v[:1] for k, v in batches[2].items()}
+    folded = list(feed.fold_lone_last(iter(batches), 8))
+    assert [len(b["label"]) for b in folded] == [8, 9]
+    assert torch.equal(folded[1]["key"], torch.cat([batches[1]["key"], batches[2]["key"]]))
+    assert torch.equal(folded[1]["image"][8], batches[2]["image"][0])
+    # batches that are all of one image (a batch size of one per rank) stay as they are
+    ones = [{k: v[:1] for k, v in b.items()} for b in batches]
+    assert [len(b["label"]) for b in feed.fold_lone_last(iter(ones), 1)] == [1, 1, 1]
+
+    learner = _learner(TrainConfig(data="unused"), resnet18(3, small_stem=False))
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        train_epoch(learner, batches, epoch=0, rank=0)  # the bug the fold prevents
+    assert train_epoch(learner, folded, epoch=0, rank=0)["train_images"] == 17
+
+
 def test_batch_feed_asks_the_watch_while_no_batch_comes_and_stops_on_its_error():
     never = threading.Event()
 

@@ -138,6 +138,23 @@ def train_batches(shard, batch_size: int, device: torch.device, epoch: int, *, s
     )
 
 
+def fold_lone_last(batches, batch_size: int):
+    """The batches, with a last batch of one image folded into the one before it: batch norm
+    cannot train on one value per channel, which a lone image gives it wherever a feature map
+    is 1 x 1 (torchvision's ResNet stem at 32 px). Every rank has the same number of rows (the
+    equal split), so every rank folds alike and takes the same number of steps. Holds one batch
+    back to see the end."""
+    held = None
+    for batch in batches:
+        if held is not None and batch_size > 1 and len(batch["label"]) == 1:
+            batch = {k: torch.cat([held[k], v]) for k, v in batch.items()}
+        elif held is not None:
+            yield held
+        held = batch
+    if held is not None:
+        yield held
+
+
 class EpochData:
     """This rank's batches: a feed per training epoch, the validation split at each evaluation."""
 
@@ -158,7 +175,7 @@ class EpochData:
         batches = train_batches(
             self.train, self.per_worker, self.device, epoch, seed=self.cfg.seed, rank=self.rank, shuffle=self.shuffle
         )
-        return BatchFeed(batches, self.watch)
+        return BatchFeed(fold_lone_last(batches, self.per_worker), self.watch)
 
     def validation(self):
         if self.val is None:  # every rank asks at once: a barrier
