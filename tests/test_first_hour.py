@@ -221,8 +221,8 @@ def _guide_block_after(heading: str) -> list[str]:
 
 def test_the_guides_config_examples_run_in_order_and_the_second_goes_on_with_the_first(ray_cluster, tmp_path, capsys):
     """docs/guide.md, "Configuration files": the second command continues the first run, its records
-    kept. Run as printed with the tree in place of ~/cifar10, and the epochs scaled down (30 -> 2
-    in a copy of the config file, --epochs 40 -> 3, batch 64) to fit a test."""
+    kept. Run as printed with the tree in place of ~/cifar10, and scaled down to fit a test in a
+    copy of the config file (30 epochs -> 1, batch 64, torchvision's stem) and --epochs 40 -> 2."""
     import csv
     import json
     import shlex
@@ -230,17 +230,17 @@ def test_the_guides_config_examples_run_in_order_and_the_second_goes_on_with_the
     import yaml
 
     from jobs import train as train_job
-    from tests.conftest import split_coordinators
+    from tests.conftest import TEST_STEM, split_coordinators
 
     first, second = _guide_block_after("### Configuration files")
     config = yaml.safe_load((REPO / "configs" / "cifar-local.yaml").read_text())
     assert config["epochs"] == 30 and "--epochs 40" in second  # what the guide says of them
-    config |= {"epochs": 2, "batch_size": 64, "storage_path": str(tmp_path / "runs")}
+    config |= {"epochs": 1, "batch_size": 64, "small_stem": TEST_STEM, "storage_path": str(tmp_path / "runs")}
     (tmp_path / "cifar-local.yaml").write_text(yaml.safe_dump(config))
     data = write_tree(tmp_path / "cifar10", {"cat": 40, "dog": 40, "eel": 40})
 
     def argv(command):
-        words = shlex.split(command.replace("~/cifar10", str(data)).replace("--epochs 40", "--epochs 3"))
+        words = shlex.split(command.replace("~/cifar10", str(data)).replace("--epochs 40", "--epochs 2"))
         words = [str(tmp_path / "cifar-local.yaml") if w == "configs/cifar-local.yaml" else w for w in words]
         assert words[:3] == [".venv/bin/python", "-m", "jobs.train"], words
         return words[3:] + ["--quiet"]
@@ -253,9 +253,9 @@ def test_the_guides_config_examples_run_in_order_and_the_second_goes_on_with_the
     assert split_coordinators() == coordinators  # one worker takes each dataset whole: no split coordinator
     assert train_job.main(argv(second)) == 0, capsys.readouterr().err[-3000:]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["resumed_at_epochs"] == [3] and summary["epochs"] == 3
+    assert summary["resumed_at_epochs"] == [2] and summary["epochs"] == 2
     rows = list(csv.DictReader(open(run / "metrics.csv")))
-    assert [r["epoch"] for r in rows] == ["1", "2", "3"] and rows[:2] == rows_after_first  # the first run's kept
+    assert [r["epoch"] for r in rows] == ["1", "2"] and rows[:1] == rows_after_first  # the first run's kept
     before, after = json.loads(config_after_first), json.loads((run / "config.json").read_text())
     assert before["class_names"] == after["class_names"] == ["cat", "dog", "eel"]
-    assert after["config"]["epochs"] == 3 and before["config"]["data"] == after["config"]["data"] == str(data)
+    assert after["config"]["epochs"] == 2 and before["config"]["data"] == after["config"]["data"] == str(data)
