@@ -21,6 +21,7 @@ LIGHT = {
     "augment.presets": ("torch",),
     "augment.schedule": ("torch",),
     "augment.decode": ("torch",),
+    "training.bounds": ("torch", "ray"),
     "training.config": ("torch", "ray"),
     "training.spec": ("torch", "ray"),
     "training.session": ("torch", "ray"),

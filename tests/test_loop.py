@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from augment.presets import PRESETS
 from training import audit, feed, loop
+from training.bounds import DataSlots
 from training.config import TrainConfig
 from training.feed import BatchFeed, IngestStalled, IngestWatch
 from training.loop import Learner, build_optimizer, build_scheduler, train_epoch
@@ -304,6 +305,7 @@ def _built_learner(monkeypatch, cfg: TrainConfig, mix: dict | None) -> Learner:
         threads_per_worker=1,
         sizes=None,
         ingest=IngestNeeds(worker=(1.0, 0.0), tasks=((0.5, 0.0),), autoscaling=False),
+        slots=DataSlots(read=2, augment=2, fused=True),
         stall=StallLimits(),
         clock=None,
         board=None,

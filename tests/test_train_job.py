@@ -15,6 +15,7 @@ import torchvision
 
 from tests.conftest import Terminal, bar_frames, prepare, split_coordinators, write_tree
 from training import audit, job, planning
+from training.bounds import STAGES
 from training.config import ConfigError, TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,6 +111,9 @@ def test_run_directory_has_sane_contents(two_worker_run):
     assert int(row["epoch"]) == 1 and {"val_top5", "val_loss", "lr", "train_loss"} <= set(row)
     (timing,) = _rows(run_dir / "timings.csv")
     assert 0.0 <= float(timing["data_wait_frac"]) <= 1.0 and float(timing["images_per_s"]) > 0
+    # what bounded the epoch (training/bounds.py): the two ranks' rows carried the stages' seconds
+    assert timing["bound"] in STAGES and float(timing["augment_busy"]) > 0 and float(timing["read_busy"]) > 0
+    assert summary["bound"]["stage"] == timing["bound"] and summary["bound"]["hint"]
 
     assert json.loads((run_dir / "summary.json").read_text()) == summary
     assert summary["world_size"] == 2 and summary["device"] == "cpu" and summary["num_classes"] == 5

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 
 import numpy as np
 import ray
@@ -41,6 +42,7 @@ from ray.data.datasource import Datasource, ReadTask
 
 from augment.decode import BadImage, decode_image, stack_images
 from training import ray_private
+from training.bounds import READ_COST
 from training.data import Split, label_of, stable_hash
 from training.stage import StageArgs, add_augment
 from training.stamp import current_epoch
@@ -211,6 +213,7 @@ def read_plan(split: Split, rows_per_task: int) -> tuple[int, int]:
 
 def _read_files(rel_paths, *, root, shards, class_names, label_part, decode, bad_log, relative_paths):
     """A read task: its files' bytes, path, label and key (label and key from each path)."""
+    started = time.perf_counter()
     rel = rel_paths.to_pylist()
     fs, base, prefix = filesystem(root)
     full = [f"{base}/{r}" for r in rel]
@@ -235,7 +238,7 @@ def _read_files(rel_paths, *, root, shards, class_names, label_part, decode, bad
         "label": np.array([label_of(r, index, label_part) for r in rel], dtype=np.int64),
         "key": np.array([stable_hash(r) for r in rel], dtype=np.int64),
     }
-    yield from _blocks(columns, decode, bad_log)
+    yield from _blocks(columns, decode, bad_log, started)
 
 
 def _read_row_groups(
@@ -246,6 +249,7 @@ def _read_row_groups(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    started = time.perf_counter()
     tables = []
     for shard, group, _ in groups:
         fs, path, _ = filesystem(shards[shard])
@@ -261,21 +265,23 @@ def _read_row_groups(
         "label": table.column("label").to_numpy(),
         "key": table.column("key").to_numpy(),
     }
-    yield from _blocks(columns, decode, bad_log)
+    yield from _blocks(columns, decode, bad_log, started)
 
 
-def _blocks(columns: dict, decode: bool | str, bad_log):
+def _blocks(columns: dict, decode: bool | str, bad_log, started: float):
     """The Arrow blocks of a read task: the encoded files, or (decode) the decoded images of
     those that decode, a block per DECODED_BLOCK_BYTES of pixels at most, the rest reported to
     the bad-file log; decode="check" yields only the bad files, {path, reason}, for the caller
-    to record."""
+    to record. Each block's rows carry their share of the task's time since `started`
+    (READ_COST; training/bounds.py), the time a fused augment call took in between left out."""
     import pyarrow as pa
 
     datas = columns["bytes"]  # a list of bytes (files), or a prepared shard's Arrow column
     if not decode:
         if not isinstance(datas, pa.ChunkedArray):
             datas = pa.array(datas, type=pa.binary())
-        yield pa.table({"bytes": datas} | {k: columns[k] for k in ("path", "label", "key")})
+        cost = _share(started, len(datas))
+        yield pa.table({"bytes": datas} | {k: columns[k] for k in ("path", "label", "key")} | {READ_COST: cost})
         return
     images, keep, bad, held, blocks = [], [], [], 0, 0
     for i, data in enumerate(datas.to_pylist() if isinstance(datas, pa.ChunkedArray) else datas):
@@ -289,24 +295,30 @@ def _blocks(columns: dict, decode: bool | str, bad_log):
             keep.append(i)
             held += image.nbytes
         if held >= DECODED_BLOCK_BYTES:
-            yield _decoded_block(columns, images, keep)
-            images, keep, held, blocks = [], [], 0, blocks + 1
+            yield _decoded_block(columns, images, keep, started)
+            images, keep, held, blocks, started = [], [], 0, blocks + 1, time.perf_counter()
     if decode == "check":
         yield pa.table({"path": [p for p, _ in bad], "reason": [r for _, r in bad]}, schema=_bad_schema())
         return
     if bad and bad_log is not None:
         bad_log.add.remote(bad)  # fire and forget: the driver reads the log after training
     if images or not blocks:
-        yield _decoded_block(columns, images, keep)
+        yield _decoded_block(columns, images, keep, started)
 
 
-def _decoded_block(columns: dict, images: list, keep: list[int]):
+def _share(started: float, rows: int) -> np.ndarray:
+    """Each of `rows` rows' share of the seconds since `started`."""
+    return np.full(rows, (time.perf_counter() - started) / max(rows, 1), dtype=np.float32)
+
+
+def _decoded_block(columns: dict, images: list, keep: list[int], started: float):
     out = {
         "image": stack_images(images),
         "label": np.asarray(columns["label"])[keep],
         "key": np.asarray(columns["key"])[keep],
     }
     out["path"] = np.asarray(columns["path"], dtype=object)[keep]
+    out[READ_COST] = _share(started, len(keep))
     return BlockAccessor.batch_to_block(out)
 
 

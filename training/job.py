@@ -26,6 +26,7 @@ from ray.train.torch import TorchTrainer
 from augment.presets import Preset
 from augment.schedule import parse_resize
 from training import artifacts, ray_private
+from training.bounds import DataSlots
 from training.config import ConfigError, TrainConfig
 from training.console import ConsoleFollower, ProgressBoard
 from training.data import BadFileLog, DataError, ImageTree
@@ -57,6 +58,10 @@ class Interrupted(RuntimeError):
             f"the last checkpoint is {name} in {run_dir}" if name else "before the first checkpoint: nothing to resume"
         )
         super().__init__(f"interrupted; {where}")
+
+
+def cluster_cpus() -> float:
+    return ray.cluster_resources().get("CPU", 0.0)
 
 
 def git_commit() -> str | None:
@@ -190,6 +195,7 @@ class Attempt:
             threads_per_worker=plan.threads_per_worker,
             sizes=tuple(preset.train_sides(cfg.progressive_resize, cfg.epochs)) if self.resizes else None,
             ingest=IngestNeeds(worker=plan.worker, tasks=tuple(plan.ingest_tasks()), autoscaling=self.autoscaling),
+            slots=DataSlots.of(plan, cluster_cpus(), decode_in_read=self.decode.where == "read"),
             stall=self.stall,
             clock=self.actors["clock"],
             board=self.actors["board"],

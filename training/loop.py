@@ -33,6 +33,7 @@ from augment.mix import MixUpCutMix, mix_generator
 from augment.ops import Normalize
 from training import artifacts
 from training.audit import KEY_MOD, shard_record, view_digest
+from training.bounds import AUGMENT_COST, COSTS, READ_COST, Bound, DataSlots, epoch_bound
 from training.config import TrainConfig
 from training.console import EpochProgress, quiet_worker_logs
 from training.feed import EpochData, IngestWatch
@@ -41,7 +42,8 @@ from training.spec import WorkerSpec
 from training.stamp import check_stamp, refuse_stale, stale_rows
 
 CHECKPOINT_FILE = "checkpoint.pt"
-TIMING_COLUMNS = ("epoch_s", "images_per_s", "data_wait_frac")  # wall-clock, never deterministic
+# wall-clock, never deterministic: timings.csv's, not metrics.csv's
+TIMING_COLUMNS = ("epoch_s", "images_per_s", "data_wait_frac", "steady_s", "steady_wait_frac", *COSTS)
 
 
 class CheckpointMismatch(RuntimeError):
@@ -295,9 +297,11 @@ class EpochMeter:
     def __init__(self, device: torch.device, epoch: int):
         self.device, self.epoch = device, epoch
         self.sums = torch.zeros(3, device=device, dtype=torch.float64)  # loss*n, correct, stale rows
+        self.costs = torch.zeros(len(COSTS), device=device, dtype=torch.float64)  # the stages' seconds (bounds.py)
         self.views = torch.zeros((), device=device, dtype=torch.int64)
         self.keys, self.count, self.steps, self.rng = [], 0, 0, rng_digest()  # the stream where the epoch starts
         self.wait_s, self.start, self.first_step_at, self.side = 0.0, time.perf_counter(), None, None
+        self.first_wait_s = 0.0  # the wait for the first batch: the data tasks' start-up
 
     def timed(self, batches):
         """The batches, with the time blocked on each (the model waiting for input) counted."""
@@ -306,6 +310,8 @@ class EpochMeter:
             t0 = time.perf_counter()
             batch = next(it, None)
             self.wait_s += time.perf_counter() - t0
+            if not self.steps and batch is not None:
+                self.first_wait_s = self.wait_s
             if batch is None:
                 return
             yield batch
@@ -314,6 +320,10 @@ class EpochMeter:
         y = batch["label"]
         stale = stale_rows(batch["epoch"], self.epoch).double()
         self.sums += torch.stack([loss.detach().double() * y.shape[0], (logits.argmax(1) == y).sum().double(), stale])
+        # past the first batch (the epoch's steady part), the stages' seconds on the rows trained on
+        # (rows from the augment stage: a test's batches may have none)
+        if self.steps and all(c in batch for c in COSTS):
+            self.costs += torch.stack([batch[c].sum(dtype=torch.float64) for c in COSTS])
         self.views = (self.views + view_digest(batch["image"], batch["key"])) % KEY_MOD
         self.keys.append(batch["key"])
         self.count += y.shape[0]
@@ -329,16 +339,22 @@ class EpochMeter:
         batch was augmented for another epoch."""
         elapsed = time.perf_counter() - self.start
         seen = _all_gather(shard_record(self.keys, self.count, int(self.views), self.rng))
-        loss_sum, correct, stale, count = _all_reduce(
-            torch.cat([self.sums, self.sums.new_tensor([self.count])])
+        loss_sum, correct, stale, count, *costs = _all_reduce(
+            torch.cat([self.sums, self.sums.new_tensor([self.count]), self.costs])
         ).tolist()
         refuse_stale(stale, self.epoch)
+        steady_s = elapsed - self.first_wait_s
         return {
             "train_loss": loss_sum / max(count, 1),
             "train_acc": correct / max(count, 1),
             "train_images": int(count),
             "epoch_s": elapsed,
             "data_wait_frac": self.wait_s / max(elapsed, 1e-9),  # this rank's share of time waiting for input
+            # past its first batch: its time, its share of it waiting for input, and every rank's
+            # rows' seconds in each stage: what bounds the epoch (training/bounds.py)
+            "steady_s": steady_s,
+            "steady_wait_frac": (self.wait_s - self.first_wait_s) / max(steady_s, 1e-9),
+            **dict(zip(COSTS, costs, strict=True)),
             "seen": seen,
             "first_step_at": self.first_step_at,
             "image_size": self.side,
@@ -423,7 +439,8 @@ def train_loop(config: dict) -> None:
         bar.close()
         feed = None
         stats |= evaluate(learner, data.validation(), spec.num_classes)
-        row = record_epoch(state, epoch, stats, lr=learner.scheduler.get_last_lr()[0], first=epoch == first)
+        lr = learner.scheduler.get_last_lr()[0]
+        row = record_epoch(state, epoch, stats, lr=lr, first=epoch == first, slots=spec.slots)
         rng = _all_gather(rng_state(device))  # every rank's stream, restored per rank on resume
         if rank == 0:
             write_records(spec, state, row)
@@ -480,9 +497,9 @@ def resume_or_seed(learner: Learner, state: dict, resumed_from: str | None, rank
     return f"resumed from {resumed_from} at epoch {state['epoch'] + 2}{note}"
 
 
-def record_epoch(state: dict, epoch: int, stats: dict, *, lr: float, first: bool) -> dict:
-    """Adds the epoch to the state's history, timings, coverage and start-up records; returns
-    the row printed and reported (metrics and timings)."""
+def record_epoch(state: dict, epoch: int, stats: dict, *, lr: float, first: bool, slots: DataSlots) -> dict:
+    """Adds the epoch to the state's history, timings (with what bounded it: training/bounds.py),
+    coverage and start-up records; returns the row printed and reported (metrics and timings)."""
     state["seen"].append(stats.pop("seen"))
     first_step_at = stats.pop("first_step_at")
     if first and first_step_at is not None:  # this attempt's start-up ended there
@@ -495,7 +512,18 @@ def record_epoch(state: dict, epoch: int, stats: dict, *, lr: float, first: bool
         "epoch_s": round(stats["epoch_s"], 3),
         "images_per_s": round(stats["train_images"] / stats["epoch_s"], 1),
         "data_wait_frac": round(stats["data_wait_frac"], 4),
+        "steady_s": round(stats["steady_s"], 3),
+        "steady_wait_frac": round(stats["steady_wait_frac"], 4),
     }
+    bound = epoch_bound(
+        slots,
+        read_s=stats[READ_COST],
+        augment_s=stats[AUGMENT_COST],
+        steady_s=stats["steady_s"],
+        steady_wait=stats["steady_wait_frac"],
+    )
+    timing |= bound.to_row()
+    state["slots"] = dataclasses.asdict(slots)  # summary.json's steady bound and its hint
     state["history"].append(row)
     state["timings"].append(timing)
     state["epoch"] = epoch
@@ -507,7 +535,8 @@ def write_records(spec: WorkerSpec, state: dict, row: dict) -> None:
     run_dir = cfg.run_dir
     artifacts.write_csv(artifacts.join(run_dir, "metrics.csv"), state["history"])
     artifacts.write_csv(artifacts.join(run_dir, "timings.csv"), state["timings"])
-    _say(spec, format_row(row, cfg.epochs, spec.sizes is not None), row["epoch"] - 1)
+    verdict = Bound.of_row(row).describe(spec.slots)
+    _say(spec, format_row(row, cfg.epochs, spec.sizes is not None) + verdict, row["epoch"] - 1)
 
 
 def report(metrics: dict, state: dict | None, epoch: int) -> None:
@@ -530,12 +559,10 @@ def _say(spec: WorkerSpec, line: str, epoch: int = -1) -> None:
 
 
 def format_row(row: dict, epochs: int, show_size: bool = False) -> str:
-    waiting = row["data_wait_frac"]
-    hint = "  << input-bound: the model waited for data; leave Ray Data more CPUs or GPU (docs/guide.md)"
-    verdict = hint if waiting > 0.3 else ""
+    """An epoch's line, less the verdict on what bounded it."""
     size = f"  {row['image_size']}px" if show_size else ""
     return (
         f"epoch {row['epoch']:>3}/{epochs}{size}  loss {row['train_loss']:.4f}  acc {row['train_acc']:.4f}  "
         f"val_loss {row['val_loss']:.4f}  val_acc {row['val_acc']:.4f}  "
-        f"{row['images_per_s']:.0f} img/s  waiting for data {100 * waiting:.0f}%{verdict}"
+        f"{row['images_per_s']:.0f} img/s  waiting for data {100 * row['data_wait_frac']:.0f}%"
     )

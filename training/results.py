@@ -13,6 +13,7 @@ import torch
 from augment.presets import Preset
 from training import artifacts, plots
 from training.audit import coverage, fingerprints, good_images
+from training.bounds import steady_verdict
 from training.config import TrainConfig
 from training.data import ImageTree
 from training.model import uses_small_stem
@@ -107,6 +108,7 @@ def summarize(state: dict, start: float, plan: ResourcePlan, tree: ImageTree, ba
             sum(t["data_wait_frac"] * t["epoch_s"] for t in steady) / sum(t["epoch_s"] for t in steady), 4
         ),
         "wall_s": round(time.time() - start, 1),
+        "bound": steady_verdict(state.get("slots"), timings),  # what bounded the steady epochs
         # launch to the end of this invocation's first training step: imports, Ray, the trainer
         # and the data pipeline starting (a rerun that resumes counts its own)
         "startup_s": round(min(this_run) - start, 1) if this_run else None,

@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 from augment.presets import Preset
+from training.bounds import DataSlots
 from training.config import TrainConfig
 
 Node = tuple[float, float]  # (CPUs, GPUs) of one node, a worker, or a task
@@ -48,6 +49,7 @@ class WorkerSpec:
     threads_per_worker: int
     sizes: tuple[int, ...] | None  # --progressive-resize: each epoch's training side; None: fixed
     ingest: IngestNeeds
+    slots: DataSlots  # what Ray Data may run at once: what bounds an epoch (training/bounds.py)
     stall: StallLimits
     clock: Any  # the EpochClock actor (training/stage.py): rank 0 advances it before each epoch
     board: Any  # the console's ProgressBoard actor: progress and lines go to the driver through it

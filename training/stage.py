@@ -24,12 +24,14 @@ plan that names these classes, and only the processes that augment need torch.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import ray
 import ray.data
 
 from augment.presets import Preset, preset_from_dict
+from training.bounds import AUGMENT_COST, READ_COST
 from training.stamp import current_epoch, stamp
 
 
@@ -80,6 +82,7 @@ class AugmentStage:
 
         from augment.batch import augment_batch, decode_augment
 
+        started = time.perf_counter()
         if self.device.index is not None:  # a task's cuda:N: what lands on "the" GPU lands on ours
             torch.cuda.set_device(self.device)
         epoch = current_epoch(self.clock)
@@ -88,16 +91,21 @@ class AugmentStage:
             out, kept, bad = decode_augment(self.pipeline, batch["bytes"], keys, epoch, self.device, shrink=self.shrink)
             if bad and self.bad_log is not None:  # fire and forget: the driver reads the log later
                 self.bad_log.add.remote([(str(batch["path"][i]), reason) for i, reason in bad])
-            label, key = np.asarray(batch["label"])[kept], np.asarray(batch["key"])[kept]
         else:
             out = augment_batch(self.pipeline, batch["image"], keys, epoch, self.device)
-            label, key = batch["label"], batch["key"]
-        # key travels on so the trainer can count which images each rank saw; epoch is the stamp
+            kept = slice(None)
+        image = out.cpu().numpy()  # .cpu() is a sync point on GPU
+        rows = len(image)
+        # key travels on so the trainer can count which images each rank saw; epoch is the stamp;
+        # each stage's seconds per image, for what bounds the epoch (training/bounds.py)
+        read = np.asarray(batch[READ_COST])[kept] if READ_COST in batch else np.zeros(rows, np.float32)
         return {
-            "image": out.cpu().numpy(),  # .cpu() is a sync point on GPU
-            "label": label,
-            "key": key,
-            "epoch": stamp(len(key), epoch),
+            "image": image,
+            "label": np.asarray(batch["label"])[kept],
+            "key": np.asarray(batch["key"])[kept],
+            "epoch": stamp(rows, epoch),
+            READ_COST: read,
+            AUGMENT_COST: np.full(rows, (time.perf_counter() - started) / max(rows, 1), dtype=np.float32),
         }
 
 

@@ -1,0 +1,135 @@
+"""What bounds an epoch (training/bounds.py): the slots a plan gives Ray Data, the verdict on an
+epoch's figures, the steady epochs' verdict, and a run on the test cluster whose augmentation
+is slow enough to bound it, named on its epoch line and in summary.json."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+
+import pytest
+
+from training.bounds import BUSY, INPUT_BOUND, Bound, DataSlots, epoch_bound, steady_bound, steady_verdict
+from training.config import TrainConfig
+from training.planning import Capacity, plan_resources
+
+
+def _plan(cpus: int, gpus: int = 0, **flags):
+    cfg = TrainConfig(data="unused", **flags)
+    return plan_resources(cfg, Capacity(cpus=cpus, gpus=gpus, hosts=1, nodes=((float(cpus), float(gpus)),)))
+
+
+def test_a_cpu_plan_gives_its_fused_tasks_the_cpus_the_trainers_leave():
+    plan = _plan(2)  # 1 trainer x 1 CPU, tasks of 0.5 CPU
+    assert (plan.cpus_per_worker, plan.augment_cpus) == (1, 0.5)
+    assert DataSlots.of(plan, 2, decode_in_read=True) == DataSlots(read=2, augment=2, fused=True, decode_in_read=True)
+    plan = _plan(16, num_workers=2)  # 2 trainers x 4 CPUs, tasks of 1 CPU: 8 left
+    assert DataSlots.of(plan, 16, decode_in_read=False).read == 16 - 2 * plan.cpus_per_worker == 8
+
+
+def test_a_gpu_plan_counts_its_augment_tasks_and_the_reads_beside_them():
+    plan = _plan(16, gpus=1)  # 1 trainer x 8 CPUs; 4 augment tasks of 1 CPU on the GPU's quarter
+    slots = DataSlots.of(plan, 16, decode_in_read=False)
+    assert (slots.augment, slots.fused, slots.on_gpu) == (plan.augment_concurrency, False, True) == (4, False, True)
+    assert slots.read == 16 - plan.cpus_per_worker - 4  # the CPUs left once the augment tasks hold theirs
+    actors = DataSlots.of(_plan(16, gpus=1, augment_actors=2), 16, decode_in_read=False)
+    assert actors.augment == 2
+
+
+CPU = DataSlots(read=2, augment=2, fused=True)
+GPU = DataSlots(read=4, augment=4, fused=False, on_gpu=True)
+
+
+@pytest.mark.parametrize(
+    "slots, read_s, augment_s, wait, stage",
+    [
+        (CPU, 1.0, 15.0, 0.6, "decode + augment"),  # 2 tasks x 10 s, 16 of them busy: 80 %
+        (CPU, 12.0, 4.0, 0.6, "read"),  # the same tasks, mostly reading
+        (DataSlots(2, 2, True, decode_in_read=True), 12.0, 4.0, 0.6, "read + decode"),
+        (CPU, 2.0, 4.0, 0.6, "hand-off"),  # the tasks idle 70 % of the time, yet the trainer waits
+        (CPU, 2.0, 17.0, 0.1, "trainer"),  # busy tasks, but the trainer hardly waits
+        (GPU, 4.0, 38.0, 0.5, "decode + augment"),  # 4 GPU tasks x 10 s, 95 % busy
+        (GPU, 38.0, 4.0, 0.5, "read"),
+        (GPU, 20.0, 20.0, 0.5, "hand-off"),  # neither stage past 75 %
+    ],
+)
+def test_an_epoch_names_the_stage_its_figures_point_to(slots, read_s, augment_s, wait, stage):
+    bound = epoch_bound(slots, read_s=read_s, augment_s=augment_s, steady_s=10.0, steady_wait=wait)
+    assert bound.stage == stage
+    assert bound.input_bound is (wait >= INPUT_BOUND)
+    assert bound.read_busy == pytest.approx(read_s / (slots.read * 10))
+    assert bound.augment_busy == pytest.approx(augment_s / ((slots.read if slots.fused else slots.augment) * 10))
+    if stage not in ("hand-off", "trainer"):
+        assert bound.tasks_busy >= BUSY
+    line = bound.describe(slots)
+    if stage == "trainer":
+        assert line == ""
+    else:
+        assert line.startswith(f"  << input-bound by {'the ' if stage == 'hand-off' else ''}{stage}")
+        assert ("--" in line) or ("jobs.prepare" in line)  # the flags that would help
+    assert Bound.of_row(bound.to_row()) == Bound(stage, *(round(f, 4) for f in bound_fields(bound)), bound.input_bound)
+
+
+def bound_fields(bound: Bound) -> tuple[float, float, float]:
+    return bound.read_busy, bound.augment_busy, bound.tasks_busy
+
+
+def test_the_hints_name_flags_for_the_device_that_augments():
+    cpu = epoch_bound(CPU, read_s=0, augment_s=18, steady_s=10, steady_wait=0.5).describe(CPU)
+    gpu = epoch_bound(GPU, read_s=0, augment_s=38, steady_s=10, steady_wait=0.5).describe(GPU)
+    assert "--cpus-per-worker" in cpu and "--device cuda" in cpu
+    assert "--augment-gpus" in gpu and "--augment-actors" in gpu
+    assert "(tasks 90% busy)" in cpu and "(tasks 95% busy)" in gpu
+
+
+def test_the_run_verdict_weighs_the_steady_epochs_by_their_time_and_skips_the_first():
+    def row(read, augment, wait, seconds):
+        bound = epoch_bound(CPU, read_s=read, augment_s=augment, steady_s=seconds, steady_wait=wait)
+        return bound.to_row() | {"steady_s": seconds, "steady_wait_frac": wait}
+
+    first = row(40.0, 0.0, 0.9, 20.0)  # a first epoch, read-bound as its caches warm: left out
+    short = row(1.0, 1.0, 0.9, 2.0)  # a short input-bound epoch with idle tasks
+    long = row(1.0, 32.0, 0.6, 20.0)  # a long one bound by decode + augment
+    assert (short["bound"], long["bound"]) == ("hand-off", "decode + augment")
+    assert steady_bound(CPU, [first, short, long]).stage == "decode + augment"  # weighed by seconds
+    assert steady_bound(CPU, [first]).stage == "read"  # one epoch only: that one
+    assert steady_bound(CPU, [{"epoch_s": 1.0}]) is None  # a checkpoint's rows from before these figures
+    verdict = steady_verdict(dataclasses.asdict(CPU), [first, short, long])
+    assert verdict["stage"] == "decode + augment" and verdict["input_bound"] and "--device cuda" in verdict["hint"]
+    assert steady_verdict(None, [first]) is None
+
+
+def test_a_run_whose_augmentation_is_slow_says_decode_and_augment_bound_it(ray_cluster, tmp_path):
+    """A 25 x 25 median blur (Kornia's, by name) after the crop costs tens of ms an image on a
+    CPU, far more than a step of ResNet18 at 32 px: the trainer waits, the augment tasks are
+    busy, and the epoch line and summary.json name decode + augment, with the flags."""
+    from tests.conftest import prepare, write_tree
+    from training import job
+
+    data = write_tree(tmp_path / "data", {"a": 64, "b": 64})
+    preset = tmp_path / "slow.yaml"
+    preset.write_text(
+        "train:\n  - random_crop: {size: 32, padding: 4}\n"
+        "  - kornia.RandomMedianBlur: {kernel_size: [25, 25], p: 1.0}\n"
+        "eval:\n  - center_crop: {size: 32}\n"
+    )
+    cfg = TrainConfig(
+        data=str(data),
+        epochs=1,
+        batch_size=16,
+        val_fraction=0.25,
+        preset=str(preset),
+        storage_path=str(tmp_path / "runs"),
+        name="slow",
+    )
+    lines = []
+    summary = job.run(*prepare(cfg), log=lines.append)
+    (timing,) = list(csv.DictReader(open(tmp_path / "runs" / "slow" / "timings.csv")))
+    assert timing["bound"] == "decode + augment", timing
+    assert float(timing["tasks_busy"]) >= BUSY and float(timing["steady_wait_frac"]) >= INPUT_BOUND, timing
+    (epoch_line,) = [line for line in lines if line.startswith("epoch ")]
+    assert "<< input-bound by decode + augment (tasks " in epoch_line, epoch_line
+    assert "--cpus-per-worker" in epoch_line
+    saved = json.loads((tmp_path / "runs" / "slow" / "summary.json").read_text())
+    assert saved["bound"] == summary["bound"] and saved["bound"]["stage"] == "decode + augment", saved["bound"]

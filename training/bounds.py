@@ -1,0 +1,174 @@
+"""What bounds an epoch (docs/design.md, "What bounds an epoch"): the stage that limits the
+trainer's input, named on the epoch line, in timings.csv and in summary.json, with the flags
+that would help.
+
+The figures are the stages' own timing, carried by the rows: each read task and each augment
+call time themselves and stamp every row they make with its share of that time (COSTS, seconds
+per image). The trainer sums the stamps of the rows it trains on (over the ranks) and times its
+own waits for input. Each epoch is judged on its steady part, from its first batch on (the wait
+for that batch is the data tasks' start-up):
+
+- a stage's busy fraction is its seconds over (its slots x those seconds), its slots being the
+  tasks or actors the plan lets run at once (DataSlots); on CPUs one task reads, decodes and
+  augments, so the read and decode + augment share the same slots, and the tasks' busy
+  fraction is the sum of the two;
+- the epoch is input-bound when the trainer waited for data INPUT_BOUND of that time or more;
+- an input-bound epoch names the busier of the read and decode + augment if the tasks doing
+  it were busy BUSY of the time or more, else the hand-off: what lies between the augmented
+  blocks and the step (Ray Data's delivery of the blocks and the batches made from them);
+- any other epoch is bound by the trainer.
+
+Light (no torch, no Ray): training/spec.py, which Ray Train's controller unpickles, holds a
+DataSlots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+READ_COST, AUGMENT_COST = "read_s", "augment_s"  # the row columns: seconds of that stage per image
+COSTS = (READ_COST, AUGMENT_COST)
+INPUT_BOUND = 0.3  # the trainer's share of an epoch spent waiting for data (past the first batch)
+BUSY = 0.75  # a stage whose slots were this busy is the bound of an input-bound epoch
+
+STAGES = ("read", "read + decode", "decode + augment", "hand-off", "trainer")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSlots:
+    """How many read tasks and augment calls the plan lets run at once, and how they share them:
+    `fused` (CPU tasks) when one task reads, decodes and augments its files; `decode_in_read`
+    when the read decodes (then the read's figure holds the decode); `on_gpu` when the augment
+    calls hold GPU shares."""
+
+    read: float
+    augment: float
+    fused: bool
+    decode_in_read: bool = False
+    on_gpu: bool = False
+
+    @classmethod
+    def of(cls, plan, cpus: float, *, decode_in_read: bool) -> "DataSlots":
+        """From a ResourcePlan (training/planning.py) and the cluster's CPUs: what the train
+        workers leave Ray Data, in tasks of plan.augment_cpus."""
+        left = max(cpus - plan.num_workers * plan.cpus_per_worker, plan.augment_cpus)
+        tasks = max(1.0, math.floor(left / plan.augment_cpus + 1e-9))
+        if plan.augment_tasks and not plan.augment_gpus:
+            return cls(read=tasks, augment=tasks, fused=True, decode_in_read=decode_in_read)
+        augment = plan.augment_actors or plan.augment_concurrency or 1
+        return cls(
+            read=max(1.0, tasks - augment),
+            augment=float(augment),
+            fused=False,
+            decode_in_read=decode_in_read,
+            on_gpu=bool(plan.augment_gpus),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """An epoch's (or a run's steady epochs') verdict: the stage that bounds it (STAGES, or "read
+    + decode" where the read decodes); how busy the read and the decode + augment were, each as
+    a share of its slots' time; how busy the tasks of the stage named were (read and decode +
+    augment together where one task does both); whether the trainer waited for its input."""
+
+    stage: str
+    read_busy: float
+    augment_busy: float
+    tasks_busy: float
+    input_bound: bool
+
+    @classmethod
+    def of_row(cls, row: dict) -> "Bound":
+        """From an epoch's timings row (to_row's fields)."""
+        fields = ("bound", "read_busy", "augment_busy", "tasks_busy")
+        return cls(*(row[f] for f in fields), input_bound=row["bound"] != "trainer")
+
+    def to_row(self) -> dict:
+        """timings.csv's columns."""
+        return {
+            "bound": self.stage,
+            "read_busy": round(self.read_busy, 4),
+            "augment_busy": round(self.augment_busy, 4),
+            "tasks_busy": round(self.tasks_busy, 4),
+        }
+
+    def describe(self, slots: DataSlots) -> str:
+        """The epoch line's verdict; "" when the trainer is the bound."""
+        if not self.input_bound:
+            return ""
+        if self.stage == "hand-off":
+            return f"  << input-bound by the hand-off: {hint(self.stage, slots)}"
+        return f"  << input-bound by {self.stage} (tasks {100 * self.tasks_busy:.0f}% busy): {hint(self.stage, slots)}"
+
+    def to_dict(self, slots: DataSlots) -> dict:
+        """summary.json's "bound"."""
+        busy = {k: v for k, v in self.to_row().items() if k != "bound"}
+        return {"stage": self.stage, **busy, "input_bound": self.input_bound, "hint": hint(self.stage, slots)}
+
+
+def hint(stage: str, slots: DataSlots) -> str:
+    """The flags that would help where `stage` bounds the run."""
+    more_cpus = "leave Ray Data more CPUs (lower --cpus-per-worker or --num-workers, or add nodes)"
+    if stage in ("read", "read + decode"):
+        return more_cpus + "; for many small files or object storage, pack the tree with jobs.prepare"
+    if stage == "decode + augment":
+        if slots.on_gpu:
+            return "run more augment tasks beside each trainer (a smaller --augment-gpus) or --augment-actors N"
+        return more_cpus + ", or augment on GPUs (--device cuda)"
+    if stage == "hand-off":
+        return "fewer, larger blocks (a larger --augment-batch-size) or a larger --batch-size"
+    return "the input keeps up"
+
+
+def busy(seconds: float, slots: float, window_s: float) -> float:
+    """The share of `slots` x `window_s` that `seconds` of work filled."""
+    return seconds / max(slots * window_s, 1e-9)
+
+
+def epoch_bound(slots: DataSlots, *, read_s: float, augment_s: float, steady_s: float, steady_wait: float) -> Bound:
+    """The bound of one epoch's steady part, from its first batch on (the wait for that batch is
+    the data tasks' start-up): the stages' seconds on the rows trained on over all ranks, its
+    seconds, and the trainer's share of them waiting for input."""
+    read_busy = busy(read_s, slots.read, steady_s)
+    augment_busy = busy(augment_s, slots.read if slots.fused else slots.augment, steady_s)
+    tasks_busy = read_busy + augment_busy if slots.fused else max(read_busy, augment_busy)
+    return judge(slots, read_busy, augment_busy, tasks_busy, steady_wait)
+
+
+def judge(slots: DataSlots, read_busy: float, augment_busy: float, tasks_busy: float, steady_wait: float) -> Bound:
+    """The stage named for these busy fractions and this wait (the module's docstring)."""
+    if steady_wait < INPUT_BOUND:
+        stage = "trainer"
+    elif tasks_busy < BUSY:
+        stage = "hand-off"
+    elif read_busy > augment_busy:
+        stage = "read + decode" if slots.decode_in_read else "read"
+    else:
+        stage = "decode + augment"
+    return Bound(stage, read_busy, augment_busy, tasks_busy, steady_wait >= INPUT_BOUND)
+
+
+def steady_bound(slots: DataSlots, timings: list[dict]) -> Bound | None:
+    """The bound of a run's steady epochs (all but the first, where there are more), from their
+    timings rows: the busy fractions and waits weighted by each epoch's steady seconds."""
+    rows = [t for t in (timings[1:] or timings) if "tasks_busy" in t]  # rows of older checkpoints have none
+    total = sum(t["steady_s"] for t in rows)
+    if not total:
+        return None
+
+    def mean(field):
+        return sum(t[field] * t["steady_s"] for t in rows) / total
+
+    return judge(slots, *(mean(f) for f in ("read_busy", "augment_busy", "tasks_busy", "steady_wait_frac")))
+
+
+def steady_verdict(slots: dict | None, timings: list[dict]) -> dict | None:
+    """summary.json's "bound": the steady epochs' (steady_bound), from the slots a checkpoint's
+    state keeps (as a dict); None for a checkpoint of a version that recorded none."""
+    if slots is None:
+        return None
+    kept = DataSlots(**slots)
+    bound = steady_bound(kept, timings)
+    return bound.to_dict(kept) if bound else None
