@@ -1,7 +1,8 @@
-"""Train ResNet18 on an image folder on Ray, with whole batches augmented on a GPU share or on CPUs.
+"""Train a torchvision classifier (ResNet18 by default) on an image folder on Ray, augmenting on GPUs or CPUs.
 
     python -m jobs.train                                  # bundled digits data, local Ray
     python -m jobs.train --data ~/photos --epochs 30      # your folder: <class>/<image>
+    python -m jobs.train --data ~/photos --model efficientnet_b0   # another torchvision classifier
     python -m jobs.train --config configs/cifar-local.yaml --epochs 2   # a file; flags win
     ray job submit --working-dir . -- python -m jobs.train --data s3://bucket/photos \\
         --storage-path s3://bucket/runs --name photos-r18

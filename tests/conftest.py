@@ -7,6 +7,7 @@ import io
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -189,3 +190,32 @@ def registered_checkpoint(run_dir: Path) -> str:
     except (OSError, ValueError):  # not written yet, or read while being written
         return ""
     return (state.get("latest_checkpoint_result") or {}).get("checkpoint_dir_name") or ""
+
+
+@pytest.fixture()
+def no_ray(monkeypatch):
+    """jobs.train.main may neither start nor join a Ray cluster."""
+    import ray
+
+    from jobs import train as train_job
+
+    was = ray.is_initialized()
+    calls = []
+    monkeypatch.setattr(train_job, "connect", lambda *a, **k: calls.append(a) or pytest.fail("Ray was started"))
+    yield
+    assert not calls and ray.is_initialized() == was
+
+
+def exits_2(args: list[str], capsys) -> str:
+    """main(args) returns 2 within seconds with one `error:` line on stderr; that line."""
+    from jobs import train as train_job
+
+    start = time.monotonic()
+    code = train_job.main(args)
+    elapsed = time.monotonic() - start
+    captured = capsys.readouterr()
+    assert code == 2, captured.err
+    err = captured.err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert elapsed < 5, f"{elapsed:.1f} s"  # a run that reached the cluster took 37-54 s
+    return err

@@ -6,40 +6,14 @@ a pickled object in one is refused and never runs. No Ray cluster: `connect` fai
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
 import torchvision  # noqa: F401  (imported here so that the timings below measure the checks, not the import)
 
-import jobs.train
+from tests.conftest import exits_2
 from training.config import TrainConfig
 from training.inputs import check_inputs, start_fresh
-
-
-@pytest.fixture()
-def no_ray(monkeypatch):
-    """jobs.train.main may neither start nor join a Ray cluster."""
-    import ray
-
-    was = ray.is_initialized()
-    calls = []
-    monkeypatch.setattr(jobs.train, "connect", lambda *a, **k: calls.append(a) or pytest.fail("Ray was started"))
-    yield
-    assert not calls and ray.is_initialized() == was
-
-
-def _exits_2(args: list[str], capsys) -> str:
-    """main(args) returns 2 within seconds with one `error:` line on stderr; that line."""
-    start = time.monotonic()
-    code = jobs.train.main(args)
-    elapsed = time.monotonic() - start
-    captured = capsys.readouterr()
-    assert code == 2, captured.err
-    err = captured.err
-    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
-    assert elapsed < 5, f"{elapsed:.1f} s"  # a run that reached the cluster took 37-54 s
-    return err
 
 
 class Trap:
@@ -82,7 +56,7 @@ def test_a_preset_file_that_does_not_parse_exits_2_with_one_line(case, tree, tmp
     f = tmp_path / name
     f.write_bytes(text if isinstance(text, bytes) else text.encode())
     runs = tmp_path / "runs"
-    err = _exits_2(["--data", str(tree), "--preset", str(f), "--storage-path", str(runs)], capsys)
+    err = exits_2(["--data", str(tree), "--preset", str(f), "--storage-path", str(runs)], capsys)
     assert message in err and str(f) in err, err
     assert not runs.exists()  # no empty run directory left behind
 
@@ -102,7 +76,10 @@ INIT_WEIGHTS = {
         lambda p, m: _trap_file(p, m, lambda sd: {"state_dict": sd}),
         "refuses it: it holds a pickled object",
     ),
-    "no ResNet18 weights": (_no_resnet, "no ResNet18 weights found (expected keys like 'layer1.0.conv1.weight'"),
+    "no ResNet18 weights": (
+        _no_resnet,
+        "no resnet18 weights found (0 of its 120 tensors, expected keys like 'conv1.weight'",
+    ),
     "not a torch file": (lambda p, m: p.write_text("layer1: 0\n") and p, "not a file torch.load reads"),
     "a list": (lambda p, m: torch.save([torch.zeros(3)], p) or p, "holds a list, not a state_dict"),
 }
@@ -114,7 +91,7 @@ def test_a_bad_init_weights_file_exits_2_before_ray_starts(case, tree, tmp_path,
     marker = tmp_path / "trap-sprung"
     path = make(tmp_path / "weights.pt", marker)
     runs = tmp_path / "runs"
-    err = _exits_2(["--data", str(tree), "--init-weights", str(path), "--storage-path", str(runs)], capsys)
+    err = exits_2(["--data", str(tree), "--init-weights", str(path), "--storage-path", str(runs)], capsys)
     assert err.startswith(f"error: --init-weights {path}: ") and message in err, err
     assert "torch.save(model.state_dict(), path)" in err  # the fix
     assert not runs.exists() and not marker.exists()
@@ -147,7 +124,7 @@ def test_an_early_error_writes_nothing_under_the_storage_path(flags, message, tr
     existing.mkdir()
     for storage in (tmp_path / "new" / "deeper", existing):
         args = ["--data", str(tree), "--storage-path", str(storage), "--name", "r", *flags]
-        assert message in _exits_2(args, capsys)
+        assert message in exits_2(args, capsys)
     assert sorted(os.listdir(tmp_path)) == ["data", "existing"] and os.listdir(existing) == []
 
 
@@ -159,7 +136,7 @@ def test_fresh_removes_the_old_run_only_once_every_input_has_passed(tree, tmp_pa
     bad.write_text("train: [")
     common = ["--data", str(tree), "--storage-path", str(tmp_path / "runs"), "--name", "r", "--fresh"]
     for flags in (["--preset", str(bad)], ["--init-weights", str(bad)], ["--preset", "nope"]):
-        _exits_2(common + flags, capsys)
+        exits_2(common + flags, capsys)
         assert (old / "metrics.csv").read_text() == "epoch\n1\n", flags
     cfg, _ = check_inputs(TrainConfig(data=str(tree), storage_path=str(tmp_path / "runs"), name="r", fresh=True))
     assert old.exists()  # checking removes nothing

@@ -73,8 +73,15 @@ class TrainConfig:
         False, "torch deterministic algorithms and ordered data: same seed + world size -> identical metrics.csv"
     )
     # model
+    model: str = _f(
+        "resnet18",
+        "any classification model of torchvision.models by name (resnet50, convnext_tiny, efficientnet_b0, "
+        "vit_b_16, ...), at random init with a head for the run's classes",
+    )
     small_stem: str = _f(
-        "auto", "3x3 stride-1 stem without max-pool: auto (images <= 32 px), on, off", choices=("auto", "on", "off")
+        "auto",
+        "a ResNet's 3x3 stride-1 stem without max-pool: auto (images <= 32 px), on, off; other models keep theirs",
+        choices=("auto", "on", "off"),
     )
     amp: str = _f(
         "off",
@@ -82,7 +89,7 @@ class TrainConfig:
         choices=("off", "bf16", "fp16"),
     )
     compile: bool = _f(False, "torch.compile the model (first steps are slower while it compiles)")
-    init_weights: str = _f("", "fine-tune from a local torchvision ResNet18 state_dict file; the head is replaced")
+    init_weights: str = _f("", "fine-tune from a local torchvision state_dict file of --model; the head is replaced")
     # resources
     num_workers: int = _f(0, "Ray Train workers (DDP ranks); 0 = one per GPU, or 1 on a CPU-only cluster")
     device: str = _f(

@@ -60,8 +60,13 @@ def load_model_file(path: str) -> dict:
         raise ModelFileError(
             f"--model {path}: missing {missing}; give the model.pt of a run directory (runs/<name>/model.pt)"
         )
-    if info["arch"] != "resnet18":
-        raise ModelFileError(f"--model {path}: architecture {info['arch']!r}; only resnet18 is supported")
+    from training.model import model_names
+
+    if info["arch"] != "resnet18" and info["arch"] not in model_names():  # torchvision's import: seconds
+        raise ModelFileError(
+            f"--model {path}: architecture {info['arch']!r}, which this torchvision does not have; run it with the "
+            "torchvision that trained it"
+        )
     return info | {"path": path}
 
 
@@ -114,14 +119,16 @@ class Predictor:
         """`info`: load_model_file's dict, or the model file's path, which each actor reads itself."""
         from augment.ops import Normalize
         from augment.pipeline import Pipeline
-        from training.model import resnet18
+        from training.model import build_model
 
         info = load_model_file(info) if isinstance(info, str) else info
         self.device = torch.device(device)
         t = info["eval_transform"]
         self.pipeline = Pipeline(t["ops"], seed=0).to(self.device)
         self.normalize = Normalize(t["mean"], t["std"]).to(self.device)
-        self.model = resnet18(len(info["class_names"]), small_stem=info["small_stem"])
+        self.model = build_model(
+            info["arch"], len(info["class_names"]), small_stem=info["small_stem"], image_size=info["image_size"]
+        )
         self.model.load_state_dict(info["state_dict"])
         self.model.to(self.device).eval()
 

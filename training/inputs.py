@@ -131,6 +131,11 @@ def check_sizes_and_device(cfg: TrainConfig, name: str, preset=None) -> None:
     check_resize_start(cfg, cfg.image_size or (preset or PRESETS[name]).train_size)
     if preset is not None and (cfg.image_size or cfg.progressive_resize != "none"):
         sized_preset(cfg, preset)  # torch: loaded with the preset file already
+    if cfg.model.startswith("vit_"):  # one input side, a multiple of its patches
+        from training.model import check_model_sizes
+
+        sized = sized_preset(cfg, preset or PRESETS[name])
+        check_model_sizes(cfg.model, [*sized.train_sides(cfg.progressive_resize, cfg.epochs), sized.image_size])
     local = not (os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"))
     if cfg.device == "auto" and local:
         check_amp(cfg.amp, on_gpu=local_gpus() > 0)
@@ -185,8 +190,12 @@ def check_inputs(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree]:
     storage.check_writable(cfg.run_dir, "--storage-path")
     if not cfg.fresh:
         check_same_run(cfg, tree)
+    if cfg.model != "resnet18":  # it imports torchvision (seconds), which the default needs not
+        from training.model import check_model
+
+        check_model(cfg.model, small_stem=cfg.small_stem)
     if cfg.init_weights:  # last: it imports torch and torchvision
-        check_init_weights(cfg.init_weights)
+        check_init_weights(cfg.init_weights, cfg.model)
     return cfg, tree
 
 
@@ -207,9 +216,9 @@ def prepared_val_fraction(cfg: TrainConfig, root: str) -> TrainConfig:
     return dataclasses.replace(cfg, val_fraction=used)
 
 
-def check_init_weights(path: str) -> None:
+def check_init_weights(path: str, model: str = "resnet18") -> None:
     """ConfigError unless `path` is a file that the train workers' loader takes into a
-    ResNet18 (training.model.load_init_weights, the same code)."""
+    `model` (training.model.load_init_weights, the same code)."""
     if storage.is_uri(path):
         raise ConfigError(
             f"--init-weights {path}: read from local disk only, not object storage; copy the file to this machine "
@@ -217,17 +226,19 @@ def check_init_weights(path: str) -> None:
         )
     if not os.path.isfile(path):
         raise ConfigError(
-            f"--init-weights {path}: no such file; give a torchvision ResNet18 state_dict saved with torch.save"
+            f"--init-weights {path}: no such file; give a torchvision {model} state_dict saved with torch.save"
         )
-    from training.model import load_init_weights, resnet18
+    from training.model import build_model, load_init_weights
 
-    load_init_weights(resnet18(1, small_stem=False), path)  # the head and the stem are not what it checks
+    # the head and the stem are not what it checks
+    load_init_weights(build_model(model, 1, small_stem=False, image_size=224), path, model)
 
 
 # What a run directory's records and checkpoints are of: a rerun of NAME that changes one of these
 # would resume one run's checkpoint as another's, or mix two runs' rows in metrics.csv. The rest
 # (--epochs, --stop-after, resources, the device, the console) a rerun may change.
 SAME_RUN_SETTINGS = (
+    "model",
     "val_fraction",
     "image_size",
     "small_stem",

@@ -37,7 +37,7 @@ from training.bounds import AUGMENT_COST, COSTS, READ_COST, Bound, DataSlots, ep
 from training.config import TrainConfig
 from training.console import EpochProgress, quiet_worker_logs
 from training.feed import EpochData, IngestWatch
-from training.model import load_init_weights, resnet18, uses_small_stem
+from training.model import build_model, load_init_weights, uses_small_stem
 from training.spec import WorkerSpec
 from training.stamp import check_stamp, refuse_stale, stale_rows
 
@@ -237,9 +237,10 @@ def build_learner(spec: WorkerSpec, world: int, device: torch.device) -> tuple[L
     """The learner, with initial weights identical on every rank, and their digest."""
     cfg, num_classes = spec.config, spec.num_classes
     torch.manual_seed(cfg.seed)
-    model = resnet18(num_classes, small_stem=uses_small_stem(cfg.small_stem, spec.image_size))
+    small = uses_small_stem(cfg.small_stem, spec.image_size, cfg.model)
+    model = build_model(cfg.model, num_classes, small_stem=small, image_size=spec.image_size)
     if cfg.init_weights:
-        skipped = load_init_weights(model, cfg.init_weights)
+        skipped = load_init_weights(model, cfg.init_weights, cfg.model)
         if ray.train.get_context().get_world_rank() == 0:
             fresh = ", ".join(sorted({k.rsplit(".", 1)[0] for k in skipped}))
             _say(spec, f"init weights from {cfg.init_weights}; fresh: {fresh}")

@@ -65,11 +65,11 @@ def model_bytes(state_dict, tree: ImageTree, preset: Preset, cfg: TrainConfig) -
     buf = io.BytesIO()
     torch.save(
         {
-            "arch": "resnet18",
+            "arch": cfg.model,
             "state_dict": state_dict,
             "class_names": list(tree.class_names),
             "image_size": preset.image_size,
-            "small_stem": uses_small_stem(cfg.small_stem, preset.image_size),
+            "small_stem": uses_small_stem(cfg.small_stem, preset.image_size, cfg.model),
             "eval_transform": {
                 "ops": json.loads(json.dumps(preset.eval)),
                 "mean": list(preset.mean),
