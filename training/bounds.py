@@ -26,11 +26,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
+
+import numpy as np
 
 READ_COST, AUGMENT_COST = "read_s", "augment_s"  # the row columns: seconds of that stage per image
 COSTS = (READ_COST, AUGMENT_COST)
 INPUT_BOUND = 0.3  # the trainer's share of an epoch spent waiting for data (past the first batch)
 BUSY = 0.75  # a stage whose slots were this busy is the bound of an input-bound epoch
+
+
+def seconds_per_row(started: float, rows: int) -> np.ndarray:
+    """A stage's stamp for the `rows` rows it made: each one's share of the seconds since
+    `started` (time.perf_counter())."""
+    return np.full(rows, (time.perf_counter() - started) / max(rows, 1), dtype=np.float32)
+
 
 STAGES = ("read", "read + decode", "decode + augment", "hand-off", "trainer")
 

@@ -42,7 +42,7 @@ from ray.data.datasource import Datasource, ReadTask
 
 from augment.decode import BadImage, decode_image, stack_images
 from training import ray_private
-from training.bounds import READ_COST
+from training.bounds import READ_COST, seconds_per_row
 from training.data import Split, label_of, stable_hash
 from training.stage import StageArgs, add_augment
 from training.stamp import current_epoch
@@ -280,7 +280,7 @@ def _blocks(columns: dict, decode: bool | str, bad_log, started: float):
     if not decode:
         if not isinstance(datas, pa.ChunkedArray):
             datas = pa.array(datas, type=pa.binary())
-        cost = _share(started, len(datas))
+        cost = seconds_per_row(started, len(datas))
         yield pa.table({"bytes": datas} | {k: columns[k] for k in ("path", "label", "key")} | {READ_COST: cost})
         return
     images, keep, bad, held, blocks = [], [], [], 0, 0
@@ -306,11 +306,6 @@ def _blocks(columns: dict, decode: bool | str, bad_log, started: float):
         yield _decoded_block(columns, images, keep, started)
 
 
-def _share(started: float, rows: int) -> np.ndarray:
-    """Each of `rows` rows' share of the seconds since `started`."""
-    return np.full(rows, (time.perf_counter() - started) / max(rows, 1), dtype=np.float32)
-
-
 def _decoded_block(columns: dict, images: list, keep: list[int], started: float):
     out = {
         "image": stack_images(images),
@@ -318,7 +313,7 @@ def _decoded_block(columns: dict, images: list, keep: list[int], started: float)
         "key": np.asarray(columns["key"])[keep],
     }
     out["path"] = np.asarray(columns["path"], dtype=object)[keep]
-    out[READ_COST] = _share(started, len(keep))
+    out[READ_COST] = seconds_per_row(started, len(keep))
     return BlockAccessor.batch_to_block(out)
 
 

@@ -31,7 +31,7 @@ import ray
 import ray.data
 
 from augment.presets import Preset, preset_from_dict
-from training.bounds import AUGMENT_COST, READ_COST
+from training.bounds import AUGMENT_COST, READ_COST, seconds_per_row
 from training.stamp import current_epoch, stamp
 
 
@@ -105,7 +105,7 @@ class AugmentStage:
             "key": np.asarray(batch["key"])[kept],
             "epoch": stamp(rows, epoch),
             READ_COST: read,
-            AUGMENT_COST: np.full(rows, (time.perf_counter() - started) / max(rows, 1), dtype=np.float32),
+            AUGMENT_COST: seconds_per_row(started, rows),
         }
 
 
