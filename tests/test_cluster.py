@@ -7,6 +7,7 @@ conftest runs them last, after the shared session cluster is stopped.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
 import json
@@ -132,6 +133,24 @@ def test_gpu_plans_share_or_dedicate_gpus():
     assert (dedicated.gpus_per_worker, dedicated.augment_gpus) == (1.0, 1.0)
     cpu = plan_resources(TrainConfig(num_workers=2), Capacity(cpus=4, gpus=0, hosts=2, autoscaling=False))
     assert cpu.placement == "SPREAD" and cpu.threads_per_worker == 2
+
+
+def test_torch_threads_never_outnumber_the_machines_cores(ray_cluster):
+    """Nodes that claim more CPUs than their machine has (the shared test cluster: two nodes of 2
+    CPUs on one machine) get as many torch threads per worker as the machine has cores for it:
+    threads beyond the cores spin against each other and the augment tasks (docs/design.md,
+    "Choices and where they were measured")."""
+    from training.planning import cluster_capacity, machine_cores
+
+    one_machine = Capacity(cpus=4, gpus=0, hosts=1, nodes=((2.0, 0.0), (2.0, 0.0)), host_cores=2)
+    assert [plan_resources(TrainConfig(num_workers=n), one_machine).threads_per_worker for n in (1, 2)] == [2, 1]
+    unknown = dataclasses.replace(one_machine, host_cores=0)  # another machine's cores: Ray's CPUs are its cores
+    assert [plan_resources(TrainConfig(num_workers=n), unknown).threads_per_worker for n in (1, 2)] == [4, 2]
+    given = plan_resources(TrainConfig(num_workers=2, threads_per_worker=3), one_machine)
+    assert given.threads_per_worker == 3  # --threads-per-worker is the user's
+    here = cluster_capacity()  # this machine's two nodes
+    assert (here.cpus, here.hosts, here.host_cores) == (4, 1, machine_cores())
+    assert plan_resources(TrainConfig(num_workers=2), here).threads_per_worker == max(1, machine_cores() // 2)
 
 
 @pytest.mark.parametrize("share,per_gpu,trainer", [(0.125, 2, 0.75), (0.25, 1, 0.75), (0.3, 1, 0.7), (0.02, 12, 0.76)])

@@ -95,7 +95,9 @@ class TrainConfig:
     device: str = _f(
         "auto", "where training runs: auto (cuda if the cluster has GPUs), cpu or cuda", choices=("auto", "cpu", "cuda")
     )
-    threads_per_worker: int = _f(0, "torch intra-op threads per CPU worker; 0 = the CPUs Ray gives it")
+    threads_per_worker: int = _f(
+        0, "torch intra-op threads per CPU worker; 0 = its machine's CPUs shared among the workers there"
+    )
     cpus_per_worker: int = _f(
         0, "CPUs reserved per train worker; 0 = half the cluster's CPUs / workers (the rest feeds Ray Data)"
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 
 import ray
@@ -74,6 +75,7 @@ class Capacity:
     autoscaling: bool = False
     bounded: bool = True  # False: an autoscaler runs whose limits Ray does not publish
     nodes: tuple[Node, ...] = ()  # (CPUs, GPUs) of each alive node; () = unknown: `hosts` equal nodes
+    host_cores: int = 0  # the cores of the one machine all nodes run on, when it is this process's; 0: unknown
 
     def note(self) -> str:
         if not self.bounded:
@@ -98,14 +100,21 @@ def cluster_capacity() -> Capacity:
     ceiling = ray_private.autoscaler_ceiling() or {}
     autoscaler_v1 = not ceiling and ray_private.v1_autoscaler_runs()
     alive = [n for n in ray.nodes() if n["Alive"]]
+    hosts = {n["NodeManagerAddress"] for n in alive}
     return Capacity(
         cpus=max(int(now.get("CPU", 0)), int(ceiling.get("CPU", 0))),
         gpus=max(int(now.get("GPU", 0)), int(ceiling.get("GPU", 0))),
-        hosts=len({n["NodeManagerAddress"] for n in alive}),
+        hosts=len(hosts),
         autoscaling=bool(ceiling) or autoscaler_v1,
         bounded=not autoscaler_v1,
         nodes=tuple((n["Resources"].get("CPU", 0.0), n["Resources"].get("GPU", 0.0)) for n in alive),
+        host_cores=machine_cores() if hosts == {ray.util.get_node_ip_address()} else 0,
     )
+
+
+def machine_cores() -> int:
+    """The cores this process may run on (its affinity where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
 
 
 def check_storage(storage_path: str, capacity: Capacity, log=print) -> None:
@@ -248,8 +257,13 @@ def plan_resources(cfg: TrainConfig, capacity: Capacity) -> ResourcePlan:
     if capacity.bounded:
         plan = leave_room_for_ingest(plan, capacity, fixed=bool(cfg.cpus_per_worker))
     # CPU training: a worker's torch threads may use its host's cores that Ray Data leaves idle
-    # between batches (SPREAD puts ceil(workers / hosts) workers on each host).
-    cores_per_worker = cpus // capacity.hosts // math.ceil(workers / capacity.hosts) if cpus else cpus_per_worker
+    # between batches (SPREAD puts ceil(workers / hosts) workers on each host), but no more cores
+    # than the machine has: nodes that claim more CPUs than it (`ray start --num-cpus`, several
+    # nodes on one machine) would have the workers' threads spin against each other
+    host_cpus = cpus // capacity.hosts if cpus else 0
+    if capacity.host_cores:
+        host_cpus = min(host_cpus, capacity.host_cores)
+    cores_per_worker = host_cpus // math.ceil(workers / capacity.hosts) if cpus else cpus_per_worker
     whole_cpus = max(1, int(plan.cpus_per_worker))
     threads = cfg.threads_per_worker or (whole_cpus if use_gpu else max(1, cores_per_worker))
     return dataclasses.replace(plan, threads_per_worker=threads)
