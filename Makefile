@@ -22,11 +22,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
+# bytecode of the project's own modules, which an editable install leaves uncompiled: where
+# PYTHONDONTWRITEBYTECODE is set (the build machines set it), every process of a run, Ray's
+# workers among them, would compile them again (docs/benchmark-log.md, "Bytecode")
+BYTECODE := $(PY) -m compileall -q augment training jobs tests bench > /dev/null
+
 run: $(STAMP)
+	$(BYTECODE)
 	$(PY) -m jobs.train $(ARGS)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(BYTECODE)
 	$(PY) -m pytest -q --durations=10 tests $(ARGS)
 
 bench: $(STAMP)
