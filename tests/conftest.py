@@ -85,11 +85,14 @@ def split_coordinators() -> set[str]:
 def _stop_shared_cluster():
     import ray
 
+    from training.session import PREEMPTION_WATCHER_ENV
+
     if ray.is_initialized():
         ray.shutdown()
     cluster = _shared.pop("cluster", None)
     if cluster is not None:
         cluster.shutdown()
+        os.environ.pop(PREEMPTION_WATCHER_ENV, None)  # the `own_cluster` tests' clusters are as users start them
 
 
 @pytest.fixture(scope="session")
@@ -115,13 +118,18 @@ def s3(tmp_path_factory):
 def ray_cluster(s3):
     """One Ray cluster for the whole test session: two nodes (ray.cluster_utils.Cluster), so
     the same runs that test training also test placement across nodes, and their storage
-    may be the session's S3 server."""
+    may be the session's S3 server. It ends with this process, as a plain local run's
+    cluster does, and the runs in this process are set up as theirs (`own_cluster=True`
+    in job.run, no preemption watcher): two fewer processes for Ray Train to start per run.
+    The runs that join a cluster through RAY_ADDRESS (tests/test_node_loss.py,
+    tests/test_cluster.py) run with the placement-group cleaner, as joined runs do."""
     import ray
     from ray.cluster_utils import Cluster
 
-    from training.session import quiet_ray
+    from training.session import quiet_ray, without_preemption_watcher
 
     kwargs = quiet_ray()
+    without_preemption_watcher()
     # 2 logical CPUs per node on a 2-core machine: a train worker per node plus Ray Data's actors
     import socket
 

@@ -124,7 +124,7 @@ def test_a_run_whose_augmentation_is_slow_says_decode_and_augment_bound_it(ray_c
         name="slow",
     )
     lines = []
-    summary = job.run(*prepare(cfg), log=lines.append)
+    summary = job.run(*prepare(cfg), log=lines.append, own_cluster=True)
     (timing,) = list(csv.DictReader(open(tmp_path / "runs" / "slow" / "timings.csv")))
     assert timing["bound"] == "decode + augment", timing
     assert float(timing["tasks_busy"]) >= BUSY and float(timing["steady_wait_frac"]) >= INPUT_BOUND, timing

@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 def _run(**overrides):
     lines = []
     cfg, tree, preset = prepare(TrainConfig(**overrides))
-    return job.run(cfg, tree, preset, log=lines.append), tree, lines
+    return job.run(cfg, tree, preset, log=lines.append, own_cluster=True), tree, lines  # see conftest.ray_cluster
 
 
 def _png_claiming(width: int, height: int) -> bytes:
@@ -319,7 +319,7 @@ def test_a_run_whose_data_tasks_cannot_start_stops_with_a_clear_error(ray_cluste
     cfg, tree, preset = prepare(dataclasses.replace(cfg, storage_path=str(tmp_path), name="starved"))
     limits = StallLimits(starved_s=3, pending_s=600, poll_s=0.5)
     with pytest.raises(job.TrainingFailed) as err:
-        job.run(cfg, tree, preset, log=lambda *a: None, stall=limits)
+        job.run(cfg, tree, preset, log=lambda *a: None, stall=limits, own_cluster=True)
     assert re.fullmatch(
         r"training failed: no batch for \d+ s: the 2 train worker\(s\) hold 2 CPU each, which leaves Ray Data "
         rf"0, 0 CPU on the node\(s\), and it needs {hogs.augment_cpus:g} CPU at once; lower --num-workers or "

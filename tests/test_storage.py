@@ -236,7 +236,7 @@ def s3_run(ray_cluster, prepared):
     cfg, tree, preset = prepare(
         TrainConfig(data=prepared, epochs=1, batch_size=8, num_workers=2, storage_path="s3://runs", name="prepared")
     )
-    return job.run(cfg, tree, preset, log=lambda *a: None), tree
+    return job.run(cfg, tree, preset, log=lambda *a: None, own_cluster=True), tree
 
 
 def test_every_artifact_of_a_run_lands_in_s3(s3_run, s3):

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _run(bar_stream=None, log=lambda *a: None, **overrides):
     cfg, tree, preset = prepare(TrainConfig(**overrides))
-    return job.run(cfg, tree, preset, log=log, bar_stream=bar_stream), tree
+    return job.run(cfg, tree, preset, log=log, bar_stream=bar_stream, own_cluster=True), tree
 
 
 @pytest.fixture(scope="module")

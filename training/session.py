@@ -76,6 +76,9 @@ def quiet_ray(verbose: bool = False) -> dict:
     return kwargs
 
 
+PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+
+
 def connect(verbose: bool = False, dashboard: bool = False) -> bool:
     """Join the cluster of `ray job submit` / RAY_ADDRESS, or start a local one (or keep the
     one this process is already connected to). True when it started a local cluster, which
@@ -89,9 +92,7 @@ def connect(verbose: bool = False, dashboard: bool = False) -> bool:
     elif os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"):
         ray.init(**kwargs, **joined_runtime_env(verbose))
     else:
-        # No node of a cluster that ends with this process can be drained by an autoscaler:
-        # Ray Train's preemption watcher (one more actor process to start) has nothing to watch.
-        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+        without_preemption_watcher()
         if dashboard:  # it listens on loopback only
             ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", **kwargs)
         else:
@@ -99,6 +100,13 @@ def connect(verbose: bool = False, dashboard: bool = False) -> bool:
         started = True
     quiet_ray_data(verbose)  # after ray.init: importing Ray Data first would delay the cluster's start
     return started
+
+
+def without_preemption_watcher() -> None:
+    """For a cluster that ends with this process: no autoscaler can drain its nodes, so Ray
+    Train's preemption watcher (one more actor process to start per run) has nothing to watch.
+    Ray Train reads the variable in the driver and hands it to its controller."""
+    os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")
 
 
 def joined_runtime_env(verbose: bool = False) -> dict:
