@@ -101,9 +101,12 @@ def test_the_run_verdict_weighs_the_steady_epochs_by_their_time_and_skips_the_fi
 
 
 def test_a_run_whose_augmentation_is_slow_says_decode_and_augment_bound_it(ray_cluster, tmp_path):
-    """A 25 x 25 median blur (Kornia's, by name) after the crop costs tens of ms an image on a
-    CPU, far more than a step of ResNet18 at 32 px: the trainer waits, the augment tasks are
-    busy, and the epoch line and summary.json name decode + augment, with the flags."""
+    """A 33 x 33 median blur (Kornia's, by name) after the crop costs about 0.15 s of CPU an
+    image, far more than a step of ResNet18 at 32 px: the trainer waits, the augment tasks are
+    busy, and the epoch line and summary.json name decode + augment, with the flags. Calls of
+    16 images stream the epoch in blocks, and the blur of the whole epoch takes longer than the
+    train worker's start-up, so it cannot all be ready before the first step (a 25 x 25 blur
+    in one call could, once start-up got lighter)."""
     from tests.conftest import prepare, write_tree
     from training import job
 
@@ -111,7 +114,7 @@ def test_a_run_whose_augmentation_is_slow_says_decode_and_augment_bound_it(ray_c
     preset = tmp_path / "slow.yaml"
     preset.write_text(
         "train:\n  - random_crop: {size: 32, padding: 4}\n"
-        "  - kornia.RandomMedianBlur: {kernel_size: [25, 25], p: 1.0}\n"
+        "  - kornia.RandomMedianBlur: {kernel_size: [33, 33], p: 1.0}\n"
         "eval:\n  - center_crop: {size: 32}\n"
     )
     cfg = TrainConfig(
@@ -120,6 +123,7 @@ def test_a_run_whose_augmentation_is_slow_says_decode_and_augment_bound_it(ray_c
         batch_size=16,
         val_fraction=0.25,
         preset=str(preset),
+        augment_batch_size=16,
         storage_path=str(tmp_path / "runs"),
         name="slow",
     )
