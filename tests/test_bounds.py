@@ -101,12 +101,12 @@ def test_the_run_verdict_weighs_the_steady_epochs_by_their_time_and_skips_the_fi
 
 
 def test_a_run_whose_augmentation_is_slow_says_decode_and_augment_bound_it(ray_cluster, tmp_path):
-    """A 33 x 33 median blur (Kornia's, by name) after the crop costs about 0.15 s of CPU an
-    image, far more than a step of ResNet18 at 32 px: the trainer waits, the augment tasks are
-    busy, and the epoch line and summary.json name decode + augment, with the flags. Calls of
-    16 images stream the epoch in blocks, and the blur of the whole epoch takes longer than the
-    train worker's start-up, so it cannot all be ready before the first step (a 25 x 25 blur
-    in one call could, once start-up got lighter)."""
+    """A 33 x 33 median blur (Kornia's, by name) after the crop costs far more CPU an image
+    than a step of ResNet18 at 32 px (docs/benchmark-log.md, "The suite's time"): the trainer
+    waits, the augment tasks are busy, and the epoch line and summary.json name decode +
+    augment, with the flags. Calls of 16 images stream the epoch in blocks, and the blur of
+    the whole epoch takes longer than the train worker's start-up, so it cannot all be ready
+    before the first step (a 25 x 25 blur in one call could, once start-up got lighter)."""
     from tests.conftest import prepare, write_tree
     from training import job
 
