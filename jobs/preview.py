@@ -4,7 +4,7 @@
     python -m jobs.preview --data ~/photos --out grid.png          # photos: imagenet, as jobs.train picks
     python -m jobs.preview --data ~/photos --preset my.yaml --per-class 2 --augmentations 6
 
-Exit codes: 0 written; 2 bad input (unknown preset, unreadable tree), one line on stderr.
+Exit codes: 0 written; 2 bad input (unknown preset, unreadable data), one line on stderr.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from training.config import FlagParser
 def parse(argv=None):
     ap = FlagParser(prog="python -m jobs.preview", description=__doc__.split("\n")[0])
     ap.add_argument(
-        "--data", help="image tree (DIR/<class>/<img> or DIR/{train,val}/...); default: the bundled digits dataset"
+        "--data",
+        help="what jobs.train's --data takes: an image tree, WebDataset shards, a Hugging Face Parquet export, a "
+        "manifest or jobs.prepare shards; default: the bundled digits dataset",
     )
     ap.add_argument(
         "--preset",
@@ -39,18 +41,21 @@ def main(argv=None) -> int:
     args = parse(argv)
     from augment.presets import PresetError, load_preset
     from augment.preview import read_examples, render_grid
-    from training.data import DataError, default_dataset_dir, scan_tree
-    from training.inputs import auto_preset, typical_size
+    from training.data import DataError, default_dataset_dir
+    from training.formats import shard_examples
+    from training.inputs import auto_preset, scan_data, typical_size
+    from training.storage import StorageError
 
     try:
-        tree = scan_tree(args.data or str(default_dataset_dir()))
+        tree = scan_data(args.data or str(default_dataset_dir()))
         chosen = ""
         if args.preset == "auto":  # as jobs.train chooses
             name, why = auto_preset(dataclasses.replace(tree, typical_size=typical_size(tree.train)))
             chosen = f" (--preset auto: {why})"
         preset = load_preset(name if args.preset == "auto" else args.preset)
-        images, labels, keys = read_examples(tree.train, classes=args.classes, per_class=args.per_class)
-    except (PresetError, DataError) as e:
+        examples = shard_examples if tree.train.grouped else read_examples
+        images, labels, keys = examples(tree.train, classes=args.classes, per_class=args.per_class)
+    except (PresetError, DataError, StorageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = render_grid(

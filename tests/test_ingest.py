@@ -203,11 +203,8 @@ def test_a_read_task_that_decodes_yields_a_block_per_cap_of_pixels(tmp_path, mon
     log = SimpleNamespace(add=SimpleNamespace(remote=reported.append))  # the BadFileLog actor's handle
     blocks = list(
         ingest._read_files(
-            _arrow(rel),
+            _rows(rel),
             root=str(root),
-            shards=(),
-            class_names=("a", "b"),
-            label_part=0,
             decode=True,
             bad_log=log,
             relative_paths=True,
@@ -221,10 +218,11 @@ def test_a_read_task_that_decodes_yields_a_block_per_cap_of_pixels(tmp_path, mon
     assert [[path for path, _ in batch] for batch in reported] == ([bad] if bad else [])
 
 
-def _arrow(strings):
+def _rows(rel_paths):
+    """A read task's table of files, labelled by their class directory (a or b)."""
     import pyarrow as pa
 
-    return pa.array(list(strings), type=pa.string())
+    return pa.table({"path": rel_paths, "label": [int(r[0] == "b") for r in rel_paths], "key": range(len(rel_paths))})
 
 
 def _gate():
@@ -311,7 +309,7 @@ def test_an_execution_runs_tasks_side_by_side_from_its_first_second(ray_cluster,
     try:
         control = _task_starts(ray.data.range(8, override_num_blocks=8))
         tree = scan_data(str(order_tree), 0.1)
-        ours = _task_starts(read_split(tree.train, tree.class_names, num_cpus=0.5))
+        ours = _task_starts(read_split(tree.train, num_cpus=0.5))
     finally:
         if patched is not original:  # as it was; else read_split has just put the workaround in place
             ResourceManager.get_global_limits = patched
@@ -321,7 +319,7 @@ def test_an_execution_runs_tasks_side_by_side_from_its_first_second(ray_cluster,
     assert _started_at_once(ours) >= max(3, _started_at_once(control)), (ours, control)  # 4 CPUs at 0.5: up to 8
 
 
-def _task_processes(split, class_names, args: dict, executions: int) -> list[dict[str, int]]:
+def _task_processes(split, args: dict, executions: int) -> list[dict[str, int]]:
     """{task id: worker process (pid)} of an augment-like map's tasks, per execution; every task
     must have held a GPU."""
     import os
@@ -332,7 +330,7 @@ def _task_processes(split, class_names, args: dict, executions: int) -> list[dic
         task = ray.get_runtime_context().get_task_id()
         return {"pid": np.array([os.getpid()]), "task": np.array([task]), "gpus": np.array([len(ray.get_gpu_ids())])}
 
-    ds = read_split(split, class_names, num_cpus=0.5)
+    ds = read_split(split, num_cpus=0.5)
     ds = ds.map_batches(who, batch_size=32, batch_format="numpy", **args)  # Ray wants a size where tasks hold GPUs
     pids = []
     for _ in range(executions):
@@ -358,16 +356,16 @@ def test_gpu_augment_tasks_run_in_processes_that_outlive_the_epoch(gpu_node, ord
     assert args["compute"].size == 4  # the 4 tasks planned beside the one trainer, not the 16 that fit
     args = args | {"num_cpus": 0.5}  # the fake node's 2 CPUs take 4 tasks at once
     tree = scan_data(str(order_tree), 0.1)
-    ours = _task_processes(tree.train, tree.class_names, args, executions=2)
+    ours = _task_processes(tree.train, args, executions=2)
     # Ray ends idle workers beyond a node's CPU count, so some of the first processes may be gone
     first, second = (set(tasks.values()) for tasks in ours)
     assert first & second and len(first) + len(second) < len(ours[0]) + len(ours[1]), ours
     rays_default = {k: v for k, v in args.items() if k != "max_calls"}
-    (control,) = _task_processes(tree.train, tree.class_names, rays_default, executions=1)
+    (control,) = _task_processes(tree.train, rays_default, executions=1)
     assert len(set(control.values())) == len(control) >= 4, control  # a process per task
 
 
-def _task_gpus(split, class_names, args: dict) -> list[dict]:
+def _task_gpus(split, args: dict) -> list[dict]:
     """Per task of an augment-like map: the GPU Ray gave it, CUDA_VISIBLE_DEVICES as the task
     saw it, and the index training.stage.cuda_index derives from the two."""
     import os
@@ -383,7 +381,7 @@ def _task_gpus(split, class_names, args: dict) -> list[dict]:
         gpu, visible = ray.get_gpu_ids()[0], os.environ.get("CUDA_VISIBLE_DEVICES")
         return {"row": np.array([[int(gpu), cuda_index(gpu, visible)]]), "visible": np.array([str(visible)])}
 
-    ds = read_split(split, class_names, num_cpus=0.5).map_batches(where, batch_size=16, batch_format="numpy", **args)
+    ds = read_split(split, num_cpus=0.5).map_batches(where, batch_size=16, batch_format="numpy", **args)
     rows = ds.take_all()
     ray.kill(both)
     return [{"gpu": r["row"][0], "index": r["row"][1], "visible": r["visible"]} for r in rows]
@@ -407,10 +405,10 @@ def test_a_gpu_augment_task_picks_the_gpu_ray_gave_it_on_a_node_of_several(gpu_n
     tree = scan_data(str(order_tree), 0.1)
     ours = []
     while len(ours) < 5 * len(tree.train) // 16 and {r["gpu"] for r in ours} != {5, 7}:
-        ours += _task_gpus(tree.train, tree.class_names, args)  # until tasks have overlapped (and used GPU 7)
+        ours += _task_gpus(tree.train, args)  # until tasks have overlapped (and used GPU 7)
     assert {r["gpu"] for r in ours} == {5, 7}, ours
     assert all(r["visible"] == "5,7" and r["index"] == {5: 0, 7: 1}[r["gpu"]] for r in ours), ours
-    control = _task_gpus(tree.train, tree.class_names, {k: v for k, v in args.items() if k != "runtime_env"})
+    control = _task_gpus(tree.train, {k: v for k, v in args.items() if k != "runtime_env"})
     assert all(r["visible"] == str(r["gpu"]) for r in control), control  # narrowed, task by task
 
 

@@ -50,8 +50,8 @@ def test_prepared_shards_read_back_as_the_tree(ray_cluster, tmp_path, capsys):
 
     # the train split (the val split goes through the same reader): same rows, same pixels;
     # the broken file, wherever it landed, is dropped by both readers
-    from_tree = _rows(read_split(tree.train, tree.class_names, seed=0, shuffle=True, decode=True))
-    from_parquet = _rows(read_split(prepared.train, prepared.class_names, seed=0, shuffle=True, decode=True))
+    from_tree = _rows(read_split(tree.train, seed=0, shuffle=True, decode=True))
+    from_parquet = _rows(read_split(prepared.train, seed=0, shuffle=True, decode=True))
     broken_in_train = any(p.endswith("dog/broken.png") for p in tree.train.paths)
     assert from_tree.keys() == from_parquet.keys() and len(from_tree) == len(tree.train) - broken_in_train
     for key, (label, image) in from_tree.items():

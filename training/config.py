@@ -41,12 +41,17 @@ class TrainConfig:
     # data
     data: Optional[str] = _f(
         None,
-        "image tree: DIR/<class>/<img> or DIR/{train,val}/<class>/<img>; local path or s3://, gs://. Default: the "
+        "an image tree (DIR/<class>/<img>, DIR/{train,val}/<class>/<img>), WebDataset shards (a folder of .tar, "
+        "a pattern such as train-{0000..0099}.tar), a Hugging Face Parquet export (a folder of .parquet), a "
+        "path,label manifest (.csv, .jsonl) or jobs.prepare shards; local path or s3://, gs://. Default: the "
         "bundled digits dataset",
     )
     val_fraction: float = _f(
-        0.2, "fraction of DIR/<class>/ files held out for validation by path hash (ignored with train/ + val/)"
+        0.2,
+        "fraction of the images held out for validation by the hash of their path (ignored where the data has "
+        "its own split: train/ + val/, train-/val- shards or files, a validation manifest)",
     )
+    label_key: str = _f("label", "WebDataset: the field of a sample's .json member that holds its label (without .cls)")
     preset: str = _f(
         "auto",
         "augmentation preset: cifar, imagenet, a .yaml/.json preset file, or auto (cifar for thumbnails, whose "

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import re
 from pathlib import Path, PurePosixPath
 
 import numpy as np
@@ -90,6 +91,79 @@ class Split:
         return dataclasses.replace(self, **{c: getattr(self, c)[mask] for c in columns})
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardFormat:
+    """How a read task finds an image, its label and its key in a shard (training/shards.py)."""
+
+    kind: str  # "prepared" (jobs.prepare), "huggingface" (a Parquet export), "webdataset" (tar shards)
+    image: str = "bytes"  # Parquet: the column of the encoded image (a Hugging Face Image struct's `bytes`)
+    label: str = "label"  # Parquet: the label column; WebDataset: the key of a .json member's label
+    class_names: tuple[str, ...] = ()  # WebDataset: a member's label (a name, or an index as text) -> position
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShardedSplit(Split):
+    """A Split whose images live inside shards (Parquet files or tar archives), read in fixed
+    units (row groups, runs of tar members) in a new order every epoch. `paths` name each image
+    as the job reports it: the original file (prepared shards), or `shard:row` and `shard/member`."""
+
+    shards: tuple[str, ...] = ()  # shard URIs
+    units: np.ndarray | None = None  # int64 (n, k): a unit's shard index, its place in the shard, ..., its rows (last)
+    form: ShardFormat = ShardFormat("prepared")
+    side: tuple[float, bool] | None = None  # the hash split inside each unit: (val_fraction, is val); None: all rows
+
+    @property
+    def grouped(self) -> bool:
+        return self.units is not None
+
+
+def sharded(split: Split, shards, units, form: ShardFormat, side=None) -> ShardedSplit:
+    """`split`'s files as a ShardedSplit read from `shards` in `units`."""
+    fields = {f.name: getattr(split, f.name) for f in dataclasses.fields(Split)}
+    units = np.asarray(units, dtype=np.int64)
+    return ShardedSplit(**fields, shards=tuple(shards), units=units, form=form, side=side)
+
+
+SPLIT_NAMES = {"train": "train", "val": "val", "valid": "val", "validation": "val", "test": "test"}
+
+
+def split_of(rel_path: str) -> str | None:
+    """The split a shard's path names ("train", "val", "test"; None: none), as Hugging Face and
+    WebDataset name them: a folder (train/0000.parquet) or the file name's first word
+    (validation-00000-of-00004.parquet, val-0001.tar, imagenet-train-0001.tar)."""
+    parts = rel_path.lower().split("/")
+    words = parts[:-1] + [w for w in re.split(r"[-_.]", parts[-1])[:-1] if w]
+    found = [SPLIT_NAMES[w] for w in words if w in SPLIT_NAMES]
+    return found[-1] if found else None
+
+
+def label_text(value) -> str:
+    """A label as a source gives it, as text: an index (7, "7", "007") as its digits, a name as it is."""
+    text = str(value).strip()
+    return str(int(text)) if text.isdigit() else text
+
+
+def index_labels(train_labels, val_labels, where: str) -> tuple[tuple[str, ...], np.ndarray, np.ndarray]:
+    """(class names, train labels, val labels as positions) from labels as a source gives them:
+    class indices (names "0".."N-1", N the largest + 1) or class names (sorted). A DataError for a
+    validation label that is no training class, or fewer than 2 classes."""
+    train, val = [label_text(v) for v in train_labels], [label_text(v) for v in val_labels]
+    if all(t.isdigit() for t in train + val):
+        names = tuple(str(i) for i in range(max(map(int, train)) + 1)) if train else ()
+    else:
+        names = tuple(sorted(set(train)))
+    index = {name: i for i, name in enumerate(names)}
+    unknown = sorted(set(val) - set(index))
+    if unknown:
+        raise DataError(
+            f"{where}: validation label(s) {unknown[:5]} are not among the training labels; fix those labels "
+            "or add training images of the classes"
+        )
+    if len(names) < 2:
+        raise DataError(f"{where}: {len(names)} class(es) in the training labels; a classifier needs at least 2")
+    return names, np.array([index[t] for t in train], np.int32), np.array([index[t] for t in val], np.int32)
+
+
 def make_split(root: str, rel_paths, labels, sizes, *, label_part: int = 0, keys=None) -> Split:
     """A Split from relative paths, labels and file sizes; keys are the paths' stable hashes
     unless given."""
@@ -115,6 +189,7 @@ class ImageTree:
     train: Split
     val: Split
     typical_size: tuple[int, int] | None = None  # median (width, height) of a sample of train headers; None: unread
+    unreadable: tuple[tuple[str, str], ...] = ()  # (path, reason) of images the listing already found unusable
 
     @property
     def num_classes(self) -> int:
@@ -128,8 +203,9 @@ class ImageTree:
         )
 
 
-def list_images(fs, directory: str) -> list[tuple[str, int]]:
-    """(path, size) of every image below `directory`, hidden files and folders skipped."""
+def list_images(fs, directory: str, suffixes=IMAGE_EXTENSIONS) -> list[tuple[str, int]]:
+    """(path, size) of every image (file of one of `suffixes`) below `directory`, sorted; hidden
+    files and folders skipped."""
     import pyarrow.fs as pafs
 
     out = []
@@ -139,7 +215,7 @@ def list_images(fs, directory: str) -> list[tuple[str, int]]:
         rel = PurePosixPath(info.path).relative_to(directory)
         if any(part.startswith(".") for part in rel.parts):
             continue
-        if rel.suffix.lower() in IMAGE_EXTENSIONS:
+        if rel.suffix.lower() in suffixes:
             out.append((info.path, info.size or 0))
     out.sort()
     return out

@@ -23,7 +23,6 @@ import torch
 
 from training import storage
 from training.data import DataError, Split, label_of, list_images, make_split, scan_tree
-from training.parquet import is_prepared, scan_prepared
 
 MODEL_KEYS = ("arch", "state_dict", "class_names", "image_size", "small_stem", "eval_transform")
 
@@ -99,15 +98,16 @@ def list_inputs(root: str, class_names, split: str = "all", val_fraction: float 
 
 
 def input_splits(root: str, info: dict, split: str = "all", val_fraction: float = 0.2) -> list[Split]:
-    """The Splits to score: the listed files of an image tree, or a prepared directory's
-    splits (DataError if it was prepared with other classes than the model's)."""
-    if not is_prepared(root):
+    """The Splits to score: the listed files of an image tree, or the splits of data in another
+    form (shards, an export, a manifest: DataError if its classes are not the model's)."""
+    from training.formats import data_kind
+    from training.inputs import scan_data
+
+    if data_kind(root)[0] == "tree":
         return [list_inputs(root, info["class_names"], split, val_fraction)]
-    tree = scan_prepared(root)
+    tree = scan_data(root, val_fraction, info.get("config", {}).get("label_key", "label"))
     if list(tree.class_names) != list(info["class_names"]):
-        raise DataError(
-            f"{root}: prepared with classes {list(tree.class_names)}, the model has {list(info['class_names'])}"
-        )
+        raise DataError(f"{root}: holds classes {list(tree.class_names)}, the model has {list(info['class_names'])}")
     return [tree.val] if split == "val" else [tree.train, tree.val]
 
 
@@ -162,9 +162,7 @@ def scoring_dataset(info: dict, splits: list[Split], *, batch_size: int = 256, a
 
     from training.ingest import read_split
 
-    parts = [
-        read_split(s, info["class_names"], decode=True, relative_paths=True, rows_per_task=batch_size) for s in splits
-    ]
+    parts = [read_split(s, decode=True, relative_paths=True, rows_per_task=batch_size) for s in splits]
     ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
     return ds.map_batches(
         Predictor,

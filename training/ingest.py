@@ -43,7 +43,8 @@ from ray.data.datasource import Datasource, ReadTask
 from augment.decode import BadImage, decode_image, stack_images
 from training import ray_private
 from training.bounds import READ_COST, seconds_per_row
-from training.data import Split, label_of, stable_hash
+from training.data import Split
+from training.formats import read_units
 from training.stage import StageArgs, add_augment
 from training.stamp import current_epoch
 from training.storage import filesystem
@@ -131,7 +132,6 @@ class SplitSource(Datasource):
     def __init__(
         self,
         split: Split,
-        class_names,
         *,
         seed: int = 0,
         shuffle: bool = False,
@@ -139,28 +139,21 @@ class SplitSource(Datasource):
         decode: bool = False,
         bad_log=None,
         relative_paths: bool = False,
-        label_part: int | None = None,
         rows_per_task: int = ROWS_PER_TASK,
     ):
         super().__init__()
         self._prepared = split.grouped
         if self._prepared:
-            units = split.row_groups
+            units = split.units
         else:
             import pyarrow as pa
 
-            units = pa.array(list(split.rel_paths), type=pa.string())
+            units = pa.table({"path": list(split.rel_paths), "label": split.labels, "key": split.keys})
         self._units = ray.put(units)  # the per-file table: once in the object store, not in any task
         self._n, self._rows, self._bytes = len(units), len(split), split.total_bytes
-        self._read = dict(
-            root=split.root,
-            shards=tuple(getattr(split, "shards", ())),
-            class_names=tuple(class_names),
-            label_part=split.label_part if label_part is None else label_part,
-            decode=decode,
-            bad_log=bad_log,
-            relative_paths=relative_paths,
-        )
+        self._read = dict(root=split.root, decode=decode, bad_log=bad_log, relative_paths=relative_paths)
+        if self._prepared:
+            self._read |= dict(shards=split.shards, form=split.form, side=split.side)
         self._seed, self._shuffle, self._clock = seed, shuffle, clock
         self._units_per_task, self._num_tasks = read_plan(split, rows_per_task)
 
@@ -187,9 +180,9 @@ class SplitSource(Datasource):
             chosen = order[start : start + per_task]
             if self._prepared:
                 fn = functools.partial(
-                    _read_row_groups, units[chosen], self._shuffle, (self._seed, epoch, start), **self._read
+                    _read_units, units[chosen], self._shuffle, (self._seed, epoch, start), **self._read
                 )
-                n_rows = int(units[chosen, 2].sum())
+                n_rows = int(units[chosen, -1].sum())
             else:
                 fn = functools.partial(_read_files, units.take(chosen), **self._read)
                 n_rows = len(chosen)
@@ -203,7 +196,7 @@ class SplitSource(Datasource):
 def read_plan(split: Split, rows_per_task: int) -> tuple[int, int]:
     """(files or row groups per read task, read tasks) of an execution of `split`: at most
     rows_per_task rows and TASK_BYTES a task, and a few tasks at least."""
-    units = len(split.row_groups) if split.grouped else len(split)
+    units = len(split.units) if split.grouped else len(split)
     mean_bytes = split.total_bytes / max(1, len(split))
     rows = min(rows_per_task, max(MIN_ROWS_PER_TASK, math.ceil(len(split) / MIN_TASKS)))
     rows = max(1, min(rows, int(TASK_BYTES // max(1.0, mean_bytes))), math.ceil(len(split) / MAX_TASKS))
@@ -211,10 +204,10 @@ def read_plan(split: Split, rows_per_task: int) -> tuple[int, int]:
     return per_task, max(1, math.ceil(units / per_task))
 
 
-def _read_files(rel_paths, *, root, shards, class_names, label_part, decode, bad_log, relative_paths):
-    """A read task: its files' bytes, path, label and key (label and key from each path)."""
+def _read_files(rows, *, root, decode, bad_log, relative_paths):
+    """A read task: its files' bytes, path, label and key (`rows`: their Arrow table)."""
     started = time.perf_counter()
-    rel = rel_paths.to_pylist()
+    rel = rows.column("path").to_pylist()
     fs, base, prefix = filesystem(root)
     full = [f"{base}/{r}" for r in rel]
     if prefix:  # object storage: latency-bound, so threads
@@ -231,31 +224,24 @@ def _read_files(rel_paths, *, root, shards, class_names, label_part, decode, bad
         for path in full:
             with open(path, "rb") as f:
                 datas.append(f.read())
-    index = {name: i for i, name in enumerate(class_names)}
     columns = {
         "bytes": datas,
         "path": rel if relative_paths else [prefix + p for p in full],
-        "label": np.array([label_of(r, index, label_part) for r in rel], dtype=np.int64),
-        "key": np.array([stable_hash(r) for r in rel], dtype=np.int64),
+        "label": rows.column("label").to_numpy().astype(np.int64),
+        "key": rows.column("key").to_numpy(),
     }
     yield from _blocks(columns, decode, bad_log, started)
 
 
-def _read_row_groups(
-    groups, shuffle, order_seed, *, root, shards, class_names, label_part, decode, bad_log, relative_paths
-):
-    """A read task of a prepared split: its row groups, their rows in an order drawn from
-    (seed, epoch, task) so that consecutive epochs pair different neighbours."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
+def _read_units(units, shuffle, order_seed, *, root, shards, form, side, decode, bad_log, relative_paths):
+    """A read task of a sharded split: its units (row groups, runs of tar members), their rows
+    (those of its side of a hash split) in an order drawn from (seed, epoch, task) so that
+    consecutive epochs pair different neighbours."""
     started = time.perf_counter()
-    tables = []
-    for shard, group, _ in groups:
-        fs, path, _ = filesystem(shards[shard])
-        with fs.open_input_file(path) as f:
-            tables.append(pq.ParquetFile(f).read_row_group(int(group), columns=["bytes", "path", "label", "key"]))
-    table = pa.concat_tables(tables)
+    table = read_units(units, root, shards, form)  # {bytes, path (below root), label, key}
+    if side is not None:
+        val_fraction, is_val = side
+        table = table.filter((table.column("key").to_numpy() / 2**63 < val_fraction) == is_val)
     if shuffle:
         table = table.take(np.random.default_rng(list(order_seed)).permutation(table.num_rows))
     rel = table.column("path").to_pylist()
@@ -319,7 +305,6 @@ def _decoded_block(columns: dict, images: list, keep: list[int], started: float)
 
 def read_split(
     split: Split,
-    class_names,
     *,
     seed: int = 0,
     shuffle: bool = False,
@@ -333,7 +318,6 @@ def read_split(
     """Ray Dataset of one split's rows (see SplitSource), read by tasks of `num_cpus`."""
     source = SplitSource(
         split,
-        class_names,
         seed=seed,
         shuffle=shuffle,
         clock=clock,
@@ -345,9 +329,9 @@ def read_split(
     return ray.data.read_datasource(source, num_cpus=num_cpus, override_num_blocks=source.num_tasks)
 
 
-def check_decodes(split: Split, class_names, *, num_cpus: float) -> dict[str, str]:
+def check_decodes(split: Split, *, num_cpus: float) -> dict[str, str]:
     """--strict: decode every file of the split once, now; {path: reason} of those that fail."""
-    ds = read_split(split, class_names, decode="check", num_cpus=num_cpus)
+    ds = read_split(split, decode="check", num_cpus=num_cpus)
     bad = {}
     for b in ds.iter_batches(batch_size=None, batch_format="numpy"):
         bad.update(zip(b["path"].tolist(), b["reason"].tolist(), strict=True))
@@ -373,12 +357,11 @@ def build_datasets(cfg, tree, preset, plan, clock, bad_log=None, decode: DecodeP
     for split_name, split in (("train", tree.train), ("val", tree.val)):
         train, rows = split_name == "train", augment_rows(cfg.augment_batch_size, split, decode)
         if cfg.strict:  # decode every file once now, so a bad one stops the run before training
-            bad = check_decodes(split, tree.class_names, num_cpus=plan.augment_cpus)
+            bad = check_decodes(split, num_cpus=plan.augment_cpus)
             if bad and bad_log is not None:
                 ray.get(bad_log.add.remote(sorted(bad.items())))  # recorded before the driver reads the log
         ds = read_split(
             split,
-            tree.class_names,
             seed=cfg.seed,
             shuffle=train,
             clock=clock if train else None,

@@ -19,15 +19,28 @@ from augment.schedule import parse_resize, parse_schedule
 from training import artifacts, storage
 from training.config import ConfigError, TrainConfig, check_amp
 from training.data import ImageTree, default_dataset_dir, scan_tree
+from training.formats import data_kind
+from training.huggingface import scan_export
+from training.manifest import scan_manifest
 from training.parquet import is_prepared, read_manifest, scan_prepared
+from training.webdataset import scan_webdataset
 
 
-def scan_data(root: str, val_fraction: float = 0.2) -> ImageTree:
-    """An image tree, or the Parquet shards `python -m jobs.prepare` wrote (its split is the
-    one fixed when preparing). DataError for anything unusable, storage.StorageError for
-    object storage that refuses."""
-    if is_prepared(root):
-        return scan_prepared(root)
+def scan_data(root: str, val_fraction: float = 0.2, label_key: str = "label") -> ImageTree:
+    """The images `root` holds, by what is there (training/formats.py data_kind): an image tree,
+    WebDataset shards, a Hugging Face Parquet export, a manifest, or the Parquet shards
+    `python -m jobs.prepare` wrote (its split is the one fixed when preparing). DataError for
+    anything unusable, storage.StorageError for object storage that refuses."""
+    kind, files = data_kind(root)
+    with storage.errors(root):
+        if kind == "prepared":
+            return scan_prepared(root)
+        if kind == "manifest":
+            return scan_manifest(root, val_fraction)
+        if kind == "webdataset":
+            return scan_webdataset(root, val_fraction, label_key)
+        if kind == "huggingface":
+            return scan_export(root, files, val_fraction)
     return scan_tree(root, val_fraction)
 
 
@@ -170,7 +183,7 @@ def check_inputs(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree]:
     preset file is loaded and checked by augment.presets.load_preset."""
     cfg = cfg.with_defaults_resolved()
     root = cfg.data or str(default_dataset_dir())
-    tree = scan_data(root, cfg.val_fraction)
+    tree = scan_data(root, cfg.val_fraction, cfg.label_key)
     if is_prepared(root):
         cfg = prepared_val_fraction(cfg, root)
     tree = dataclasses.replace(tree, typical_size=typical_size(tree.train))

@@ -124,6 +124,8 @@ def run(
         "bad_log": driver_actor(BadFileLog),
         "board": driver_actor(ProgressBoard),
     }
+    if tree.unreadable:  # found by the listing (a shard's sample without an image or a label)
+        actors["bad_log"].add.remote(list(tree.unreadable))
     attempt = Attempt(
         cfg,
         tree,

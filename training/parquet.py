@@ -17,7 +17,6 @@ of 256 images: the unit that training reads in a new order every epoch (training
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import math
@@ -27,7 +26,7 @@ from pathlib import PurePosixPath
 import numpy as np
 
 from training import storage
-from training.data import DataError, ImageTree, Split, make_split, scan_tree
+from training.data import DataError, ImageTree, ShardFormat, make_split, scan_tree, sharded
 
 MANIFEST = "_prepared.json"
 FORMAT = "ray-gpu-augment/prepared/1"
@@ -35,19 +34,6 @@ SPLITS = ("train", "val")
 
 
 ROW_GROUP = 256  # images per Parquet row group
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class PreparedSplit(Split):
-    """A Split whose images live in Parquet shards; `root` is the tree jobs.prepare read, so
-    `paths` name the original files."""
-
-    shards: tuple[str, ...] = ()  # shard URIs, in the order they were written
-    row_groups: np.ndarray | None = None  # int64 (n, 3): shard index, row group, rows; read in a new order every epoch
-
-    @property
-    def grouped(self) -> bool:
-        return self.row_groups is not None
 
 
 def is_prepared(root: str) -> bool:
@@ -209,11 +195,8 @@ def _scan_prepared(root: str) -> ImageTree:
         sizes = np.full(len(rel), meta["bytes"] // max(1, len(rel)), dtype=np.int64)
         sizes[: meta["bytes"] - int(sizes.sum())] += 1
         split = make_split(source, rel, _cat(labels), sizes, keys=_cat(keys))
-        splits[name] = PreparedSplit(
-            **{f.name: getattr(split, f.name) for f in dataclasses.fields(Split)},
-            shards=tuple(f"{prefix}{base}/{s}" for s in meta["shards"]),
-            row_groups=np.asarray(groups, dtype=np.int64).reshape(-1, 3),
-        )
+        shards = [f"{prefix}{base}/{s}" for s in meta["shards"]]
+        splits[name] = sharded(split, shards, np.asarray(groups).reshape(-1, 3), ShardFormat("prepared"))
     layout = f"{manifest['layout']}" + (
         f" by val_fraction {manifest['val_fraction']}" if manifest["layout"] == "hash" else ""
     )
@@ -224,6 +207,20 @@ def _scan_prepared(root: str) -> ImageTree:
         train=splits["train"],
         val=splits["val"],
     )
+
+
+def read_prepared_units(units, root: str, shards, form: ShardFormat):
+    """A read task's row groups of prepared shards: {bytes, path, label, key}; `units` rows are
+    (shard index, row group, rows)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tables = []
+    for shard, group, _ in units:
+        fs, path, _ = storage.filesystem(shards[shard])
+        with fs.open_input_file(path) as f:
+            tables.append(pq.ParquetFile(f).read_row_group(int(group), columns=["bytes", "path", "label", "key"]))
+    return pa.concat_tables(tables)
 
 
 def _cat(arrays: list) -> np.ndarray:

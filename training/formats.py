@@ -1,0 +1,94 @@
+"""What `--data` names, told apart by what is there (docs/guide.md, "Data formats"):
+
+    prepared      DIR/_prepared.json                 jobs.prepare's shards (training/parquet.py)
+    manifest      a .csv or .jsonl file               path,label lines (training/manifest.py)
+    webdataset    a .tar, a brace pattern, or a folder with .tar files (training/webdataset.py)
+    huggingface   a folder with .parquet files        a Hugging Face export (training/huggingface.py)
+    tree          anything else: DIR/<class>/<img>    (training/data.py)
+
+A folder is judged by the first files a short walk from its top finds (its own, then those of
+a few sub-folders, two levels down at most), so telling a tree of a million files from a
+folder of shards costs a handful of listings, not a listing of everything.
+"""
+
+from __future__ import annotations
+
+from pathlib import PurePosixPath
+
+from training import storage
+from training.data import IMAGE_EXTENSIONS, list_images
+from training.huggingface import read_export_units
+from training.manifest import is_manifest
+from training.parquet import is_prepared, read_prepared_units
+from training.webdataset import is_shard_pattern, read_tar_units
+
+WALK_DEPTH, WALK_WIDTH = 2, 4  # folder levels below the top, sub-folders looked into per folder
+READERS = {"prepared": read_prepared_units, "huggingface": read_export_units, "webdataset": read_tar_units}
+
+
+def read_units(units, root: str, shards, form):
+    """The rows of a sharded split's `units` as an Arrow table {bytes, path (below root), label, key}."""
+    return READERS[form.kind](units, root, shards, form)
+
+
+def data_kind(root: str) -> tuple[str, list[str] | None]:
+    """(kind, for a Hugging Face export its .parquet files relative to `root`)."""
+    storage.check_bucket(root)  # the first request to --data: bad credentials are named here
+    if is_manifest(root):
+        return "manifest", None
+    if is_shard_pattern(root):
+        return "webdataset", None
+    if is_prepared(root):
+        return "prepared", None
+    fs, base, _ = storage.filesystem(root)
+    with storage.errors(root):
+        kind = _walk(fs, base)
+        if kind != "parquet":
+            return kind, None
+        return "huggingface", _parquet_files(fs, base)
+
+
+def _walk(fs, base: str) -> str:
+    import pyarrow.fs as pafs
+
+    level = [base]
+    for _ in range(WALK_DEPTH + 1):
+        below = []
+        for folder in level:
+            infos = fs.get_file_info(pafs.FileSelector(folder, recursive=False, allow_not_found=True))
+            shown = [i for i in infos if not PurePosixPath(i.path).name.startswith(".")]
+            suffixes = {PurePosixPath(i.path).suffix.lower() for i in shown if i.type == pafs.FileType.File}
+            if ".tar" in suffixes:
+                return "webdataset"
+            if ".parquet" in suffixes:
+                return "parquet"
+            if suffixes & set(IMAGE_EXTENSIONS):
+                return "tree"
+            below += sorted(i.path for i in shown if i.type == pafs.FileType.Directory)[:WALK_WIDTH]
+        level = below
+    return "tree"
+
+
+def _parquet_files(fs, base: str) -> list[str]:
+    return [str(PurePosixPath(p).relative_to(base)) for p, _ in list_images(fs, base, (".parquet",))]
+
+
+def shard_examples(split, *, classes: int, per_class: int) -> tuple[list, list[int], list[int]]:
+    """augment.preview.read_examples for a sharded split: the first `per_class` images of each of
+    the first `classes` labels, in the order of its units, decoded (images that fail are passed over)."""
+    from augment.decode import BadImage, decode_image
+
+    chosen: dict[int, list] = {}
+    for unit in split.units:
+        table = read_units(unit[None], split.root, split.shards, split.form)
+        for data, label, key in zip(*(table.column(c).to_pylist() for c in ("bytes", "label", "key")), strict=True):
+            on_side = split.side is None or (key / 2**63 < split.side[0]) == split.side[1]
+            if on_side and label < classes and len(chosen.setdefault(label, [])) < per_class:
+                try:
+                    chosen[label].append((decode_image(data), label, key))
+                except BadImage:
+                    continue
+        if len(chosen) == classes and all(len(v) == per_class for v in chosen.values()):
+            break
+    picks = [p for label in sorted(chosen) for p in chosen[label]]
+    return [p[0] for p in picks], [p[1] for p in picks], [p[2] for p in picks]

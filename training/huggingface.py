@@ -1,0 +1,200 @@
+"""Hugging Face datasets exported as Parquet (`Dataset.to_parquet`, or the files the Hub
+serves for a dataset) -> the rows of each split, read in row groups.
+
+    DIR/data/train-00000-of-00004.parquet ...     or DIR/train/0000.parquet, DIR/train.parquet
+    DIR/data/validation-00000-of-00001.parquet    (test files are left out: their labels are -1)
+
+    columns   an Image struct {bytes, path} and a ClassLabel integer (any names: the features say)
+    metadata  the schema's "huggingface" key: {"info": {"features": {"image": {"_type": "Image"},
+              "label": {"_type": "ClassLabel", "names": ["tench", ...]}}}}
+
+The split is the files' own (train, validation); without validation files the stable hash
+split of each row's key, applied inside each row group by the read task. A row is named
+`<file>:<row>` (relative to DIR) and keyed by the stable hash of that name. The driver reads
+the footers and the label column only, never the images.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import PurePosixPath
+
+import numpy as np
+
+from training import storage
+from training.data import DataError, ImageTree, ShardFormat, make_split, sharded, split_of, stable_hash
+
+METADATA_KEY = b"huggingface"
+
+
+def features(schema) -> dict | None:
+    """The `huggingface` metadata's features of a Parquet schema; None without it."""
+    raw = (schema.metadata or {}).get(METADATA_KEY)
+    if raw is None:
+        return None
+    try:
+        return json.loads(raw)["info"]["features"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _columns(feats: dict, where: str) -> tuple[str, str, tuple[str, ...] | None]:
+    """(image column, label column, class names or None) from an export's features."""
+    images = [name for name, f in feats.items() if isinstance(f, dict) and f.get("_type") == "Image"]
+    labels = [name for name, f in feats.items() if isinstance(f, dict) and f.get("_type") == "ClassLabel"]
+    if not images:
+        raise DataError(f"{where}: no Image feature among {list(feats)}; export a dataset with an image column")
+    if not labels and "label" not in feats:
+        raise DataError(
+            f"{where}: no label (a ClassLabel feature or a `label` column) among {list(feats)}; an image classifier "
+            "trains on labelled images"
+        )
+    label = labels[0] if labels else "label"
+    names = feats[label].get("names") if labels else None
+    return images[0], label, tuple(names) if names else None
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportFile:
+    """What the driver reads of one file: its features, and per row group the rows' labels and
+    keys and the encoded images' bytes."""
+
+    features: dict
+    labels: list[np.ndarray]
+    keys: list[np.ndarray]
+    image_bytes: list[int]
+
+
+def scan_export(root: str, files: list[str], val_fraction: float) -> ImageTree:
+    """The ImageTree of the export `files` (paths relative to `root`). DataError for an export
+    without images or labels, files that disagree, or labels outside the class names."""
+    fs, base, prefix = storage.filesystem(root)
+    sides = {name: [f for f in files if split_of(f) == name] for name in ("train", "val")}
+    if not sides["train"]:  # no file names a split: all of them are the training pool
+        sides["train"] = [f for f in files if split_of(f) is None]
+    if not sides["train"]:
+        raise DataError(f"{root}: no training files among {files[:3]}; name them train-*.parquet")
+    shards = sides["train"] + sides["val"]
+    found = {f: _read_file(fs, f"{base}/{f}", f"{root}/{f}", f) for f in shards}
+    form, names = _format(root, found)
+    uris = [f"{prefix}{base}/{f}" for f in shards]
+
+    def split(side_files, side):
+        return _split(f"{prefix}{base}", [(shards.index(f), f, found[f]) for f in side_files], uris, form, side)
+
+    if sides["val"]:
+        train, val, layout = split(sides["train"], None), split(sides["val"], None), "the train/validation files' own"
+    else:
+        train, val = split(sides["train"], (val_fraction, False)), split(sides["train"], (val_fraction, True))
+        layout = f"hash by val_fraction {val_fraction}"
+    for part in (train, val):
+        bad = np.flatnonzero((part.labels < 0) | (part.labels >= len(names)))
+        if len(bad):
+            raise DataError(
+                f"{root}/{part.rel_paths[bad[0]]}: label {int(part.labels[bad[0]])} is not one of the {len(names)} "
+                "classes; leave unlabelled files (a test split) out of --data"
+            )
+    return ImageTree(
+        root=root,
+        layout=f"Hugging Face Parquet, {layout}",
+        class_names=names,
+        train=train,
+        val=val,
+    )
+
+
+def _format(root: str, found: dict) -> tuple[ShardFormat, tuple[str, ...]]:
+    """The columns every file shares, and the class names (the ClassLabel's, else "0".."N-1")."""
+    columns = {f: _columns(info.features, f"{root}/{f}") for f, info in found.items()}
+    first_file, first = next(iter(columns.items()))
+    for f, c in columns.items():
+        if c != first:
+            raise DataError(
+                f"{root}/{f}: its image column, label column or class names differ from {first_file}'s; give "
+                "--data the files of one export"
+            )
+    image, label, names = next(iter(columns.values()))
+    if names is None:
+        top = max((int(g.max()) for info in found.values() for g in info.labels if len(g)), default=0)
+        names = tuple(str(i) for i in range(top + 1))
+    return ShardFormat("huggingface", image=image, label=label), names
+
+
+def _split(root: str, files: list, uris: list[str], form: ShardFormat, side):
+    """One side of the split: the rows of `files` [(shard index, name, ExportFile)] on it, and
+    the row groups holding them, (shard, row group, first row, rows on this side)."""
+    rel, labels, keys, sizes, units = [], [], [], [], []
+    for s, name, info in files:
+        first = 0
+        for g, (lab, key, nbytes) in enumerate(zip(info.labels, info.keys, info.image_bytes, strict=True)):
+            keep = np.ones(len(lab), bool) if side is None else (key / 2**63 < side[0]) == side[1]
+            rows = np.flatnonzero(keep)
+            rel += [f"{name}:{first + r}" for r in rows]
+            labels.append(lab[keep])
+            keys.append(key[keep])
+            sizes.append(np.full(len(rows), nbytes // max(1, len(lab)), dtype=np.int64))
+            if len(rows):
+                units.append((s, g, first, len(rows)))
+            first += len(lab)
+    split = make_split(root, rel, _cat(labels), _cat(sizes), keys=_cat(keys))
+    return sharded(split, uris, np.asarray(units, dtype=np.int64).reshape(-1, 4), form, side)
+
+
+def _cat(arrays: list) -> np.ndarray:
+    return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+
+
+def _read_file(fs, path: str, shown: str, name: str) -> ExportFile:
+    """An export file's features, and per row group its labels, keys and image bytes."""
+    import pyarrow.parquet as pq
+
+    with fs.open_input_file(path) as f:
+        pf = pq.ParquetFile(f)
+        feats = features(pf.schema_arrow)
+        if feats is None:
+            raise DataError(
+                f"{shown}: no `huggingface` schema metadata; write it with the datasets library's to_parquet, or "
+                "give --data a folder of images or a manifest"
+            )
+        _, label, _ = _columns(feats, shown)
+        labels = [pf.read_row_group(g, columns=[label]).column(0).to_numpy() for g in range(pf.num_row_groups)]
+        meta = pf.metadata
+    keys, image_bytes, first = [], [], 0
+    for g, lab in enumerate(labels):
+        keys.append(np.fromiter((stable_hash(f"{name}:{first + r}") for r in range(len(lab))), np.int64, len(lab)))
+        first += len(lab)
+        rg = meta.row_group(g)
+        chunks = (rg.column(c) for c in range(rg.num_columns))
+        image_bytes.append(sum(c.total_compressed_size for c in chunks if c.path_in_schema.endswith(".bytes")))
+    return ExportFile(feats, labels, keys, image_bytes)
+
+
+def read_export_units(units, root: str, shards, form: ShardFormat):
+    """A read task's row groups of an export: {bytes, path, label, key}; `units` rows are
+    (shard index, row group, first row, rows). A row without embedded bytes reads as empty
+    (and is listed as a bad file)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    tables = []
+    for shard, group, first, _ in units:
+        fs, path, _ = storage.filesystem(shards[shard])
+        with fs.open_input_file(path) as f:
+            t = pq.ParquetFile(f).read_row_group(int(group), columns=[form.image, form.label])
+        image = t.column(form.image)
+        data = pc.struct_field(image, "bytes") if pa.types.is_struct(image.type) else image
+        name = str(PurePosixPath(path).relative_to(storage.filesystem(root)[1]))
+        rel = [f"{name}:{r}" for r in range(int(first), int(first) + t.num_rows)]
+        tables.append(
+            pa.table(
+                {
+                    "bytes": pc.fill_null(data.cast(pa.binary()), b""),
+                    "path": rel,
+                    "label": t.column(form.label).cast(pa.int64()),
+                    "key": pa.array([stable_hash(r) for r in rel], pa.int64()),
+                }
+            )
+        )
+    return pa.concat_tables(tables)

@@ -1,0 +1,159 @@
+"""A manifest file -> the files of each split with the labels it gives them.
+
+    --data DIR/train.csv      path,label              (a header naming the two columns, or none:
+                              cat/001.jpg,cat          then the first two columns are path, label)
+    --data DIR/train.jsonl    {"path": "cat/001.jpg", "label": "cat"}
+
+Paths are relative to the manifest's folder (`..` allowed, on object storage too). Labels are
+class names, or class indices (then the names are "0".."N-1"). The split: a sibling manifest
+named as this one with `val` or `validation` for `train` (train.csv -> val.csv, imagenet_train.jsonl
+-> imagenet_validation.jsonl) is the validation split; without one, the stable hash split of
+each path. A file's key is the stable hash of its path as the manifest writes it, normalised.
+Every listed file must exist: the driver lists the folder the paths share once (one request
+per 1,000 files on object storage) and names the first line whose file it does not find.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import posixpath
+
+import pyarrow.fs as pafs
+
+from training import storage
+from training.data import DataError, ImageTree, index_labels, make_split, stable_hash
+
+SUFFIXES = (".csv", ".jsonl")
+PATH_COLUMNS = ("path", "file", "filename", "image", "image_path")
+LABEL_COLUMNS = ("label", "class", "class_name", "target")
+VAL_NAMES = ("val", "validation")
+
+
+def is_manifest(root: str) -> bool:
+    return root.lower().endswith(SUFFIXES)
+
+
+def read_rows(text: str, where: str) -> list[tuple[int, str, str]]:
+    """(line number, path, label) of every entry of a manifest's text; DataError naming the
+    first line that has no path or no label."""
+    rows = []
+    if where.lower().endswith(".jsonl"):
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line)
+                rows.append((n, str(entry["path"]), entry["label"]))
+            except (ValueError, KeyError, TypeError):
+                raise DataError(f'{where}:{n}: not a JSON object with "path" and "label"; write one per line') from None
+        return rows
+    lines = list(csv.reader(io.StringIO(text)))
+    header = [c.strip().lower() for c in lines[0]] if lines else []
+    cols = (0, 1)
+    if any(c in PATH_COLUMNS for c in header) and any(c in LABEL_COLUMNS for c in header):
+        cols = (
+            next(i for i, c in enumerate(header) if c in PATH_COLUMNS),
+            next(i for i, c in enumerate(header) if c in LABEL_COLUMNS),
+        )
+        lines = [None, *lines[1:]]
+    for n, line in enumerate(lines, 1):
+        if line is None or not any(c.strip() for c in line or [""]):
+            continue
+        if len(line) <= max(cols) or not line[cols[0]].strip() or not line[cols[1]].strip():
+            raise DataError(f"{where}:{n}: no path and label; write each line as path,label")
+        rows.append((n, line[cols[0]].strip(), line[cols[1]].strip()))
+    return rows
+
+
+def sibling(root: str) -> str | None:
+    """The validation manifest beside a training one: `train` in its file name -> val, validation."""
+    folder, _, name = root.rpartition("/")
+    if "train" not in name:
+        return None
+    fs, _, _ = storage.filesystem(root)
+    for candidate in (f"{folder}/{name.replace('train', v, 1)}" for v in VAL_NAMES):
+        if fs.get_file_info(storage.filesystem(candidate)[1]).type == pafs.FileType.File:
+            return candidate
+    return None
+
+
+def _load(path: str) -> list[tuple[int, str, str]]:
+    fs, inner, _ = storage.filesystem(path)
+    info = fs.get_file_info(inner)
+    if info.type != pafs.FileType.File:
+        raise DataError(f"{path}: no such manifest; give --data a .csv or .jsonl of path,label")
+    with fs.open_input_file(inner) as f:
+        text = f.read().decode("utf-8-sig")
+    rows = read_rows(text, path)
+    if not rows:
+        raise DataError(f"{path}: no entries; write one path,label per line")
+    return rows
+
+
+def scan_manifest(root: str, val_fraction: float) -> ImageTree:
+    """The ImageTree of a manifest (and its validation sibling). DataError for a manifest or a
+    listed file that does not exist, a file listed twice, or a validation label training lacks."""
+    with storage.errors(root):
+        val_path = sibling(root)
+        manifests = {"train": _load(root), "val": _load(val_path) if val_path else []}
+        _, inner, prefix = storage.filesystem(root)
+        folder = posixpath.dirname(inner)
+        resolved = {
+            side: [(n, posixpath.normpath(posixpath.join(folder, p)), lab) for n, p, lab in rows]
+            for side, rows in manifests.items()
+        }
+        every = [p for rows in resolved.values() for _, p, _ in rows]
+        top = posixpath.commonpath(every) if len(every) > 1 else posixpath.dirname(every[0])
+        top = posixpath.dirname(top) if top in set(every) else top
+        sizes = _sizes(root, top, prefix)
+    seen: dict[str, str] = {}
+    for side, rows in resolved.items():
+        where = val_path if side == "val" else root
+        for n, path, _ in rows:
+            if path not in sizes:
+                raise DataError(
+                    f"{where}:{n}: {prefix}{path}: no such file; fix the path (relative to the manifest) or drop it"
+                )
+            if path in seen:
+                raise DataError(
+                    f"{where}:{n}: {path} is listed already ({seen[path]}); list each file once, in one split"
+                )
+            seen[path] = f"{where}:{n}"
+    names, train_labels, val_labels = index_labels(
+        [lab for _, _, lab in resolved["train"]], [lab for _, _, lab in resolved["val"]], root
+    )
+    splits = {
+        side: make_split(
+            prefix + top,
+            [posixpath.relpath(p, top) for _, p, _ in rows],
+            labels,
+            [sizes[p] for _, p, _ in rows],
+            keys=[stable_hash(posixpath.relpath(p, folder)) for _, p, _ in rows],
+        )
+        for (side, rows), labels in zip(resolved.items(), (train_labels, val_labels), strict=True)
+    }
+    if val_path:
+        layout = f"the manifests' own ({posixpath.basename(root)} + {posixpath.basename(val_path)})"
+        train, val = splits["train"], splits["val"]
+    else:
+        in_val = splits["train"].keys / 2**63 < val_fraction
+        layout, train, val = (
+            f"manifest, hash by val_fraction {val_fraction}",
+            splits["train"].subset(~in_val),
+            splits["train"].subset(in_val),
+        )
+    return ImageTree(root=root, layout=layout, class_names=names, train=train, val=val)
+
+
+def _sizes(root: str, top: str, prefix: str) -> dict[str, int]:
+    """{path: bytes} of every file below `top` (the folder the manifest's paths share)."""
+    fs, _, _ = storage.filesystem(root)
+    if fs.get_file_info(top).type != pafs.FileType.Directory:
+        raise DataError(f"{root}: {prefix}{top}: no such folder; the manifest's paths are relative to its own folder")
+    return {
+        i.path: i.size or 0
+        for i in fs.get_file_info(pafs.FileSelector(top, recursive=True))
+        if i.type == pafs.FileType.File
+    }

@@ -1,0 +1,286 @@
+"""WebDataset tar shards -> the samples of each split, read in runs of consecutive samples.
+
+    --data DIR                     every .tar below DIR (train-0000.tar, val/0000.tar, ...)
+    --data DIR/train-{0000..0099}.tar   a brace pattern ({a..b} ranges keep their zero padding,
+                                   {x,y} alternatives; they nest), or one .tar
+
+A sample is the run of consecutive members sharing a key: the member's path up to the first
+dot of its file name (webdataset's rule), e.g. n01440764/img_0001.jpg + n01440764/img_0001.cls.
+Its image is the member with an image extension (jpg, png, webp, ...); its label the .cls member
+(a class index as text), or else the `--label-key` field of its .json member (an index or a
+class name). The split is the shards' own where their names say it (train-*, val-*,
+validation/...); otherwise the stable hash split of the samples' keys, applied inside each
+run by the read task. A sample is named `<shard>/<image member>` and keyed by the stable hash
+of `<shard>/<key>` (the shard relative to DIR).
+
+Tar has no index, so the driver reads every shard's member headers once before training:
+on local disk it seeks from header to header; on object storage each shard streams through
+once. The image bytes are never kept. Each run of samples is then one ranged read: its
+(shard, byte offset, byte length, samples) is the unit of a read task.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import itertools
+import json
+import re
+import tarfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import PurePosixPath
+
+import numpy as np
+
+from training import storage
+from training.data import (
+    DataError,
+    ImageTree,
+    ShardFormat,
+    index_labels,
+    label_text,
+    list_images,
+    make_split,
+    sharded,
+    split_of,
+    stable_hash,
+)
+
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "tiff", "gif")
+LABEL_EXTENSIONS = ("cls", "json")
+RUN_SAMPLES = 256  # samples per read unit at most, as prepared shards' row groups
+RUN_BYTES = 64 * 2**20  # and at most this many bytes of the shard
+SCAN_BUFFER = 8 * 2**20  # object storage: the scan streams each shard in reads of this size
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """Every name a brace pattern stands for, in order: a{0..2}b -> a0b a1b a2b (zero padding
+    kept: {000..002}), {x,y} -> x y; braces nest ({train-{0..1},val-0})."""
+    start = pattern.find("{")
+    if start < 0:
+        return [pattern]
+    depth, commas = 0, []
+    for end in range(start, len(pattern)):
+        depth += {"{": 1, "}": -1}.get(pattern[end], 0)
+        if depth == 1 and pattern[end] == ",":
+            commas.append(end)
+        if depth == 0:
+            break
+    else:
+        return [pattern]  # an unclosed brace is a plain character
+    body, head, tail = pattern[start + 1 : end], pattern[:start], pattern[end + 1 :]
+    span = re.fullmatch(r"(\d+)\.\.(\d+)", body)
+    if span:
+        lo, hi = span.groups()
+        width = len(lo) if lo.startswith("0") or len(lo) == len(hi) else 0
+        choices = [str(i).zfill(width) for i in range(int(lo), int(hi) + 1)]
+    else:
+        cuts = [start, *commas, end]
+        choices = [pattern[a + 1 : b] for a, b in itertools.pairwise(cuts)]
+    return [a + b for choice in choices for a in expand_braces(head + choice) for b in expand_braces(tail)]
+
+
+def is_shard_pattern(root: str) -> bool:
+    return root.endswith(".tar") or ("{" in root and "}" in root)
+
+
+def shard_names(root: str) -> tuple[str, list[str]]:
+    """(the folder the shards are named relative to, their names) for a pattern or one .tar."""
+    head = root.split("{", 1)[0]
+    folder = head.rsplit("/", 1)[0] if "/" in head else "."
+    names = [p[len(folder) + 1 :] for p in expand_braces(root)]
+    return folder, names
+
+
+@dataclasses.dataclass
+class Sample:
+    key: str
+    start: int  # byte offset of its first member's header in the shard
+    end: int  # byte offset just past its last member's data
+    image: str | None = None  # the image member's name
+    image_bytes: int = 0
+    data: bytes | None = None  # the image (when read)
+    label: str | None = None  # as label_text gives it
+
+
+def samples(tar: tarfile.TarFile, label_key: str, *, images: bool):
+    """The samples of an open tar, in order; with `images`, each image's bytes too (the label
+    members are always read: a few bytes each)."""
+    current = None
+    for member in tar:
+        if not member.isfile():
+            continue
+        name = member.name[2:] if member.name.startswith("./") else member.name
+        folder, _, file = name.rpartition("/")
+        stem, dot, ext = file.partition(".")
+        key = f"{folder}/{stem}" if folder else stem
+        if current is None or key != current.key:
+            if current is not None:
+                yield current
+            current = Sample(key, member.offset, 0)
+        current.end = member.offset_data + -(-member.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+        ext = ext.lower()
+        if ext in IMAGE_EXTENSIONS and current.image is None:
+            current.image, current.image_bytes = name, member.size
+            if images:
+                current.data = tar.extractfile(member).read()
+        elif ext in LABEL_EXTENSIONS and current.label is None:
+            current.label = _label(ext, tar.extractfile(member).read(), label_key)
+    if current is not None:
+        yield current
+
+
+def _label(ext: str, raw: bytes, label_key: str) -> str | None:
+    try:
+        if ext == "cls":
+            return label_text(raw.decode().strip()) or None
+        value = json.loads(raw).get(label_key) if label_key else None
+        return None if value is None else label_text(value)
+    except (ValueError, AttributeError, UnicodeDecodeError):  # not text, not a JSON object
+        return None
+
+
+@dataclasses.dataclass
+class Shard:
+    name: str  # relative to the folder --data names
+    samples: list[Sample]
+
+
+def scan_shard(fs, path: str, name: str, label_key: str, local: bool) -> Shard:
+    """A shard's samples from its member headers (and label members)."""
+    try:
+        if local:
+            with tarfile.open(path, mode="r:") as tar:
+                return Shard(name, list(samples(tar, label_key, images=False)))
+        # buffered: unbuffered, each of tarfile's 10 KiB reads would be a request of its own
+        with (
+            fs.open_input_stream(path, buffer_size=SCAN_BUFFER) as stream,
+            tarfile.open(fileobj=stream, mode="r|") as tar,
+        ):
+            return Shard(name, list(samples(tar, label_key, images=False)))
+    except (tarfile.TarError, EOFError) as e:
+        raise DataError(f"{path}: not a readable tar archive ({e}); remove it from --data or write it again") from None
+
+
+def list_shards(fs, base: str) -> list[str]:
+    """The .tar files below `base`, relative to it, sorted; hidden files and folders skipped."""
+    return [str(PurePosixPath(p).relative_to(base)) for p, _ in list_images(fs, base, (".tar",))]
+
+
+def scan_webdataset(root: str, val_fraction: float, label_key: str = "label") -> ImageTree:
+    """The ImageTree of the shards `root` names (a folder, a pattern, one .tar). DataError for
+    a missing shard, a shard that is no tar, a shard set without labels, or a validation label
+    that is no training class; samples without an image or a label go to `unreadable`."""
+    import pyarrow.fs as pafs
+
+    folder, names = shard_names(root) if is_shard_pattern(root) else (root.rstrip("/"), None)
+    fs, base, prefix = storage.filesystem(folder)
+    names = list_shards(fs, base) if names is None else names
+    infos = fs.get_file_info([f"{base}/{n}" for n in names])
+    missing = [n for n, i in zip(names, infos, strict=True) if i.type != pafs.FileType.File]
+    if missing or not names:
+        raise DataError(f"{root}: no shard {missing[0] if missing else '*.tar'}; check the folder or the pattern")
+    with ThreadPoolExecutor(8) as pool:  # object storage: a stream each
+        shards = list(pool.map(lambda n: scan_shard(fs, f"{base}/{n}", n, label_key, not prefix), names))
+    sides = {name: [s for s in shards if split_of(s.name) == name] for name in ("train", "val")}
+    if not sides["train"]:  # no shard names a split: all of them are the training pool
+        sides["train"] = [s for s in shards if split_of(s.name) is None]
+    if not sides["train"]:
+        raise DataError(f"{root}: no training shards among {names[:3]}; name them train-*.tar")
+    top = f"{prefix}{base}"
+    unreadable = [
+        (
+            f"{top}/{shard.name}/{s.key}",
+            "no image member" if s.image is None else f"no label (.cls, or .json {label_key!r})",
+        )
+        for shard in sides["train"] + sides["val"]
+        for s in shard.samples
+        if s.image is None or s.label is None
+    ]
+    labelled = {
+        side: [s.label for sh in sides[side] for s in sh.samples if s.image and s.label is not None] for side in sides
+    }
+    if not labelled["train"]:
+        raise DataError(
+            f"{root}: no sample has a label (a .cls member, or a .json member with {label_key!r}); add them, or "
+            "name the JSON field with --label-key"
+        )
+    class_names = index_labels(labelled["train"], labelled["val"], root)[0]
+    form = ShardFormat("webdataset", label=label_key, class_names=class_names)
+    uris = [f"{top}/{s.name}" for s in sides["train"] + sides["val"]]
+    order = sides["train"] + sides["val"]
+
+    def split(side_shards, side):
+        return _split(top, [(order.index(s), s) for s in side_shards], uris, form, side)
+
+    if sides["val"]:
+        train, val, layout = split(sides["train"], None), split(sides["val"], None), "the train/val shards' own"
+    else:
+        train, val = split(sides["train"], (val_fraction, False)), split(sides["train"], (val_fraction, True))
+        layout = f"hash by val_fraction {val_fraction}"
+    return ImageTree(
+        root=root,
+        layout=f"WebDataset, {layout}",
+        class_names=class_names,
+        train=train,
+        val=val,
+        unreadable=tuple(unreadable),
+    )
+
+
+def runs(shard: Shard) -> list[list[Sample]]:
+    """A shard's samples cut into runs of at most RUN_SAMPLES samples and RUN_BYTES bytes (one at least)."""
+    out, current = [], []
+    for s in shard.samples:
+        if current and (len(current) == RUN_SAMPLES or s.end - current[0].start > RUN_BYTES):
+            out.append(current)
+            current = []
+        current.append(s)
+    return out + ([current] if current else [])
+
+
+def _split(root: str, shards: list, uris: list[str], form: ShardFormat, side):
+    """One side of the split: its samples of `shards` [(shard index, Shard)], and the runs holding
+    them, (shard, byte offset, byte length, samples on this side)."""
+    index = {name: i for i, name in enumerate(form.class_names)}
+    rel, labels, keys, sizes, units = [], [], [], [], []
+    for i, shard in shards:
+        for run in runs(shard):
+            kept = 0
+            for s in run:
+                key = stable_hash(f"{shard.name}/{s.key}")
+                if s.image is None or s.label is None or (side and (key / 2**63 < side[0]) != side[1]):
+                    continue
+                rel.append(f"{shard.name}/{s.image}")
+                labels.append(index[s.label])
+                keys.append(key)
+                sizes.append(s.image_bytes)
+                kept += 1
+            if kept:
+                units.append((i, run[0].start, run[-1].end - run[0].start, kept))
+    split = make_split(root, rel, labels, sizes, keys=keys)
+    return sharded(split, uris, np.asarray(units, dtype=np.int64).reshape(-1, 4), form, side)
+
+
+def read_tar_units(units, root: str, shards, form: ShardFormat):
+    """A read task's runs of samples: one ranged read each; {bytes, path, label, key} of the
+    samples with an image and a label (the scan listed the others)."""
+    import pyarrow as pa
+
+    index = {name: i for i, name in enumerate(form.class_names)}
+    top = storage.filesystem(root)[1]
+    rows = {"bytes": [], "path": [], "label": [], "key": []}
+    for shard, start, length, _ in units:
+        fs, path, _ = storage.filesystem(shards[shard])
+        with fs.open_input_file(path) as f:
+            data = f.read_at(int(length), int(start))
+        name = str(PurePosixPath(path).relative_to(top))
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+            for s in samples(tar, form.label, images=True):
+                if s.image is not None and s.label is not None:
+                    rows["bytes"].append(s.data)
+                    rows["path"].append(f"{name}/{s.image}")
+                    rows["label"].append(index.get(s.label, -1))
+                    rows["key"].append(stable_hash(f"{name}/{s.key}"))
+    types = {"bytes": pa.binary(), "path": pa.string(), "label": pa.int64(), "key": pa.int64()}
+    return pa.table({k: pa.array(v, type=types[k]) for k, v in rows.items()})
