@@ -360,3 +360,60 @@ def test_one_epoch_from_a_manifest(ray_cluster, formats, tmp_path, manifest):
     summary, tree = _train(str(root / "photos" / manifest), tmp_path, "m")
     assert tree.class_names == CLASSES and "manifests' own" in tree.layout
     _check(summary, tree, tmp_path / "m", f"{root}/photos/{bad}")
+
+
+def test_shards_are_read_in_a_new_order_every_epoch_from_seed_and_epoch(ray_cluster, tmp_path, monkeypatch):
+    """The order of the runs of samples, then of the rows within each read task: every sample
+    once an epoch, another order the next epoch, and the same order again for a fresh
+    dataset at that epoch (a resumed run)."""
+    import ray
+
+    from training import webdataset
+    from training.ingest import read_split
+    from training.stamp import EpochClock
+
+    monkeypatch.setattr(webdataset, "RUN_SAMPLES", 8)
+    samples = _samples(30)
+    for s in range(3):
+        write_shard(tmp_path / f"train-{s}.tar", samples[s * 30 : (s + 1) * 30])
+    tree = scan_data(str(tmp_path), val_fraction=0.0)
+    assert len(tree.train.units) == 12
+    context = ray.data.DataContext.get_current()
+    before, context.execution_options.preserve_order = context.execution_options.preserve_order, True
+    clock = ray.remote(num_cpus=0)(EpochClock).remote()
+
+    def keys(ds, epoch):
+        ray.get(clock.set.remote(epoch))
+        return [int(k) for b in ds.iter_batches(batch_size=None, batch_format="numpy") for k in b["key"]]
+
+    try:
+        ds = read_split(tree.train, seed=0, shuffle=True, clock=clock, num_cpus=0.5)
+        first, second = keys(ds, 0), keys(ds, 1)
+        resumed = keys(read_split(tree.train, seed=0, shuffle=True, clock=clock, num_cpus=0.5), 1)
+    finally:
+        context.execution_options.preserve_order = before
+        ray.kill(clock)
+    assert sorted(first) == sorted(second) == sorted(tree.train.keys.tolist())
+    assert first != second and resumed == second
+    assert first[:8] != tree.train.keys[:8].tolist()  # not the shards' own order
+
+
+def test_an_export_and_a_manifest_on_s3_scan_as_on_disk(s3, formats):
+    from training.formats import read_units
+
+    root, _ = formats
+    for local, remote in (
+        (str(root / "hf"), s3.upload(root / "hf", "s3://data/hf")),
+        (str(root / "photos" / "train.csv"), s3.upload(root / "photos", "s3://data/photos") + "/train.csv"),
+    ):
+        a, b = scan_data(local), scan_data(remote)
+        assert a.class_names == b.class_names and b.root == remote
+        for x, y in ((a.train, b.train), (a.val, b.val)):
+            assert (x.keys.tolist(), x.labels.tolist(), list(x.rel_paths)) == (
+                y.keys.tolist(),
+                y.labels.tolist(),
+                list(y.rel_paths),
+            )
+    hf = scan_data("s3://data/hf")
+    table = read_units(hf.train.units, hf.train.root, hf.train.shards, hf.train.form)
+    assert table.column("key").to_pylist() == hf.train.keys.tolist()

@@ -135,7 +135,7 @@ def scan_manifest(root: str, val_fraction: float) -> ImageTree:
         for (side, rows), labels in zip(resolved.items(), (train_labels, val_labels), strict=True)
     }
     if val_path:
-        layout = f"the manifests' own ({posixpath.basename(root)} + {posixpath.basename(val_path)})"
+        layout = f"{posixpath.basename(root)} + {posixpath.basename(val_path)}: the manifests' own"
         train, val = splits["train"], splits["val"]
     else:
         in_val = splits["train"].keys / 2**63 < val_fraction
