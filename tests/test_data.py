@@ -123,8 +123,8 @@ def test_decode_modes_and_labels_from_the_path(tree, tmp_path):
     assert (decode_image(rgba.read_bytes()) == 255).all()  # transparent -> white background
     t = scan_tree(str(tree), 0.0)
     index = {name: i for i, name in enumerate(t.class_names)}
-    # what a read task derives from each row's own path equals the scan's columns
-    assert [label_of(r, index, t.train.label_part) for r in t.train.rel_paths] == list(t.train.labels)
+    # each file's label is its class directory's, its key the hash of its path
+    assert [label_of(r, index, 0 if t.layout == "hash" else 1) for r in t.train.rel_paths] == list(t.train.labels)
     assert [stable_hash(r) for r in t.train.rel_paths] == list(t.train.keys)
     assert label_of("train/dog/x/1.png", index, 1) == index["dog"] and label_of("dog.png", index, 0) == -1
     assert label_of("a/b/cat/1.png", index, -2) == index["cat"] and label_of("1.png", index, -2) == -1

@@ -503,7 +503,7 @@ def test_the_gpu_plans_datasets_augment_as_the_cpu_plans_do(gpu_node, order_tree
     gpu_plan = planning.plan_resources(TrainConfig(**{**cfg.to_dict(), "device": "cuda"}), planning.Capacity(4, 1, 1))
     assert gpu_plan.augment_gpus == 0.0625 and gpu_plan.augment_tasks
     clock = ray.remote(num_cpus=0)(EpochClock).remote()
-    read = "ReadImages" if source == "files" else "ReadPreparedImages"  # the CPU plan fuses it with the augment call
+    read = "ReadImages" if source == "files" else "ReadShardedImages"  # the CPU plan fuses it with the augment call
     cpu_task = f"Read{read}->{AUGMENT_TASK}"
     seen = set(_tasks(AUGMENT_TASK)) | set(_tasks(cpu_task))  # earlier tests'
     try:

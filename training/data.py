@@ -8,8 +8,12 @@ The one place that knows the on-disk layout (docs/design.md, "Contracts"):
 Scanning happens on the driver, before Ray starts work, so every problem with the
 tree is reported as a `DataError` (exit 2) naming the path and the fix. A split is held
 as columns (numpy arrays, a few tens of bytes per file): an ImageNet-size tree of 1.28 M
-files stays small on the driver. Ray Data reads the files (training/ingest.py); each row's
-label and key are derived from its own path there, so no task carries this table.
+files stays small on the driver. Ray Data reads the files (training/ingest.py): the table goes
+to the object store once, and each read task takes its own rows of it.
+
+The other forms --data takes (training/formats.py) give the same Split: a manifest's files
+(training/manifest.py), or a ShardedSplit of images inside shards, read in units
+(training/webdataset.py, training/huggingface.py, training/parquet.py).
 
     label  position of the class name in the sorted class list
     key    int64, stable hash of the path relative to DIR; seeds per-image augmentation
@@ -62,7 +66,6 @@ class Split:
     labels: np.ndarray  # int32: the class's position in the sorted class names
     keys: np.ndarray  # int64: stable_hash of the relative path
     sizes: np.ndarray  # int64: encoded bytes on storage
-    label_part: int = 0  # which component of a relative path is the class directory (1 below train/, val/)
 
     def __len__(self) -> int:
         return len(self.rel_paths)
@@ -93,7 +96,7 @@ class Split:
 
 @dataclasses.dataclass(frozen=True)
 class ShardFormat:
-    """How a read task finds an image, its label and its key in a shard (training/shards.py)."""
+    """How a read task finds an image, its label and its key in a shard (training/formats.py read_units)."""
 
     kind: str  # "prepared" (jobs.prepare), "huggingface" (a Parquet export), "webdataset" (tar shards)
     image: str = "bytes"  # Parquet: the column of the encoded image (a Hugging Face Image struct's `bytes`)
@@ -164,7 +167,7 @@ def index_labels(train_labels, val_labels, where: str) -> tuple[tuple[str, ...],
     return names, np.array([index[t] for t in train], np.int32), np.array([index[t] for t in val], np.int32)
 
 
-def make_split(root: str, rel_paths, labels, sizes, *, label_part: int = 0, keys=None) -> Split:
+def make_split(root: str, rel_paths, labels, sizes, *, keys=None) -> Split:
     """A Split from relative paths, labels and file sizes; keys are the paths' stable hashes
     unless given."""
     rel = np.empty(len(rel_paths), dtype=object)
@@ -177,7 +180,6 @@ def make_split(root: str, rel_paths, labels, sizes, *, label_part: int = 0, keys
         np.asarray(labels, dtype=np.int32),
         np.asarray(keys, dtype=np.int64),
         np.asarray(sizes, dtype=np.int64),
-        label_part,
     )
 
 
@@ -304,7 +306,7 @@ def _collect(fs, base: str, side: str, class_names, uri_prefix: str) -> Split:
             rel_paths.append(prefix + name + "/" + str(PurePosixPath(path).relative_to(directory)))
             labels.append(label)
             sizes.append(size)
-    return make_split(uri_prefix + base, rel_paths, labels, sizes, label_part=1 if side else 0)
+    return make_split(uri_prefix + base, rel_paths, labels, sizes)
 
 
 class BadFileLog:

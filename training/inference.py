@@ -94,7 +94,7 @@ def list_inputs(root: str, class_names, split: str = "all", val_fraction: float 
             + "; point --data at a folder of images"
         )
     index = {name: i for i, name in enumerate(class_names)}
-    return make_split(prefix + base, rel, [label_of(r, index, -2) for r in rel], sizes, label_part=-2)
+    return make_split(prefix + base, rel, [label_of(r, index, -2) for r in rel], sizes)
 
 
 def input_splits(root: str, info: dict, split: str = "all", val_fraction: float = 0.2) -> list[Split]:

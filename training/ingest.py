@@ -17,8 +17,8 @@ a counter of executions, which restarts when a run resumes.) The local shuffle b
 the train loop mixes rows across read tasks on top.
 
 Constant per-task cost: the split's file table goes to the object store once; a read
-task carries only its own files, and a row's label and key come from its own path (or a
-prepared shard's columns), so no map function or actor argument grows with the dataset.
+task carries only its own rows of it (or its own units of a sharded split, whose rows get
+label and key from the shard), so no map function or actor argument grows with the dataset.
 
 Light on purpose (no torch at import): Ray Train's controller and dataset manager and, with
 more than one worker, Ray Data's split coordinators unpickle what this module defines, and
@@ -120,8 +120,8 @@ def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
 
 
 class SplitSource(Datasource):
-    """One split's files (or a prepared split's row groups) as a Ray Data source, read in a
-    new order every epoch. Rows: {bytes, path, label, key}, or {image, label, key, path} when
+    """One split's files (or a sharded split's units) as a Ray Data source, read in a new
+    order every epoch. Rows: {bytes, path, label, key}, or {image, label, key, path} when
     the read task decodes.
 
     The epoch comes from the run's EpochClock when each execution starts (rank 0 advances it
@@ -142,8 +142,8 @@ class SplitSource(Datasource):
         rows_per_task: int = ROWS_PER_TASK,
     ):
         super().__init__()
-        self._prepared = split.grouped
-        if self._prepared:
+        self._sharded = split.grouped
+        if self._sharded:
             units = split.units
         else:
             import pyarrow as pa
@@ -152,7 +152,7 @@ class SplitSource(Datasource):
         self._units = ray.put(units)  # the per-file table: once in the object store, not in any task
         self._n, self._rows, self._bytes = len(units), len(split), split.total_bytes
         self._read = dict(root=split.root, decode=decode, bad_log=bad_log, relative_paths=relative_paths)
-        if self._prepared:
+        if self._sharded:
             self._read |= dict(shards=split.shards, form=split.form, side=split.side)
         self._seed, self._shuffle, self._clock = seed, shuffle, clock
         self._units_per_task, self._num_tasks = read_plan(split, rows_per_task)
@@ -164,7 +164,7 @@ class SplitSource(Datasource):
         return self._num_tasks
 
     def get_name(self) -> str:
-        return "ReadImages" if not self._prepared else "ReadPreparedImages"
+        return "ReadImages" if not self._sharded else "ReadShardedImages"
 
     def estimate_inmemory_data_size(self) -> int:
         return self._bytes
@@ -178,7 +178,7 @@ class SplitSource(Datasource):
         tasks = []
         for start in range(0, self._n, per_task):
             chosen = order[start : start + per_task]
-            if self._prepared:
+            if self._sharded:
                 fn = functools.partial(
                     _read_units, units[chosen], self._shuffle, (self._seed, epoch, start), **self._read
                 )

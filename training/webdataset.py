@@ -146,10 +146,12 @@ class Shard:
     samples: list[Sample]
 
 
-def scan_shard(fs, path: str, name: str, label_key: str, local: bool) -> Shard:
+def scan_shard(folder: str, name: str, label_key: str) -> Shard:
     """A shard's samples from its member headers (and label members)."""
+    fs, base, prefix = storage.filesystem(folder)
+    path = f"{base}/{name}"
     try:
-        if local:
+        if not prefix:
             with tarfile.open(path, mode="r:") as tar:
                 return Shard(name, list(samples(tar, label_key, images=False)))
         # buffered: unbuffered, each of tarfile's 10 KiB reads would be a request of its own
@@ -160,6 +162,13 @@ def scan_shard(fs, path: str, name: str, label_key: str, local: bool) -> Shard:
             return Shard(name, list(samples(tar, label_key, images=False)))
     except (tarfile.TarError, EOFError) as e:
         raise DataError(f"{path}: not a readable tar archive ({e}); remove it from --data or write it again") from None
+
+
+def scan_shards(folder: str, names: list[str], label_key: str) -> list[Shard]:
+    """Every shard's samples, in threads (object storage: a stream each; on disk tarfile's
+    parsing holds the GIL, so its rate is one core's: benchmarks.md, "Data formats")."""
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(scan_shard, [folder] * len(names), names, [label_key] * len(names)))
 
 
 def list_shards(fs, base: str) -> list[str]:
@@ -180,8 +189,7 @@ def scan_webdataset(root: str, val_fraction: float, label_key: str = "label") ->
     missing = [n for n, i in zip(names, infos, strict=True) if i.type != pafs.FileType.File]
     if missing or not names:
         raise DataError(f"{root}: no shard {missing[0] if missing else '*.tar'}; check the folder or the pattern")
-    with ThreadPoolExecutor(8) as pool:  # object storage: a stream each
-        shards = list(pool.map(lambda n: scan_shard(fs, f"{base}/{n}", n, label_key, not prefix), names))
+    shards = scan_shards(f"{prefix}{base}", names, label_key)
     sides = {name: [s for s in shards if split_of(s.name) == name] for name in ("train", "val")}
     if not sides["train"]:  # no shard names a split: all of them are the training pool
         sides["train"] = [s for s in shards if split_of(s.name) is None]
