@@ -224,6 +224,29 @@ def test_a_hugging_face_export_without_validation_is_hash_split_inside_row_group
         assert sorted(table.column("key").to_numpy()[keep].tolist()) == sorted(split.keys.tolist())
 
 
+def test_the_label_key_picks_the_label_column_of_an_export_with_two(tmp_path, capsys, no_ray):
+    """CIFAR-100's layout: an `img` column and two ClassLabels; the first unless --label-key says."""
+    features = {
+        "img": {"_type": "Image"},
+        "fine_label": {"names": ["apple", "bee", "cloud", "dog"], "_type": "ClassLabel"},
+        "coarse_label": {"names": ["insects", "plants", "sky"], "_type": "ClassLabel"},
+    }
+    image_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    table = pa.table(
+        {
+            "img": pa.array([{"bytes": _jpeg(i % 3, i), "path": None} for i in range(12)], type=image_type),
+            "fine_label": pa.array([i % 4 for i in range(12)], pa.int64()),
+            "coarse_label": pa.array([i % 3 for i in range(12)], pa.int64()),
+        }
+    ).replace_schema_metadata({"huggingface": json.dumps({"info": {"features": features}})})
+    (tmp_path / "c").mkdir()
+    pq.write_table(table, tmp_path / "c" / "train.parquet")
+    assert scan_data(str(tmp_path / "c")).class_names == ("apple", "bee", "cloud", "dog")
+    assert scan_data(str(tmp_path / "c"), label_key="coarse_label").class_names == ("insects", "plants", "sky")
+    err = exits_2(["--data", str(tmp_path / "c"), "--label-key", "nope", "--storage-path", str(tmp_path / "r")], capsys)
+    assert "--label-key nope: no such column among ['img', 'fine_label', 'coarse_label']" in err
+
+
 def test_parquet_without_hugging_face_metadata_exits_2(tmp_path, capsys, no_ray):
     (tmp_path / "p").mkdir()
     pq.write_table(pa.table({"image": [b"x"], "label": [0]}), tmp_path / "p" / "train.parquet")

@@ -51,7 +51,11 @@ class TrainConfig:
         "fraction of the images held out for validation by the hash of their path (ignored where the data has "
         "its own split: train/ + val/, train-/val- shards or files, a validation manifest)",
     )
-    label_key: str = _f("label", "WebDataset: the field of a sample's .json member that holds its label (without .cls)")
+    label_key: str = _f(
+        "label",
+        "where the label is: WebDataset, the field of a sample's .json member (used without a .cls member); Hugging "
+        "Face Parquet, the column (default: a `label` column, else the first ClassLabel)",
+    )
     preset: str = _f(
         "auto",
         "augmentation preset: cifar, imagenet, a .yaml/.json preset file, or auto (cifar for thumbnails, whose "

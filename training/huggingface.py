@@ -26,6 +26,7 @@ from training import storage
 from training.data import DataError, ImageTree, ShardFormat, make_split, sharded, split_of, stable_hash
 
 METADATA_KEY = b"huggingface"
+DEFAULT_LABEL = "label"  # --label-key's default: a column of that name, else the first ClassLabel
 
 
 def features(schema) -> dict | None:
@@ -39,19 +40,25 @@ def features(schema) -> dict | None:
         return None
 
 
-def _columns(feats: dict, where: str) -> tuple[str, str, tuple[str, ...] | None]:
-    """(image column, label column, class names or None) from an export's features."""
+def _columns(feats: dict, where: str, label_key: str) -> tuple[str, str, tuple[str, ...] | None]:
+    """(image column, label column, class names or None) from an export's features: the label is
+    the `label_key` column where there is one (--label-key), else the first ClassLabel."""
     images = [name for name, f in feats.items() if isinstance(f, dict) and f.get("_type") == "Image"]
     labels = [name for name, f in feats.items() if isinstance(f, dict) and f.get("_type") == "ClassLabel"]
     if not images:
         raise DataError(f"{where}: no Image feature among {list(feats)}; export a dataset with an image column")
-    if not labels and "label" not in feats:
+    if label_key in feats:
+        label = label_key
+    elif label_key != DEFAULT_LABEL:
+        raise DataError(f"{where}: --label-key {label_key}: no such column among {list(feats)}; name one of them")
+    elif labels:
+        label = labels[0]
+    else:
         raise DataError(
-            f"{where}: no label (a ClassLabel feature or a `label` column) among {list(feats)}; an image classifier "
-            "trains on labelled images"
+            f"{where}: no label (a ClassLabel feature, or a column named with --label-key) among {list(feats)}; an "
+            "image classifier trains on labelled images"
         )
-    label = labels[0] if labels else "label"
-    names = feats[label].get("names") if labels else None
+    names = feats[label].get("names") if isinstance(feats[label], dict) else None
     return images[0], label, tuple(names) if names else None
 
 
@@ -66,7 +73,7 @@ class ExportFile:
     image_bytes: list[int]
 
 
-def scan_export(root: str, files: list[str], val_fraction: float) -> ImageTree:
+def scan_export(root: str, files: list[str], val_fraction: float, label_key: str = DEFAULT_LABEL) -> ImageTree:
     """The ImageTree of the export `files` (paths relative to `root`). DataError for an export
     without images or labels, files that disagree, or labels outside the class names."""
     fs, base, prefix = storage.filesystem(root)
@@ -76,8 +83,8 @@ def scan_export(root: str, files: list[str], val_fraction: float) -> ImageTree:
     if not sides["train"]:
         raise DataError(f"{root}: no training files among {files[:3]}; name them train-*.parquet")
     shards = sides["train"] + sides["val"]
-    found = {f: _read_file(fs, f"{base}/{f}", f"{root}/{f}", f) for f in shards}
-    form, names = _format(root, found)
+    found = {f: _read_file(fs, f"{base}/{f}", f"{root}/{f}", f, label_key) for f in shards}
+    form, names = _format(root, found, label_key)
     uris = [f"{prefix}{base}/{f}" for f in shards]
 
     def split(side_files, side):
@@ -104,9 +111,9 @@ def scan_export(root: str, files: list[str], val_fraction: float) -> ImageTree:
     )
 
 
-def _format(root: str, found: dict) -> tuple[ShardFormat, tuple[str, ...]]:
+def _format(root: str, found: dict, label_key: str) -> tuple[ShardFormat, tuple[str, ...]]:
     """The columns every file shares, and the class names (the ClassLabel's, else "0".."N-1")."""
-    columns = {f: _columns(info.features, f"{root}/{f}") for f, info in found.items()}
+    columns = {f: _columns(info.features, f"{root}/{f}", label_key) for f, info in found.items()}
     first_file, first = next(iter(columns.items()))
     for f, c in columns.items():
         if c != first:
@@ -145,7 +152,7 @@ def _cat(arrays: list) -> np.ndarray:
     return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
 
 
-def _read_file(fs, path: str, shown: str, name: str) -> ExportFile:
+def _read_file(fs, path: str, shown: str, name: str, label_key: str) -> ExportFile:
     """An export file's features, and per row group its labels, keys and image bytes."""
     import pyarrow.parquet as pq
 
@@ -157,7 +164,7 @@ def _read_file(fs, path: str, shown: str, name: str) -> ExportFile:
                 f"{shown}: no `huggingface` schema metadata; write it with the datasets library's to_parquet, or "
                 "give --data a folder of images or a manifest"
             )
-        _, label, _ = _columns(feats, shown)
+        _, label, _ = _columns(feats, shown, label_key)
         labels = [pf.read_row_group(g, columns=[label]).column(0).to_numpy() for g in range(pf.num_row_groups)]
         meta = pf.metadata
     keys, image_bytes, first = [], [], 0

@@ -40,7 +40,7 @@ def scan_data(root: str, val_fraction: float = 0.2, label_key: str = "label") ->
         if kind == "webdataset":
             return scan_webdataset(root, val_fraction, label_key)
         if kind == "huggingface":
-            return scan_export(root, files, val_fraction)
+            return scan_export(root, files, val_fraction, label_key)
     return scan_tree(root, val_fraction)
 
 
