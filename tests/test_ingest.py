@@ -18,7 +18,7 @@ from augment.presets import PRESETS
 from tests.conftest import write_tree
 from training import planning
 from training.config import ConfigError, TrainConfig
-from training.data import ImageTree, make_split
+from training.data import ImageTree, ShardFormat, make_split, sharded
 from training.ingest import build_datasets, choose_decode
 
 CPU_2 = planning.Capacity(cpus=2, gpus=0, hosts=1)
@@ -70,6 +70,31 @@ def test_no_map_function_or_argument_grows_with_the_dataset(ray_cluster, monkeyp
         sizes[n] = recorder.pickled
         monkeypatch.undo()
     _same_sizes(sizes[1_000], sizes[100_000])
+
+
+def _fake_sharded_tree(n: int, kind: str) -> ImageTree:
+    """n images in shards that do not exist, 2,560 a shard in units of 256: 1 shard for 2,560
+    images, 100 for 256,000."""
+    names = ("cat", "dog", "eel")
+    split = make_split(
+        "/nowhere/shards", [f"x:{i}" for i in range(n)], np.arange(n) % 3, np.full(n, 50_000), keys=np.arange(n)
+    )
+    units = [(g // 10, g % 10, g % 10 * 256, 256) for g in range(n // 256)]
+    form = ShardFormat(kind, class_names=names if kind == "webdataset" else ())
+    train = sharded(split, [f"/nowhere/shards/{s:05d}.tar" for s in range(n // 2560)], units, form)
+    return ImageTree("/nowhere/shards", "hash", names, train, train)
+
+
+@pytest.mark.parametrize("kind", ["prepared", "webdataset", "huggingface"])
+def test_a_sharded_source_grows_neither_with_its_images_nor_with_its_shards(ray_cluster, monkeypatch, kind):
+    sizes = {}
+    for n in (2_560, 256_000):
+        recorder = _Recorder(monkeypatch)
+        cfg = TrainConfig(preset="cifar")
+        build_datasets(cfg, _fake_sharded_tree(n, kind), PRESETS["cifar"], planning.plan_resources(cfg, CPU_2), None)
+        sizes[n] = recorder.pickled
+        monkeypatch.undo()
+    _same_sizes(sizes[2_560], sizes[256_000])
 
 
 def _same_sizes(small: list, large: list) -> None:

@@ -149,11 +149,12 @@ class SplitSource(Datasource):
             import pyarrow as pa
 
             units = pa.table({"path": list(split.rel_paths), "label": split.labels, "key": split.keys})
-        self._units = ray.put(units)  # the per-file table: once in the object store, not in any task
+        # the per-file table (or the units and shard names): once in the object store, not in any task
+        self._units = ray.put((units, getattr(split, "shards", ())))
         self._n, self._rows, self._bytes = len(units), len(split), split.total_bytes
         self._read = dict(root=split.root, decode=decode, bad_log=bad_log, relative_paths=relative_paths)
         if self._sharded:
-            self._read |= dict(shards=split.shards, form=split.form, side=split.side)
+            self._read |= dict(form=split.form, side=split.side)
         self._seed, self._shuffle, self._clock = seed, shuffle, clock
         self._units_per_task, self._num_tasks = read_plan(split, rows_per_task)
 
@@ -172,15 +173,18 @@ class SplitSource(Datasource):
     def get_read_tasks(self, parallelism: int, per_task_row_limit=None, data_context=None) -> list[ReadTask]:
         ray_private.data_limits_from_the_start()  # this process is about to execute the dataset
         epoch = current_epoch(self._clock) if self._shuffle else 0
-        units = ray.get(self._units)
+        units, shards = ray.get(self._units)
         order = epoch_order(self._n, self._seed, epoch) if self._shuffle else np.arange(self._n)
         mean_bytes, per_task = self._bytes / max(1, self._rows), self._units_per_task
         tasks = []
         for start in range(0, self._n, per_task):
             chosen = order[start : start + per_task]
             if self._sharded:
+                mine, local = np.unique(units[chosen, 0], return_inverse=True)  # the task's own shards only
+                task_units = np.column_stack([local, units[chosen, 1:]])
+                order_seed = (self._seed, epoch, start)
                 fn = functools.partial(
-                    _read_units, units[chosen], self._shuffle, (self._seed, epoch, start), **self._read
+                    _read_units, task_units, self._shuffle, order_seed, shards=[shards[i] for i in mine], **self._read
                 )
                 n_rows = int(units[chosen, -1].sum())
             else:
