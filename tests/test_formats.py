@@ -421,8 +421,9 @@ def test_shards_are_read_in_a_new_order_every_epoch_from_seed_and_epoch(ray_clus
     assert first[:8] != tree.train.keys[:8].tolist()  # not the shards' own order
 
 
-def test_an_export_and_a_manifest_on_s3_scan_as_on_disk(s3, formats):
+def test_an_export_and_a_manifest_on_s3_scan_as_on_disk(s3, formats, tmp_path):
     from training.formats import read_units
+    from training.inputs import check_inputs
 
     root, _ = formats
     for local, remote in (
@@ -440,3 +441,8 @@ def test_an_export_and_a_manifest_on_s3_scan_as_on_disk(s3, formats):
     hf = scan_data("s3://data/hf")
     table = read_units(hf.train.units, hf.train.root, hf.train.shards, hf.train.form)
     assert table.column("key").to_pylist() == hf.train.keys.tolist()
+    # a brace pattern on S3 names the shards the folder holds
+    folder = scan_data(s3.upload(root / "wds", "s3://data/wds-pattern"))
+    uri = "s3://data/wds-pattern/{train-{0000..0001},val-0000}.tar"
+    _, pattern = check_inputs(TrainConfig(data=uri, storage_path=str(tmp_path)))  # every check jobs.train makes
+    assert pattern.train.keys.tolist() == folder.train.keys.tolist() and len(pattern.val) == len(folder.val) == 6

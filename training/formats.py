@@ -20,7 +20,7 @@ from training.data import IMAGE_EXTENSIONS, list_images
 from training.huggingface import read_export_units
 from training.manifest import is_manifest
 from training.parquet import is_prepared, read_prepared_units
-from training.webdataset import is_shard_pattern, read_tar_units
+from training.webdataset import is_shard_pattern, read_tar_units, shard_names
 
 WALK_DEPTH, WALK_WIDTH = 2, 4  # folder levels below the top, sub-folders looked into per folder
 READERS = {"prepared": read_prepared_units, "huggingface": read_export_units, "webdataset": read_tar_units}
@@ -33,11 +33,12 @@ def read_units(units, root: str, shards, form):
 
 def data_kind(root: str) -> tuple[str, list[str] | None]:
     """(kind, for a Hugging Face export its .parquet files relative to `root`)."""
+    if is_shard_pattern(root):  # a URI with braces is none to pyarrow: its folder is
+        storage.check_bucket(shard_names(root)[0])
+        return "webdataset", None
     storage.check_bucket(root)  # the first request to --data: bad credentials are named here
     if is_manifest(root):
         return "manifest", None
-    if is_shard_pattern(root):
-        return "webdataset", None
     if is_prepared(root):
         return "prepared", None
     fs, base, _ = storage.filesystem(root)

@@ -22,7 +22,7 @@ from training.data import ImageTree, default_dataset_dir, scan_tree
 from training.formats import data_kind
 from training.huggingface import scan_export
 from training.manifest import scan_manifest
-from training.parquet import is_prepared, read_manifest, scan_prepared
+from training.parquet import read_manifest, scan_prepared
 from training.webdataset import scan_webdataset
 
 
@@ -184,7 +184,7 @@ def check_inputs(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree]:
     cfg = cfg.with_defaults_resolved()
     root = cfg.data or str(default_dataset_dir())
     tree = scan_data(root, cfg.val_fraction, cfg.label_key)
-    if is_prepared(root):
+    if tree.train.grouped and tree.train.form.kind == "prepared":
         cfg = prepared_val_fraction(cfg, root)
     tree = dataclasses.replace(tree, typical_size=typical_size(tree.train))
     try:  # a bad schedule name is found before Ray starts
