@@ -14,8 +14,9 @@ starts it). Then, per round, for each format on each side (the order alternates)
   scan   training.inputs.scan_data: what the driver reads before training (WebDataset: every
          shard's member headers; Parquet: footers and small columns)
   read   every unit of both splits through the read task's own function
-         (training.formats.read_units), one process, one unit after another: the encoded
-         images, labels and keys a read task hands the augment stage (no decoding)
+         (training.formats.read_units), one process, a read task's units at a time (the
+         train split's in an epoch's order): the encoded images, labels and keys a read
+         task hands the augment stage (no decoding)
 
 Every format is written in objects of 16-20 MB: moto's cost per ranged read grows with the
 size of the object read from, so objects of one size keep that out of the comparison. moto
@@ -104,14 +105,21 @@ def time_scan(root: str) -> tuple[int, float, object]:
 
 
 def time_read(tree) -> tuple[int, float, int]:
-    """(images, seconds, encoded bytes) of every unit of both splits through read_units."""
+    """(images, seconds, encoded bytes) of every unit of both splits through read_units, a read
+    task's units at a time as training.ingest.SplitSource hands them out: the train split's in
+    an epoch's order, the validation split's in their own."""
+    import numpy as np
+
     from training.formats import read_units
+    from training.ingest import ROWS_PER_TASK, epoch_order, read_plan
 
     images = nbytes = 0
     start = time.perf_counter()
-    for split in (tree.train, tree.val):
-        for unit in split.units:
-            table = read_units(unit[None], split.root, split.shards, split.form)
+    for split, shuffled in ((tree.train, True), (tree.val, False)):
+        per_task, _ = read_plan(split, ROWS_PER_TASK)
+        order = epoch_order(len(split.units), 0, 1) if shuffled else np.arange(len(split.units))
+        for first in range(0, len(order), per_task):
+            table = read_units(split.units[order[first : first + per_task]], split.root, split.shards, split.form)
             images += table.num_rows
             nbytes += table.column("bytes").nbytes
     return images, time.perf_counter() - start, nbytes

@@ -24,6 +24,7 @@ import numpy as np
 
 from training import storage
 from training.data import DataError, ImageTree, ShardFormat, make_split, sharded, split_of, stable_hash
+from training.parquet import read_row_groups
 
 METADATA_KEY = b"huggingface"
 DEFAULT_LABEL = "label"  # --label-key's default: a column of that name, else the first ClassLabel
@@ -183,13 +184,9 @@ def read_export_units(units, root: str, shards, form: ShardFormat):
     (and is listed as a bad file)."""
     import pyarrow as pa
     import pyarrow.compute as pc
-    import pyarrow.parquet as pq
 
     tables = []
-    for shard, group, first, _ in units:
-        fs, path, _ = storage.filesystem(shards[shard])
-        with fs.open_input_file(path) as f:
-            t = pq.ParquetFile(f).read_row_group(int(group), columns=[form.image, form.label])
+    for (_, _, first, _), path, t in read_row_groups(units, shards, [form.image, form.label]):
         image = t.column(form.image)
         data = pc.struct_field(image, "bytes") if pa.types.is_struct(image.type) else image
         name = str(PurePosixPath(path).relative_to(storage.filesystem(root)[1]))

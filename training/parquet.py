@@ -209,18 +209,28 @@ def _scan_prepared(root: str) -> ImageTree:
     )
 
 
+def read_row_groups(units, shards, columns: list[str]):
+    """(unit, the shard's path, the row group's table) of each of a read task's units (shard
+    index, row group, ...), shard by shard: each shard opened, and its footer read, once."""
+    import itertools
+
+    import pyarrow.parquet as pq
+
+    order = sorted(range(len(units)), key=lambda i: (int(units[i][0]), int(units[i][1])))
+    for shard, picks in itertools.groupby(order, key=lambda i: int(units[i][0])):
+        fs, path, _ = storage.filesystem(shards[shard])
+        with fs.open_input_file(path) as f:
+            pf = pq.ParquetFile(f)
+            for i in picks:
+                yield units[i], path, pf.read_row_group(int(units[i][1]), columns=columns)
+
+
 def read_prepared_units(units, root: str, shards, form: ShardFormat):
     """A read task's row groups of prepared shards: {bytes, path, label, key}; `units` rows are
     (shard index, row group, rows)."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
-    tables = []
-    for shard, group, _ in units:
-        fs, path, _ = storage.filesystem(shards[shard])
-        with fs.open_input_file(path) as f:
-            tables.append(pq.ParquetFile(f).read_row_group(int(group), columns=["bytes", "path", "label", "key"]))
-    return pa.concat_tables(tables)
+    return pa.concat_tables(t for _, _, t in read_row_groups(units, shards, ["bytes", "path", "label", "key"]))
 
 
 def _cat(arrays: list) -> np.ndarray:
