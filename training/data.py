@@ -140,6 +140,18 @@ def split_of(rel_path: str) -> str | None:
     return found[-1] if found else None
 
 
+def split_names(names: list[str], where: str, hint: str) -> dict[str, list[str]]:
+    """{"train": names, "val": names} of a set of shards or files by split_of (test ones left
+    out); where none names a split, all are the training pool. DataError where none is left
+    for training (`hint`: how to name them)."""
+    sides = {side: [n for n in names if split_of(n) == side] for side in ("train", "val")}
+    if not sides["train"]:
+        sides["train"] = [n for n in names if split_of(n) is None]
+    if not sides["train"]:
+        raise DataError(f"{where}: no training data among {names[:3]}; name them {hint}")
+    return sides
+
+
 def label_text(value) -> str:
     """A label as a source gives it, as text: an index (7, "7", "007") as its digits, a name as it is."""
     text = str(value).strip()

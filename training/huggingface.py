@@ -23,7 +23,7 @@ from pathlib import PurePosixPath
 import numpy as np
 
 from training import storage
-from training.data import DataError, ImageTree, ShardFormat, make_split, sharded, split_of, stable_hash
+from training.data import DataError, ImageTree, ShardFormat, make_split, sharded, split_names, stable_hash
 from training.parquet import read_row_groups
 
 METADATA_KEY = b"huggingface"
@@ -78,11 +78,7 @@ def scan_export(root: str, files: list[str], val_fraction: float, label_key: str
     """The ImageTree of the export `files` (paths relative to `root`). DataError for an export
     without images or labels, files that disagree, or labels outside the class names."""
     fs, base, prefix = storage.filesystem(root)
-    sides = {name: [f for f in files if split_of(f) == name] for name in ("train", "val")}
-    if not sides["train"]:  # no file names a split: all of them are the training pool
-        sides["train"] = [f for f in files if split_of(f) is None]
-    if not sides["train"]:
-        raise DataError(f"{root}: no training files among {files[:3]}; name them train-*.parquet")
+    sides = split_names(files, root, "train-*.parquet")
     shards = sides["train"] + sides["val"]
     found = {f: _read_file(fs, f"{base}/{f}", f"{root}/{f}", f, label_key) for f in shards}
     form, names = _format(root, found, label_key)

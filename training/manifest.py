@@ -97,54 +97,59 @@ def scan_manifest(root: str, val_fraction: float) -> ImageTree:
     listed file that does not exist, a file listed twice, or a validation label training lacks."""
     with storage.errors(root):
         val_path = sibling(root)
-        manifests = {"train": _load(root), "val": _load(val_path) if val_path else []}
         _, inner, prefix = storage.filesystem(root)
         folder = posixpath.dirname(inner)
-        resolved = {
+        listed = {"train": _load(root), "val": _load(val_path) if val_path else []}
+        resolved = {  # (line, the path inside the filesystem, label)
             side: [(n, posixpath.normpath(posixpath.join(folder, p)), lab) for n, p, lab in rows]
-            for side, rows in manifests.items()
+            for side, rows in listed.items()
         }
-        every = [p for rows in resolved.values() for _, p, _ in rows]
-        top = posixpath.commonpath(every) if len(every) > 1 else posixpath.dirname(every[0])
-        top = posixpath.dirname(top) if top in set(every) else top
+        top = _common_folder([p for rows in resolved.values() for _, p, _ in rows])
         sizes = _sizes(root, top, prefix)
-    seen: dict[str, str] = {}
-    for side, rows in resolved.items():
-        where = val_path if side == "val" else root
-        for n, path, _ in rows:
-            if path not in sizes:
-                raise DataError(
-                    f"{where}:{n}: {prefix}{path}: no such file; fix the path (relative to the manifest) or drop it"
-                )
-            if path in seen:
-                raise DataError(
-                    f"{where}:{n}: {path} is listed already ({seen[path]}); list each file once, in one split"
-                )
-            seen[path] = f"{where}:{n}"
-    names, train_labels, val_labels = index_labels(
-        [lab for _, _, lab in resolved["train"]], [lab for _, _, lab in resolved["val"]], root
-    )
-    splits = {
-        side: make_split(
+    _check_listed(resolved, sizes, {"train": root, "val": val_path}, prefix)
+    train_labels, val_labels = ([lab for _, _, lab in resolved[side]] for side in ("train", "val"))
+    names, *labels = index_labels(train_labels, val_labels, root)
+    train, val = (
+        make_split(
             prefix + top,
-            [posixpath.relpath(p, top) for _, p, _ in rows],
-            labels,
-            [sizes[p] for _, p, _ in rows],
-            keys=[stable_hash(posixpath.relpath(p, folder)) for _, p, _ in rows],
+            [posixpath.relpath(p, top) for _, p, _ in resolved[side]],
+            side_labels,
+            [sizes[p] for _, p, _ in resolved[side]],
+            keys=[stable_hash(posixpath.relpath(p, folder)) for _, p, _ in resolved[side]],
         )
-        for (side, rows), labels in zip(resolved.items(), (train_labels, val_labels), strict=True)
-    }
+        for side, side_labels in zip(("train", "val"), labels, strict=True)
+    )
     if val_path:
         layout = f"{posixpath.basename(root)} + {posixpath.basename(val_path)}: the manifests' own"
-        train, val = splits["train"], splits["val"]
     else:
-        in_val = splits["train"].keys / 2**63 < val_fraction
+        in_val = train.keys / 2**63 < val_fraction
         layout, train, val = (
             f"manifest, hash by val_fraction {val_fraction}",
-            splits["train"].subset(~in_val),
-            splits["train"].subset(in_val),
+            train.subset(~in_val),
+            train.subset(in_val),
         )
     return ImageTree(root=root, layout=layout, class_names=names, train=train, val=val)
+
+
+def _common_folder(paths: list[str]) -> str:
+    """The deepest folder that holds every path."""
+    top = posixpath.commonpath(paths) if len(paths) > 1 else posixpath.dirname(paths[0])
+    return posixpath.dirname(top) if top in set(paths) else top
+
+
+def _check_listed(resolved: dict, sizes: dict, manifests: dict, prefix: str) -> None:
+    """DataError naming FILE:LINE for a listed file that is not there, or one listed before."""
+    seen: dict[str, str] = {}
+    for side, rows in resolved.items():
+        for n, path, _ in rows:
+            where = f"{manifests[side]}:{n}"
+            if path not in sizes:
+                raise DataError(
+                    f"{where}: {prefix}{path}: no such file; fix the path (relative to the manifest) or drop it"
+                )
+            if path in seen:
+                raise DataError(f"{where}: {path} is listed already ({seen[path]}); list each file once, in one split")
+            seen[path] = where
 
 
 def _sizes(root: str, top: str, prefix: str) -> dict[str, int]:

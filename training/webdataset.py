@@ -42,7 +42,7 @@ from training.data import (
     list_images,
     make_split,
     sharded,
-    split_of,
+    split_names,
     stable_hash,
 )
 
@@ -102,6 +102,11 @@ class Sample:
     data: bytes | None = None  # the image (when read)
     label: str | None = None  # as label_text gives it
 
+    @property
+    def usable(self) -> bool:
+        """Has an image and a label: trained on (the scan lists the rest as unreadable)."""
+        return self.image is not None and self.label is not None
+
 
 def samples(tar: tarfile.TarFile, label_key: str, *, images: bool):
     """The samples of an open tar, in order; with `images`, each image's bytes too (the label
@@ -135,7 +140,7 @@ def _label(ext: str, raw: bytes, label_key: str) -> str | None:
         if ext == "cls":
             return label_text(raw.decode().strip()) or None
         value = json.loads(raw).get(label_key) if label_key else None
-        return None if value is None else label_text(value)
+        return None if value is None else label_text(value) or None
     except (ValueError, AttributeError, UnicodeDecodeError):  # not text, not a JSON object
         return None
 
@@ -180,6 +185,40 @@ def scan_webdataset(root: str, val_fraction: float, label_key: str = "label") ->
     """The ImageTree of the shards `root` names (a folder, a pattern, one .tar). DataError for
     a missing shard, a shard that is no tar, a shard set without labels, or a validation label
     that is no training class; samples without an image or a label go to `unreadable`."""
+    top, names = _shard_set(root)
+    sides = split_names(names, root, "train-*.tar")
+    order = sides["train"] + sides["val"]  # test shards are not read
+    shards = dict(zip(order, scan_shards(top, order, label_key), strict=True))
+    labelled = {side: [s.label for n in sides[side] for s in shards[n].samples if s.usable] for side in sides}
+    if not labelled["train"]:
+        raise DataError(
+            f"{root}: no sample has a label (a .cls member, or a .json member with {label_key!r}); add them, or "
+            "name the JSON field with --label-key"
+        )
+    class_names = index_labels(labelled["train"], labelled["val"], root)[0]
+    form = ShardFormat("webdataset", label=label_key, class_names=class_names)
+    index, uris = {n: i for i, n in enumerate(order)}, [f"{top}/{n}" for n in order]
+
+    def split(side_names, side):
+        return _split(top, [(index[n], shards[n]) for n in side_names], uris, form, side)
+
+    if sides["val"]:
+        train, val, layout = split(sides["train"], None), split(sides["val"], None), "the train/val shards' own"
+    else:
+        train, val = split(sides["train"], (val_fraction, False)), split(sides["train"], (val_fraction, True))
+        layout = f"hash by val_fraction {val_fraction}"
+    unreadable = tuple(
+        (f"{top}/{n}/{s.key}", "no image member" if s.image is None else f"no label (.cls, or .json {label_key!r})")
+        for n in order
+        for s in shards[n].samples
+        if not s.usable
+    )
+    return ImageTree(root, f"WebDataset, {layout}", class_names, train, val, unreadable=unreadable)
+
+
+def _shard_set(root: str) -> tuple[str, list[str]]:
+    """(the folder's URI or path, the shards' names relative to it) of a folder, a pattern or one
+    .tar; DataError for a shard that is not there, or a folder without any."""
     import pyarrow.fs as pafs
 
     folder, names = shard_names(root) if is_shard_pattern(root) else (root.rstrip("/"), None)
@@ -189,51 +228,7 @@ def scan_webdataset(root: str, val_fraction: float, label_key: str = "label") ->
     missing = [n for n, i in zip(names, infos, strict=True) if i.type != pafs.FileType.File]
     if missing or not names:
         raise DataError(f"{root}: no shard {missing[0] if missing else '*.tar'}; check the folder or the pattern")
-    shards = scan_shards(f"{prefix}{base}", names, label_key)
-    sides = {name: [s for s in shards if split_of(s.name) == name] for name in ("train", "val")}
-    if not sides["train"]:  # no shard names a split: all of them are the training pool
-        sides["train"] = [s for s in shards if split_of(s.name) is None]
-    if not sides["train"]:
-        raise DataError(f"{root}: no training shards among {names[:3]}; name them train-*.tar")
-    top = f"{prefix}{base}"
-    unreadable = [
-        (
-            f"{top}/{shard.name}/{s.key}",
-            "no image member" if s.image is None else f"no label (.cls, or .json {label_key!r})",
-        )
-        for shard in sides["train"] + sides["val"]
-        for s in shard.samples
-        if s.image is None or s.label is None
-    ]
-    labelled = {
-        side: [s.label for sh in sides[side] for s in sh.samples if s.image and s.label is not None] for side in sides
-    }
-    if not labelled["train"]:
-        raise DataError(
-            f"{root}: no sample has a label (a .cls member, or a .json member with {label_key!r}); add them, or "
-            "name the JSON field with --label-key"
-        )
-    class_names = index_labels(labelled["train"], labelled["val"], root)[0]
-    form = ShardFormat("webdataset", label=label_key, class_names=class_names)
-    uris = [f"{top}/{s.name}" for s in sides["train"] + sides["val"]]
-    order = sides["train"] + sides["val"]
-
-    def split(side_shards, side):
-        return _split(top, [(order.index(s), s) for s in side_shards], uris, form, side)
-
-    if sides["val"]:
-        train, val, layout = split(sides["train"], None), split(sides["val"], None), "the train/val shards' own"
-    else:
-        train, val = split(sides["train"], (val_fraction, False)), split(sides["train"], (val_fraction, True))
-        layout = f"hash by val_fraction {val_fraction}"
-    return ImageTree(
-        root=root,
-        layout=f"WebDataset, {layout}",
-        class_names=class_names,
-        train=train,
-        val=val,
-        unreadable=tuple(unreadable),
-    )
+    return f"{prefix}{base}", names
 
 
 def runs(shard: Shard) -> list[list[Sample]]:
@@ -257,7 +252,7 @@ def _split(root: str, shards: list, uris: list[str], form: ShardFormat, side):
             kept = 0
             for s in run:
                 key = stable_hash(f"{shard.name}/{s.key}")
-                if s.image is None or s.label is None or (side and (key / 2**63 < side[0]) != side[1]):
+                if not s.usable or (side and (key / 2**63 < side[0]) != side[1]):
                     continue
                 rel.append(f"{shard.name}/{s.image}")
                 labels.append(index[s.label])
@@ -285,7 +280,7 @@ def read_tar_units(units, root: str, shards, form: ShardFormat):
         name = str(PurePosixPath(path).relative_to(top))
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
             for s in samples(tar, form.label, images=True):
-                if s.image is not None and s.label is not None:
+                if s.usable:
                     rows["bytes"].append(s.data)
                     rows["path"].append(f"{name}/{s.image}")
                     rows["label"].append(index.get(s.label, -1))
