@@ -113,7 +113,9 @@ def test_brace_patterns_expand_as_webdataset_writes_them():
         ("train.parquet", "train"),
         ("imagenet-val-0003.tar", "val"),
         ("shards/0001.tar", None),
-        ("training-data/part-1.tar", None),  # a word that only starts like a split's is none
+        ("training-data/part-1.tar", "train"),
+        ("val_images/0001.tar", "val"),
+        ("trainval-0000.tar", None),  # a word that only starts like a split's is none
     ],
 )
 def test_a_shards_split_comes_from_its_folder_or_its_names_words(path, split):
@@ -446,3 +448,60 @@ def test_an_export_and_a_manifest_on_s3_scan_as_on_disk(s3, formats, tmp_path):
     uri = "s3://data/wds-pattern/{train-{0000..0001},val-0000}.tar"
     _, pattern = check_inputs(TrainConfig(data=uri, storage_path=str(tmp_path)))  # every check jobs.train makes
     assert pattern.train.keys.tolist() == folder.train.keys.tolist() and len(pattern.val) == len(folder.val) == 6
+
+
+# --------------------------------------------------------------------------- edge cases users hit
+
+
+def test_a_tree_with_a_stray_archive_or_braces_in_its_path_stays_a_tree(tmp_path):
+    tree = tmp_path / "{project}" / "photos"
+    write_files(tree, _samples(2))
+    write_shard(tree / "backup.tar", _samples(1))
+    write_export(tree, {"metadata.parquet": _samples(1)})
+    assert data_kind(str(tree))[0] == "tree"
+    assert scan_data(str(tree)).class_names == CLASSES
+
+
+def test_a_pattern_or_shard_named_without_a_folder_is_relative_to_the_working_directory(tmp_path, monkeypatch):
+    write_shard(tmp_path / "train-0.tar", _samples(2))
+    write_shard(tmp_path / "train-1.tar", _samples(2, offset=50))
+    monkeypatch.chdir(tmp_path)
+    assert len(scan_data("train-{0..1}.tar", val_fraction=0.0).train) == 12
+    assert len(scan_data("train-0.tar", val_fraction=0.0).train) == 6
+    assert expand_braces("s-{3..1}") == ["s-3", "s-2", "s-1"] and expand_braces("{a}-{0,1}") == ["{a}-0", "{a}-1"]
+
+
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        (['{"path": "ant/img0000.jpg", "label": null}'], "all.jsonl:1: no label"),
+        (['{"path": "ant/img0000.jpg", "label": 0}', '{"path": "bee/img0000.jpg", "label": -1}'], "negative class"),
+    ],
+)
+def test_a_jsonl_label_that_is_none_or_negative_exits_2(tmp_path, capsys, no_ray, lines, message):
+    write_files(tmp_path, _samples(1))
+    (tmp_path / "all.jsonl").write_text("\n".join(lines) + "\n")
+    assert message in exits_2(["--data", str(tmp_path / "all.jsonl"), "--storage-path", str(tmp_path / "r")], capsys)
+
+
+def test_a_manifest_with_other_header_names_old_mac_line_ends_and_a_word_train(tmp_path):
+    rel = write_files(tmp_path, _samples(3))
+    rows = "".join(f"{r},{r[:3]}\r" for r in rel[:6])
+    (tmp_path / "constrained_train.csv").write_text("filepath,category\r" + rows, newline="")
+    (tmp_path / "constrained_val.csv").write_text("".join(f"{r},{r[:3]}\n" for r in rel[6:]))
+    tree = scan_data(str(tmp_path / "constrained_train.csv"))
+    assert (len(tree.train), len(tree.val), tree.class_names) == (6, 3, CLASSES)
+
+
+def test_an_export_with_text_labels_or_no_rows_exits_2(tmp_path, capsys, no_ray):
+    image_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    features = {"image": {"_type": "Image"}, "label": {"dtype": "string", "_type": "Value"}}
+    meta = {"huggingface": json.dumps({"info": {"features": features}})}
+    (tmp_path / "text").mkdir()
+    table = pa.table({"image": pa.array([{"bytes": _jpeg(0, 0), "path": "a"}], image_type), "label": ["ant"]})
+    pq.write_table(table.replace_schema_metadata(meta), tmp_path / "text" / "train.parquet")
+    err = exits_2(["--data", str(tmp_path / "text"), "--storage-path", str(tmp_path / "r")], capsys)
+    assert "the label column 'label' holds string, not class indices" in err
+    write_export(tmp_path / "empty", {"train.parquet": []})
+    err = exits_2(["--data", str(tmp_path / "empty"), "--storage-path", str(tmp_path / "r")], capsys)
+    assert "no rows in the training files" in err

@@ -127,15 +127,21 @@ def sharded(split: Split, shards, units, form: ShardFormat, side=None) -> Sharde
     return ShardedSplit(**fields, shards=tuple(shards), units=units, form=form, side=side)
 
 
-SPLIT_NAMES = {"train": "train", "val": "val", "valid": "val", "validation": "val", "test": "test"}
+SPLIT_NAMES = {
+    **dict.fromkeys(("train", "training"), "train"),
+    **dict.fromkeys(("val", "valid", "validation", "dev"), "val"),
+    **dict.fromkeys(("test", "testing"), "test"),
+}
 
 
 def split_of(rel_path: str) -> str | None:
     """The split a shard's path names ("train", "val", "test"; None: none), as Hugging Face and
-    WebDataset name them: a folder (train/0000.parquet) or the file name's first word
-    (validation-00000-of-00004.parquet, val-0001.tar, imagenet-train-0001.tar)."""
+    WebDataset name them: a word of a folder's name or of the file's (train/0000.parquet,
+    val_images/0001.tar, validation-00000-of-00004.parquet, imagenet-train-0001.tar); the word
+    nearest the file wins. "trainval" names none."""
     parts = rel_path.lower().split("/")
-    words = parts[:-1] + [w for w in re.split(r"[-_.]", parts[-1])[:-1] if w]
+    parts[-1] = parts[-1].rsplit(".", 1)[0]  # not the extension
+    words = [w for part in parts for w in re.split(r"[-_. ]", part) if w]
     found = [SPLIT_NAMES[w] for w in words if w in SPLIT_NAMES]
     return found[-1] if found else None
 
@@ -153,9 +159,19 @@ def split_names(names: list[str], where: str, hint: str) -> dict[str, list[str]]
 
 
 def label_text(value) -> str:
-    """A label as a source gives it, as text: an index (7, "7", "007") as its digits, a name as it is."""
+    """A label as a source gives it, as text: an index (7, "7", "007", 7.0) as its digits, a
+    negative one with its sign, a name as it is; "" for none (None, blank)."""
+    if value is None:
+        return ""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     text = str(value).strip()
-    return str(int(text)) if text.isdigit() else text
+    digits = text[1:] if text.startswith("-") else text
+    return str(int(text)) if digits.isascii() and digits.isdigit() else text
+
+
+def _is_index(text: str) -> bool:
+    return text.isascii() and text.lstrip("-").isdigit()
 
 
 def index_labels(train_labels, val_labels, where: str) -> tuple[tuple[str, ...], np.ndarray, np.ndarray]:
@@ -163,7 +179,12 @@ def index_labels(train_labels, val_labels, where: str) -> tuple[tuple[str, ...],
     class indices (names "0".."N-1", N the largest + 1) or class names (sorted). A DataError for a
     validation label that is no training class, or fewer than 2 classes."""
     train, val = [label_text(v) for v in train_labels], [label_text(v) for v in val_labels]
-    if all(t.isdigit() for t in train + val):
+    if all(_is_index(t) for t in train + val):
+        if any(t.startswith("-") for t in train + val):
+            raise DataError(
+                f"{where}: label {min(map(int, train + val))} is a negative class index; give indices 0..N-1 or "
+                "class names, and leave unlabelled images out"
+            )
         names = tuple(str(i) for i in range(max(map(int, train)) + 1)) if train else ()
     else:
         names = tuple(sorted(set(train)))

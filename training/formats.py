@@ -6,9 +6,11 @@
     huggingface   a folder with .parquet files        a Hugging Face export (training/huggingface.py)
     tree          anything else: DIR/<class>/<img>    (training/data.py)
 
-A folder is judged by the first files a short walk from its top finds (its own, then those of
-a few sub-folders, two levels down at most), so telling a tree of a million files from a
-folder of shards costs a handful of listings, not a listing of everything.
+A folder is judged by the files a short walk from its top finds (its own, then those of a
+few sub-folders, two levels down at most): images anywhere make it a tree (a stray .tar or
+.parquet beside class folders does not), else .tar files shards, else .parquet files an
+export. Telling a tree of a million files from a folder of shards costs a handful of
+listings, not a listing of everything.
 """
 
 from __future__ import annotations
@@ -52,22 +54,18 @@ def data_kind(root: str) -> tuple[str, list[str] | None]:
 def _walk(fs, base: str) -> str:
     import pyarrow.fs as pafs
 
-    level = [base]
+    level, found = [base], set()
     for _ in range(WALK_DEPTH + 1):
         below = []
         for folder in level:
             infos = fs.get_file_info(pafs.FileSelector(folder, recursive=False, allow_not_found=True))
             shown = [i for i in infos if not PurePosixPath(i.path).name.startswith(".")]
-            suffixes = {PurePosixPath(i.path).suffix.lower() for i in shown if i.type == pafs.FileType.File}
-            if ".tar" in suffixes:
-                return "webdataset"
-            if ".parquet" in suffixes:
-                return "parquet"
-            if suffixes & set(IMAGE_EXTENSIONS):
+            found |= {PurePosixPath(i.path).suffix.lower() for i in shown if i.type == pafs.FileType.File}
+            if found & set(IMAGE_EXTENSIONS):  # images win: a stray archive beside class folders stays a tree
                 return "tree"
             below += sorted(i.path for i in shown if i.type == pafs.FileType.Directory)[:WALK_WIDTH]
         level = below
-    return "tree"
+    return "webdataset" if ".tar" in found else "parquet" if ".parquet" in found else "tree"
 
 
 def _parquet_files(fs, base: str) -> list[str]:

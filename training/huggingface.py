@@ -92,6 +92,10 @@ def scan_export(root: str, files: list[str], val_fraction: float, label_key: str
     else:
         train, val = split(sides["train"], (val_fraction, False)), split(sides["train"], (val_fraction, True))
         layout = f"hash by val_fraction {val_fraction}"
+    if not len(train):
+        raise DataError(
+            f"{root}: no rows in the training files {sides['train'][:3]}; export the dataset with its images"
+        )
     for part in (train, val):
         bad = np.flatnonzero((part.labels < 0) | (part.labels >= len(names)))
         if len(bad):
@@ -151,6 +155,7 @@ def _cat(arrays: list) -> np.ndarray:
 
 def _read_file(fs, path: str, shown: str, name: str, label_key: str) -> ExportFile:
     """An export file's features, and per row group its labels, keys and image bytes."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     with fs.open_input_file(path) as f:
@@ -162,7 +167,16 @@ def _read_file(fs, path: str, shown: str, name: str, label_key: str) -> ExportFi
                 "give --data a folder of images or a manifest"
             )
         _, label, _ = _columns(feats, shown, label_key)
-        labels = [pf.read_row_group(g, columns=[label]).column(0).to_numpy() for g in range(pf.num_row_groups)]
+        kind = pf.schema_arrow.field(label).type
+        if not pa.types.is_integer(kind):
+            raise DataError(
+                f"{shown}: the label column {label!r} holds {kind}, not class indices; name an integer or ClassLabel "
+                "column with --label-key"
+            )
+        columns = [pf.read_row_group(g, columns=[label]).column(0) for g in range(pf.num_row_groups)]
+        if any(c.null_count for c in columns):
+            raise DataError(f"{shown}: rows without a label in {label!r}; leave unlabelled files out of --data")
+        labels = [c.to_numpy() for c in columns]
         meta = pf.metadata
     keys, image_bytes, first = [], [], 0
     for g, lab in enumerate(labels):

@@ -6,11 +6,12 @@
 
 Paths are relative to the manifest's folder (`..` allowed, on object storage too). Labels are
 class names, or class indices (then the names are "0".."N-1"). The split: a sibling manifest
-named as this one with `val` or `validation` for `train` (train.csv -> val.csv, imagenet_train.jsonl
--> imagenet_validation.jsonl) is the validation split; without one, the stable hash split of
-each path. A file's key is the stable hash of its path as the manifest writes it, normalised.
-Every listed file must exist: the driver lists the folder the paths share once (one request
-per 1,000 files on object storage) and names the first line whose file it does not find.
+named as this one with `val`, `validation` or `valid` for its last word `train` (train.csv ->
+val.csv, imagenet_train.jsonl -> imagenet_validation.jsonl) is the validation split; without
+one, the stable hash split of each path. A file's key is the stable hash of its path as the
+manifest writes it, normalised. Every listed file must exist: the driver looks each one up
+(up to LOOKUP_PATHS files), or lists the folder they share once (one request per 1,000 files
+on object storage), and names the first line whose file it does not find.
 """
 
 from __future__ import annotations
@@ -19,16 +20,18 @@ import csv
 import io
 import json
 import posixpath
+import re
 
 import pyarrow.fs as pafs
 
 from training import storage
-from training.data import DataError, ImageTree, index_labels, make_split, stable_hash
+from training.data import DataError, ImageTree, index_labels, label_text, make_split, stable_hash
 
 SUFFIXES = (".csv", ".jsonl")
-PATH_COLUMNS = ("path", "file", "filename", "image", "image_path")
-LABEL_COLUMNS = ("label", "class", "class_name", "target")
-VAL_NAMES = ("val", "validation")
+PATH_COLUMNS = ("path", "file", "filename", "filepath", "file_path", "image", "image_path", "image_id")
+LABEL_COLUMNS = ("label", "class", "class_name", "class_id", "label_id", "category", "target")
+VAL_NAMES = ("val", "validation", "valid")
+LOOKUP_PATHS = 2_000  # a manifest of at most this many files looks each one up instead of listing their folder
 
 
 def is_manifest(root: str) -> bool:
@@ -45,11 +48,14 @@ def read_rows(text: str, where: str) -> list[tuple[int, str, str]]:
                 continue
             try:
                 entry = json.loads(line)
-                rows.append((n, str(entry["path"]), entry["label"]))
+                path, label = str(entry["path"]), entry["label"]
             except (ValueError, KeyError, TypeError):
                 raise DataError(f'{where}:{n}: not a JSON object with "path" and "label"; write one per line') from None
+            if not label_text(label):
+                raise DataError(f"{where}:{n}: no label; give each file a class name or index, or drop the line")
+            rows.append((n, path, label))
         return rows
-    lines = list(csv.reader(io.StringIO(text)))
+    lines = list(csv.reader(io.StringIO(text, newline="")))  # \n, \r\n and a lone \r alike
     header = [c.strip().lower() for c in lines[0]] if lines else []
     cols = (0, 1)
     if any(c in PATH_COLUMNS for c in header) and any(c in LABEL_COLUMNS for c in header):
@@ -70,10 +76,12 @@ def read_rows(text: str, where: str) -> list[tuple[int, str, str]]:
 def sibling(root: str) -> str | None:
     """The validation manifest beside a training one: `train` in its file name -> val, validation."""
     folder, _, name = root.rpartition("/")
-    if "train" not in name:
+    words = list(re.finditer(r"(?<![a-z])train(?![a-z])", name, flags=re.IGNORECASE))
+    if not words:
         return None
+    at = words[-1]  # the last: imagenet_train.csv, constrained_train.csv
     fs, _, _ = storage.filesystem(root)
-    for candidate in (f"{folder}/{name.replace('train', v, 1)}" for v in VAL_NAMES):
+    for candidate in (f"{folder}/{name[: at.start()]}{v}{name[at.end() :]}" for v in VAL_NAMES):
         if fs.get_file_info(storage.filesystem(candidate)[1]).type == pafs.FileType.File:
             return candidate
     return None
@@ -105,7 +113,7 @@ def scan_manifest(root: str, val_fraction: float) -> ImageTree:
             for side, rows in listed.items()
         }
         top = _common_folder([p for rows in resolved.values() for _, p, _ in rows])
-        sizes = _sizes(root, top, prefix)
+        sizes = _sizes(root, top, prefix, [p for rows in resolved.values() for _, p, _ in rows])
     _check_listed(resolved, sizes, {"train": root, "val": val_path}, prefix)
     train_labels, val_labels = ([lab for _, _, lab in resolved[side]] for side in ("train", "val"))
     names, *labels = index_labels(train_labels, val_labels, root)
@@ -152,13 +160,18 @@ def _check_listed(resolved: dict, sizes: dict, manifests: dict, prefix: str) -> 
             seen[path] = where
 
 
-def _sizes(root: str, top: str, prefix: str) -> dict[str, int]:
-    """{path: bytes} of every file below `top` (the folder the manifest's paths share)."""
+def _sizes(root: str, top: str, prefix: str, paths: list[str]) -> dict[str, int]:
+    """{path: bytes} of the files the manifest lists that exist: a listing of `top` (the folder
+    they share: one request per 1,000 files on object storage) where they are many, each one
+    looked up where they are few or share no folder but the root."""
+    from concurrent.futures import ThreadPoolExecutor
+
     fs, _, _ = storage.filesystem(root)
-    if fs.get_file_info(top).type != pafs.FileType.Directory:
+    if len(paths) <= LOOKUP_PATHS or top in ("", "/") or (prefix and "/" not in top):  # a root or a whole bucket
+        with ThreadPoolExecutor(16) as pool:  # object storage: a request each
+            infos = list(pool.map(fs.get_file_info, paths))
+    elif fs.get_file_info(top).type == pafs.FileType.Directory:
+        infos = fs.get_file_info(pafs.FileSelector(top, recursive=True))
+    else:
         raise DataError(f"{root}: {prefix}{top}: no such folder; the manifest's paths are relative to its own folder")
-    return {
-        i.path: i.size or 0
-        for i in fs.get_file_info(pafs.FileSelector(top, recursive=True))
-        if i.type == pafs.FileType.File
-    }
+    return {i.path: i.size or 0 for i in infos if i.type == pafs.FileType.File}

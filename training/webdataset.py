@@ -73,22 +73,27 @@ def expand_braces(pattern: str) -> list[str]:
     if span:
         lo, hi = span.groups()
         width = len(lo) if lo.startswith("0") or len(lo) == len(hi) else 0
-        choices = [str(i).zfill(width) for i in range(int(lo), int(hi) + 1)]
-    else:
+        step = 1 if int(hi) >= int(lo) else -1  # {3..1} counts down, as the shell does
+        choices = [str(i).zfill(width) for i in range(int(lo), int(hi) + step, step)]
+    elif commas:
         cuts = [start, *commas, end]
         choices = [pattern[a + 1 : b] for a, b in itertools.pairwise(cuts)]
+    else:  # {name}: no alternatives, no range: plain characters, as the shell keeps them
+        return [head + "{" + body + "}" + rest for rest in expand_braces(tail)]
     return [a + b for choice in choices for a in expand_braces(head + choice) for b in expand_braces(tail)]
 
 
 def is_shard_pattern(root: str) -> bool:
-    return root.endswith(".tar") or ("{" in root and "}" in root)
+    """One .tar, or a name with a brace group that expands ({a,b} or {0..9}); a folder's name
+    such as {project} is none."""
+    return root.endswith(".tar") or expand_braces(root) != [root]
 
 
 def shard_names(root: str) -> tuple[str, list[str]]:
     """(the folder the shards are named relative to, their names) for a pattern or one .tar."""
     head = root.split("{", 1)[0]
     folder = head.rsplit("/", 1)[0] if "/" in head else "."
-    names = [p[len(folder) + 1 :] for p in expand_braces(root)]
+    names = [p[len(folder) + 1 :] if folder != "." else p for p in expand_braces(root)]
     return folder, names
 
 
