@@ -22,7 +22,7 @@ from jobs.predict import main as predict
 from tests.conftest import exits_2, prepare
 from training import job
 from training.config import TrainConfig
-from training.data import split_of
+from training.data import DataError, split_of
 from training.formats import data_kind
 from training.inputs import scan_data
 from training.webdataset import expand_braces, read_tar_units
@@ -361,6 +361,11 @@ def test_one_epoch_from_webdataset_shards_on_s3(ray_cluster, s3, formats, tmp_pa
     assert tree.class_names == ("0", "1", "2")
     bad = "s3://data/wds/train-0000.tar/bee/img0001.jpg", "s3://data/wds/train-0001.tar/cow/unlabelled"
     _check(summary, tree, tmp_path / "wds", *bad)
+    # jobs.predict scores every sample, the unlabelled one too (no label in the CSV), all but the bad one
+    out = tmp_path / "predictions.csv"
+    assert predict(["--model", str(tmp_path / "wds" / "model.pt"), "--data", "s3://data/wds", "--out", str(out)]) == 0
+    rows = list(csv.DictReader(open(out)))
+    assert len(rows) == 30 and [r["path"] for r in rows if not r["label"]] == ["train-0001.tar/cow/unlabelled.jpg"]
 
 
 def test_one_epoch_from_a_hugging_face_export(ray_cluster, formats, tmp_path):
@@ -505,3 +510,23 @@ def test_an_export_with_text_labels_or_no_rows_exits_2(tmp_path, capsys, no_ray)
     write_export(tmp_path / "empty", {"train.parquet": []})
     err = exits_2(["--data", str(tmp_path / "empty"), "--storage-path", str(tmp_path / "r")], capsys)
     assert "no rows in the training files" in err
+
+
+def test_scoring_reads_test_shards_and_unlabelled_samples_and_test_files(tmp_path):
+    """jobs.predict's scan: every image, labelled by the model's classes, -1 where there is none."""
+    from training import huggingface, webdataset
+    from training.formats import read_units
+
+    write_shard(tmp_path / "wds" / "train-0000.tar", _samples(2))
+    write_shard(tmp_path / "wds" / "test-0000.tar", _samples(1, offset=10), label="none")
+    split = webdataset.scan_for_scoring(str(tmp_path / "wds"), ("0", "1", "2"))
+    assert len(split) == 9 and sorted(split.labels.tolist()) == [-1, -1, -1, 0, 0, 1, 1, 2, 2]
+    table = read_units(split.units, split.root, split.shards, split.form)
+    assert table.column("label").to_pylist() == split.labels.tolist()
+    test = [(k, -1, d) for k, _, d in _samples(1, offset=20)]
+    write_export(tmp_path / "hf", {"data/train-0.parquet": _samples(2), "data/test-0.parquet": test})
+    files = ["data/test-0.parquet", "data/train-0.parquet"]
+    split = huggingface.scan_for_scoring(str(tmp_path / "hf"), files, CLASSES)
+    assert sorted(split.labels.tolist()) == [-1, -1, -1, 0, 0, 1, 1, 2, 2]
+    with pytest.raises(DataError, match="the model has"):
+        huggingface.scan_for_scoring(str(tmp_path / "hf"), files, ("x", "y"))

@@ -102,6 +102,7 @@ class ShardFormat:
     image: str = "bytes"  # Parquet: the column of the encoded image (a Hugging Face Image struct's `bytes`)
     label: str = "label"  # Parquet: the label column; WebDataset: the key of a .json member's label
     class_names: tuple[str, ...] = ()  # WebDataset: a member's label (a name, or an index as text) -> position
+    scoring: bool = False  # WebDataset: samples without a label are read too, as label -1 (jobs.predict)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -112,6 +112,21 @@ def scan_export(root: str, files: list[str], val_fraction: float, label_key: str
     )
 
 
+def scan_for_scoring(root: str, files: list[str], class_names, label_key: str = DEFAULT_LABEL):
+    """Every row of every file of the export, test files (labels -1) too, as one split, for
+    jobs.predict and jobs.evaluate; DataError where its class names are not `class_names` (a
+    model's)."""
+    fs, base, prefix = storage.filesystem(root)
+    found = {f: _read_file(fs, f"{base}/{f}", f"{root}/{f}", f, label_key) for f in files}
+    form, names = _format(root, found, label_key)
+    if list(names) != list(class_names):
+        raise DataError(f"{root}: holds classes {list(names)[:10]}, the model has {list(class_names)[:10]}")
+    uris = [f"{prefix}{base}/{f}" for f in files]
+    split = _split(f"{prefix}{base}", [(i, f, found[f]) for i, f in enumerate(files)], uris, form, None)
+    outside = (split.labels < 0) | (split.labels >= len(names))
+    return dataclasses.replace(split, labels=np.where(outside, -1, split.labels).astype(np.int32))
+
+
 def _format(root: str, found: dict, label_key: str) -> tuple[ShardFormat, tuple[str, ...]]:
     """The columns every file shares, and the class names (the ClassLabel's, else "0".."N-1")."""
     columns = {f: _columns(info.features, f"{root}/{f}", label_key) for f, info in found.items()}

@@ -98,14 +98,23 @@ def list_inputs(root: str, class_names, split: str = "all", val_fraction: float 
 
 
 def input_splits(root: str, info: dict, split: str = "all", val_fraction: float = 0.2) -> list[Split]:
-    """The Splits to score: the listed files of an image tree, or the splits of data in another
-    form (shards, an export, a manifest: DataError if its classes are not the model's)."""
+    """The Splits to score: the listed files of an image tree; every sample of WebDataset shards
+    or row of an export (split="all": test and unlabelled ones too, label -1); else the splits
+    of data in another form as training scans them (DataError if its classes are not the
+    model's)."""
+    from training import huggingface, webdataset
     from training.formats import data_kind
     from training.inputs import scan_data
 
-    if data_kind(root)[0] == "tree":
+    kind, files = data_kind(root)
+    label_key = info.get("config", {}).get("label_key", "label")
+    if kind == "tree":
         return [list_inputs(root, info["class_names"], split, val_fraction)]
-    tree = scan_data(root, val_fraction, info.get("config", {}).get("label_key", "label"))
+    if split == "all" and kind == "webdataset":  # test shards and unlabelled samples too
+        return [webdataset.scan_for_scoring(root, info["class_names"], label_key)]
+    if split == "all" and kind == "huggingface":
+        return [huggingface.scan_for_scoring(root, files, info["class_names"], label_key)]
+    tree = scan_data(root, val_fraction, label_key)
     if list(tree.class_names) != list(info["class_names"]):
         raise DataError(f"{root}: holds classes {list(tree.class_names)}, the model has {list(info['class_names'])}")
     return [tree.val] if split == "val" else [tree.train, tree.val]

@@ -257,10 +257,10 @@ def _split(root: str, shards: list, uris: list[str], form: ShardFormat, side):
             kept = 0
             for s in run:
                 key = stable_hash(f"{shard.name}/{s.key}")
-                if not s.usable or (side and (key / 2**63 < side[0]) != side[1]):
+                if not _read(s, form) or (side and (key / 2**63 < side[0]) != side[1]):
                     continue
                 rel.append(f"{shard.name}/{s.image}")
-                labels.append(index[s.label])
+                labels.append(index.get(s.label, -1))
                 keys.append(key)
                 sizes.append(s.image_bytes)
                 kept += 1
@@ -268,6 +268,21 @@ def _split(root: str, shards: list, uris: list[str], form: ShardFormat, side):
                 units.append((i, run[0].start, run[-1].end - run[0].start, kept))
     split = make_split(root, rel, labels, sizes, keys=keys)
     return sharded(split, uris, np.asarray(units, dtype=np.int64).reshape(-1, 4), form, side)
+
+
+def _read(sample: Sample, form: ShardFormat) -> bool:
+    """Is the sample read: it has an image and a label, or (scoring) an image."""
+    return sample.usable or (form.scoring and sample.image is not None)
+
+
+def scan_for_scoring(root: str, class_names, label_key: str = "label"):
+    """Every sample with an image in the shards `root` names, test and unlabelled ones too, as
+    one split labelled by `class_names` (a model's: -1 for a sample without a label or with
+    another), for jobs.predict and jobs.evaluate."""
+    top, names = _shard_set(root)
+    shards = scan_shards(top, names, label_key)
+    form = ShardFormat("webdataset", label=label_key, class_names=tuple(class_names), scoring=True)
+    return _split(top, list(enumerate(shards)), [f"{top}/{n}" for n in names], form, None)
 
 
 def read_tar_units(units, root: str, shards, form: ShardFormat):
@@ -285,7 +300,7 @@ def read_tar_units(units, root: str, shards, form: ShardFormat):
         name = str(PurePosixPath(path).relative_to(top))
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
             for s in samples(tar, form.label, images=True):
-                if s.usable:
+                if _read(s, form):
                     rows["bytes"].append(s.data)
                     rows["path"].append(f"{name}/{s.image}")
                     rows["label"].append(index.get(s.label, -1))
