@@ -35,6 +35,8 @@ import tarfile
 import tempfile
 import time
 
+from bench import write_json
+
 FORMATS = ("prepared", "webdataset", "huggingface")
 
 
@@ -192,31 +194,16 @@ def report(rows: list[dict]) -> dict:
 
 
 def main(argv=None) -> dict:
-    from bench.storage import start_server
+    from bench.storage import moto_server
 
     ap = argparse.ArgumentParser(prog="python -m bench.formats", description=__doc__.split("\n")[0])
     ap.add_argument("--images", type=int, default=1000, help="JPEGs in the tree (default: 1000)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds, the order alternating (default: 3)")
     ap.add_argument("--json", help="also write every round's figures as JSON to this path")
     args = ap.parse_args(argv)
-    proc, endpoint = start_server()
-    os.environ.update(
-        AWS_ENDPOINT_URL=endpoint,
-        AWS_ACCESS_KEY_ID="bench",
-        AWS_SECRET_ACCESS_KEY="bench",
-        AWS_EC2_METADATA_DISABLED="true",
-    )
-    try:
-        with tempfile.TemporaryDirectory(prefix="bench-formats-") as tmp:
-            rows = measure(make_data(tmp, args.images, endpoint), args.rounds)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    result = {"images": args.images, "rounds": rows, "summary": report(rows)}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    with moto_server() as endpoint, tempfile.TemporaryDirectory(prefix="bench-formats-") as tmp:
+        rows = measure(make_data(tmp, args.images, endpoint), args.rounds)
+    return write_json(args.json, {"images": args.images, "rounds": rows, "summary": report(rows)})
 
 
 if __name__ == "__main__":

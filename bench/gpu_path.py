@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import time
 
 import torch
@@ -38,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from augment.batch import decode_augment
 from augment.pipeline import Pipeline
 from augment.presets import PRESETS
+from bench import write_json
 from bench.decode import encoded_photos
 
 
@@ -123,10 +123,7 @@ def main(argv=None) -> dict:
         result |= figures if path == "ragged" else {path: figures}  # the job's path at the top level
     if "ragged" in args.paths:
         print(f"ragged: ops per batch the same for every batch size: {result['nothing_per_image']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 import time
@@ -31,6 +30,8 @@ import time
 import numpy as np
 import psutil
 import torch
+
+from bench import write_json
 
 SIDE = 224
 
@@ -111,10 +112,7 @@ def main(argv=None) -> dict:
         print(f"{name:<8} {rate:>8.1f} {cpu:>16.1f} {mine:>23.1f}")
     result |= result["feeds"]["job"]  # the job's own figures at the top level
     ray.shutdown()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ request costs next to opening a file, not what AWS S3 or MinIO would give.
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
 import socket
 import statistics
@@ -33,6 +33,26 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+from bench import write_json
+
+
+@contextlib.contextmanager
+def moto_server():
+    """start_server's server for the body of a with block, this process's AWS_* environment
+    pointed at it; yields its endpoint, and stops it after."""
+    proc, endpoint = start_server()
+    os.environ.update(
+        AWS_ENDPOINT_URL=endpoint,
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_EC2_METADATA_DISABLED="true",
+    )
+    try:
+        yield endpoint
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def start_server() -> tuple[subprocess.Popen, str]:
@@ -199,26 +219,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", help="also write every round's figures as JSON to this path")
     args = ap.parse_args(argv)
 
-    proc, endpoint = start_server()
-    os.environ.update(
-        AWS_ENDPOINT_URL=endpoint,
-        AWS_ACCESS_KEY_ID="bench",
-        AWS_SECRET_ACCESS_KEY="bench",
-        AWS_EC2_METADATA_DISABLED="true",
-    )
-    try:
-        with tempfile.TemporaryDirectory(prefix="bench-storage-") as tmp:
-            roots, upload_s = make_data(tmp, args.files, endpoint)
-            print(f"{args.files} files, {args.rounds} rounds; upload to the server took {upload_s:.1f} s")
-            rows = measure(roots, args.rounds)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with moto_server() as endpoint, tempfile.TemporaryDirectory(prefix="bench-storage-") as tmp:
+        roots, upload_s = make_data(tmp, args.files, endpoint)
+        print(f"{args.files} files, {args.rounds} rounds; upload to the server took {upload_s:.1f} s")
+        rows = measure(roots, args.rounds)
     result = {"files": args.files, "upload_s": round(upload_s, 1), "rounds": rows, "summary": report(rows)}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import os
 import sys
 import tempfile
 
+from bench import write_json
 from bench.train import cpu_model, launch, subset_tree
 
 
@@ -95,10 +96,7 @@ def main(argv=None) -> dict:
     ratio = best["claimed"]["wall_s"] / best["planned"]["wall_s"]
     print(f"wall time, claimed / planned: {ratio:.2f}")
     result = {"args": vars(args), "cores": machine_cores(), "cpu": cpu_model(), "rows": rows, "wall_ratio": ratio}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,23 @@ def stable_hash(text: str) -> int:
 
 def in_validation(rel_path: str, val_fraction: float) -> bool:
     """The hash split: a file is in validation iff its path hash falls below the fraction."""
-    return stable_hash(rel_path) / 2**63 < val_fraction
+    return bool(held_out(stable_hash(rel_path), val_fraction))
+
+
+def held_out(keys, val_fraction: float) -> np.ndarray:
+    """The hash split of images by their keys: true where a key falls in validation."""
+    return np.asarray(keys) / 2**63 < val_fraction
+
+
+def on_side(keys, side: tuple[float, bool] | None) -> np.ndarray:
+    """True where a key is on `side` of a hash split, (val_fraction, is val); everywhere for None."""
+    keys = np.asarray(keys)
+    return np.ones(keys.shape, bool) if side is None else held_out(keys, side[0]) == side[1]
+
+
+def concat(arrays: list) -> np.ndarray:
+    """numpy arrays end to end; an empty int64 array for none."""
+    return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
 
 
 def label_of(rel_path: str, class_index: dict, part: int) -> int:
@@ -316,7 +332,7 @@ def _scan(root: str, val_fraction: float) -> ImageTree:
         val = _collect(fs, base, "val", class_names, uri_prefix)
     else:
         both = _collect(fs, base, "", class_names, uri_prefix)
-        in_val = both.keys / 2**63 < val_fraction  # in_validation, for every file at once
+        in_val = held_out(both.keys, val_fraction)  # in_validation, for every file at once
         train, val = both.subset(~in_val), both.subset(in_val)
 
     if len(train) == 0:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 
 from training import storage
-from training.data import IMAGE_EXTENSIONS, list_images
+from training.data import IMAGE_EXTENSIONS, list_images, on_side
 from training.huggingface import read_export_units
 from training.manifest import is_manifest
 from training.parquet import is_prepared, read_prepared_units
@@ -81,8 +81,7 @@ def shard_examples(split, *, classes: int, per_class: int) -> tuple[list, list[i
     for unit in split.units:
         table = read_units(unit[None], split.root, split.shards, split.form)
         for data, label, key in zip(*(table.column(c).to_pylist() for c in ("bytes", "label", "key")), strict=True):
-            on_side = split.side is None or (key / 2**63 < split.side[0]) == split.side[1]
-            if on_side and label < classes and len(chosen.setdefault(label, [])) < per_class:
+            if on_side(key, split.side) and label < classes and len(chosen.setdefault(label, [])) < per_class:
                 try:
                     chosen[label].append((decode_image(data), label, key))
                 except BadImage:

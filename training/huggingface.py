@@ -23,7 +23,17 @@ from pathlib import PurePosixPath
 import numpy as np
 
 from training import storage
-from training.data import DataError, ImageTree, ShardFormat, make_split, sharded, split_names, stable_hash
+from training.data import (
+    DataError,
+    ImageTree,
+    ShardFormat,
+    concat,
+    make_split,
+    on_side,
+    sharded,
+    split_names,
+    stable_hash,
+)
 from training.parquet import read_row_groups
 
 METADATA_KEY = b"huggingface"
@@ -82,10 +92,10 @@ def scan_export(root: str, files: list[str], val_fraction: float, label_key: str
     shards = sides["train"] + sides["val"]
     found = {f: _read_file(fs, f"{base}/{f}", f"{root}/{f}", f, label_key) for f in shards}
     form, names = _format(root, found, label_key)
-    uris = [f"{prefix}{base}/{f}" for f in shards]
+    uris, index = [f"{prefix}{base}/{f}" for f in shards], {f: i for i, f in enumerate(shards)}
 
     def split(side_files, side):
-        return _split(f"{prefix}{base}", [(shards.index(f), f, found[f]) for f in side_files], uris, form, side)
+        return _split(f"{prefix}{base}", [(index[f], f, found[f]) for f in side_files], uris, form, side)
 
     if sides["val"]:
         train, val, layout = split(sides["train"], None), split(sides["val"], None), "the train/validation files' own"
@@ -137,7 +147,7 @@ def _format(root: str, found: dict, label_key: str) -> tuple[ShardFormat, tuple[
                 f"{root}/{f}: its image column, label column or class names differ from {first_file}'s; give "
                 "--data the files of one export"
             )
-    image, label, names = next(iter(columns.values()))
+    image, label, names = first
     if names is None:
         top = max((int(g.max()) for info in found.values() for g in info.labels if len(g)), default=0)
         names = tuple(str(i) for i in range(top + 1))
@@ -151,7 +161,7 @@ def _split(root: str, files: list, uris: list[str], form: ShardFormat, side):
     for s, name, info in files:
         first = 0
         for g, (lab, key, nbytes) in enumerate(zip(info.labels, info.keys, info.image_bytes, strict=True)):
-            keep = np.ones(len(lab), bool) if side is None else (key / 2**63 < side[0]) == side[1]
+            keep = on_side(key, side)
             rows = np.flatnonzero(keep)
             rel += [f"{name}:{first + r}" for r in rows]
             labels.append(lab[keep])
@@ -160,12 +170,8 @@ def _split(root: str, files: list, uris: list[str], form: ShardFormat, side):
             if len(rows):
                 units.append((s, g, first, len(rows)))
             first += len(lab)
-    split = make_split(root, rel, _cat(labels), _cat(sizes), keys=_cat(keys))
+    split = make_split(root, rel, concat(labels), concat(sizes), keys=concat(keys))
     return sharded(split, uris, np.asarray(units, dtype=np.int64).reshape(-1, 4), form, side)
-
-
-def _cat(arrays: list) -> np.ndarray:
-    return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
 
 
 def _read_file(fs, path: str, shown: str, name: str, label_key: str) -> ExportFile:
@@ -210,11 +216,11 @@ def read_export_units(units, root: str, shards, form: ShardFormat):
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    tables = []
+    tables, top = [], storage.filesystem(root)[1]
     for (_, _, first, _), path, t in read_row_groups(units, shards, [form.image, form.label]):
         image = t.column(form.image)
         data = pc.struct_field(image, "bytes") if pa.types.is_struct(image.type) else image
-        name = str(PurePosixPath(path).relative_to(storage.filesystem(root)[1]))
+        name = str(PurePosixPath(path).relative_to(top))
         rel = [f"{name}:{r}" for r in range(int(first), int(first) + t.num_rows)]
         tables.append(
             pa.table(

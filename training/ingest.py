@@ -43,7 +43,7 @@ from ray.data.datasource import Datasource, ReadTask
 from augment.decode import BadImage, decode_image, stack_images
 from training import ray_private
 from training.bounds import READ_COST, seconds_per_row
-from training.data import Split
+from training.data import Split, on_side
 from training.formats import read_units
 from training.stage import StageArgs, add_augment
 from training.stamp import current_epoch
@@ -244,8 +244,7 @@ def _read_units(units, shuffle, order_seed, *, root, shards, form, side, decode,
     started = time.perf_counter()
     table = read_units(units, root, shards, form)  # {bytes, path (below root), label, key}
     if side is not None:
-        val_fraction, is_val = side
-        table = table.filter((table.column("key").to_numpy() / 2**63 < val_fraction) == is_val)
+        table = table.filter(on_side(table.column("key").to_numpy(), side))
     if shuffle:
         table = table.take(np.random.default_rng(list(order_seed)).permutation(table.num_rows))
     rel = table.column("path").to_pylist()

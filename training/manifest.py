@@ -25,7 +25,7 @@ import re
 import pyarrow.fs as pafs
 
 from training import storage
-from training.data import DataError, ImageTree, index_labels, label_text, make_split, stable_hash
+from training.data import DataError, ImageTree, held_out, index_labels, label_text, make_split, stable_hash
 
 SUFFIXES = (".csv", ".jsonl")
 PATH_COLUMNS = ("path", "file", "filename", "filepath", "file_path", "image", "image_path", "image_id")
@@ -130,7 +130,7 @@ def scan_manifest(root: str, val_fraction: float) -> ImageTree:
     if val_path:
         layout = f"{posixpath.basename(root)} + {posixpath.basename(val_path)}: the manifests' own"
     else:
-        in_val = train.keys / 2**63 < val_fraction
+        in_val = held_out(train.keys, val_fraction)
         layout, train, val = (
             f"manifest, hash by val_fraction {val_fraction}",
             train.subset(~in_val),

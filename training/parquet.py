@@ -26,7 +26,7 @@ from pathlib import PurePosixPath
 import numpy as np
 
 from training import storage
-from training.data import DataError, ImageTree, ShardFormat, make_split, scan_tree, sharded
+from training.data import DataError, ImageTree, ShardFormat, concat, make_split, scan_tree, sharded
 
 MANIFEST = "_prepared.json"
 FORMAT = "ray-gpu-augment/prepared/1"
@@ -194,7 +194,7 @@ def _scan_prepared(root: str) -> ImageTree:
         # the manifest keeps only the total: spread it over the files, to the byte
         sizes = np.full(len(rel), meta["bytes"] // max(1, len(rel)), dtype=np.int64)
         sizes[: meta["bytes"] - int(sizes.sum())] += 1
-        split = make_split(source, rel, _cat(labels), sizes, keys=_cat(keys))
+        split = make_split(source, rel, concat(labels), sizes, keys=concat(keys))
         shards = [f"{prefix}{base}/{s}" for s in meta["shards"]]
         splits[name] = sharded(split, shards, np.asarray(groups).reshape(-1, 3), ShardFormat("prepared"))
     layout = f"{manifest['layout']}" + (
@@ -231,7 +231,3 @@ def read_prepared_units(units, root: str, shards, form: ShardFormat):
     import pyarrow as pa
 
     return pa.concat_tables(t for _, _, t in read_row_groups(units, shards, ["bytes", "path", "label", "key"]))
-
-
-def _cat(arrays: list) -> np.ndarray:
-    return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)

@@ -41,6 +41,7 @@ from training.data import (
     label_text,
     list_images,
     make_split,
+    on_side,
     sharded,
     split_names,
     stable_hash,
@@ -254,18 +255,19 @@ def _split(root: str, shards: list, uris: list[str], form: ShardFormat, side):
     rel, labels, keys, sizes, units = [], [], [], [], []
     for i, shard in shards:
         for run in runs(shard):
-            kept = 0
-            for s in run:
-                key = stable_hash(f"{shard.name}/{s.key}")
-                if not _read(s, form) or (side and (key / 2**63 < side[0]) != side[1]):
-                    continue
+            run_keys = np.array([stable_hash(f"{shard.name}/{s.key}") for s in run], dtype=np.int64)
+            chosen = [
+                (s, key)
+                for s, key, side_ok in zip(run, run_keys, on_side(run_keys, side), strict=True)
+                if side_ok and _read(s, form)
+            ]
+            for s, key in chosen:
                 rel.append(f"{shard.name}/{s.image}")
                 labels.append(index.get(s.label, -1))
-                keys.append(key)
+                keys.append(int(key))
                 sizes.append(s.image_bytes)
-                kept += 1
-            if kept:
-                units.append((i, run[0].start, run[-1].end - run[0].start, kept))
+            if chosen:
+                units.append((i, run[0].start, run[-1].end - run[0].start, len(chosen)))
     split = make_split(root, rel, labels, sizes, keys=keys)
     return sharded(split, uris, np.asarray(units, dtype=np.int64).reshape(-1, 4), form, side)
 
