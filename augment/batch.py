@@ -6,14 +6,26 @@ from __future__ import annotations
 
 import torch
 
+from augment import engines
 from augment.decode import BadImage, decode_cuda, decode_image, read_header
 from augment.pipeline import Pipeline, to_canvas
-from augment.ragged import CHW, RaggedImages
+from augment.ragged import CHW, HWC, RaggedImages
 
 
 def augment_batch(pipeline: Pipeline, images, keys: torch.Tensor, epoch: int, device: torch.device) -> torch.Tensor:
     """Decoded images (a uint8 (B, H, W, 3) array or a ragged object array) -> uint8 (B, S, S, 3)."""
     return pipeline.at_epoch(epoch).augment_images(images, keys, device)
+
+
+DECODERS = ("cpu", "nvjpeg", "nvimgcodec", "nvimgcodec-whole")
+
+
+def default_decoder(device: torch.device) -> str:
+    """The decoder for `device`: on a GPU nvImageCodec where it is installed (the hardware JPEG
+    engines, each crop region alone), else torchvision's nvjpeg; libjpeg-turbo on the CPU."""
+    if torch.device(device).type != "cuda":
+        return "cpu"
+    return "nvimgcodec" if engines.available() else "nvjpeg"
 
 
 def decode_augment(
@@ -24,26 +36,32 @@ def decode_augment(
     device: torch.device,
     *,
     shrink: bool,
-    nvjpeg: bool | None = None,
+    decoder: str | None = None,
     ragged: bool = True,
 ):
     """Encoded files -> (uint8 (B', S, S, 3), indices of the B' rows kept, [(row, reason)] of the rest).
 
     Each image's parameters are drawn from its header's size before it is decoded, so its
-    augmentation is the same whatever batch it lands in and however it is decoded. With
-    `shrink` (the CPU train path), a JPEG whose crop still covers the output at 1/2, 1/4 or
-    1/8 scale is decoded at that scale and its draws fitted to it (the epoch pipeline's
-    decode_scales and fit_to_decoded). On a GPU the batch is decoded at full size by nvjpeg
-    and goes to the first op as one ragged buffer (augment/ragged.py), with no canvas and
-    nothing launched per image; everything after the first op is the same code on both
-    devices. Work goes in chunks
-    on the CPU, so that the decoded pixels of a chunk are augmented while in the caches, the
-    whole batch at once on a GPU. `nvjpeg` (default: on a CUDA device) picks the batched
-    decode call, which torchvision also runs on CPU tensors: the tests take the GPU path
-    through it on a machine without one. `ragged=False` gives that path the canvas it had
-    before (a padded batch, the matmul resampler), for bench/gpu_path.py to compare.
+    augmentation is the same whatever batch it lands in and however it is decoded.
+    `decoder` (DECODERS; default_decoder(device) if None):
+    * "cpu": libjpeg-turbo a chunk of images at a time, so that the decoded pixels of a chunk
+      are augmented while in the caches. With `shrink` (the CPU train path), a JPEG whose crop
+      still covers the output at 1/2, 1/4 or 1/8 scale is decoded at that scale and its draws
+      fitted to it (the epoch pipeline's decode_scales and fit_to_decoded).
+    * "nvjpeg": the whole batch at full size in one batched torchvision call.
+    * "nvimgcodec": the whole batch in one batched nvImageCodec call, each image only in the
+      region the first op reads (augment/engines.py), the draws moved into it;
+      "nvimgcodec-whole" the same call on whole images (for bench/gpu_path.py to compare).
+    The batched decoders run on CPU tensors too: the tests take the GPU path through them on
+    a machine without one. Their images go to the first op as one ragged buffer
+    (augment/ragged.py), with no canvas and nothing launched per image; everything after the
+    first op is the same code on every device. `ragged=False` gives them the canvas of
+    earlier versions (a padded batch, the matmul resampler), for bench/gpu_path.py to compare.
     """
-    nvjpeg = device.type == "cuda" if nvjpeg is None else nvjpeg
+    decoder = decoder or default_decoder(device)
+    if decoder not in DECODERS:
+        raise ValueError(f"decoder must be one of {', '.join(DECODERS)}, got {decoder!r}")
+    batched = decoder != "cpu"
     pipe = pipeline.at_epoch(epoch)
     headers, bad = [], []
     for i, data in enumerate(encoded):
@@ -57,52 +75,76 @@ def decode_augment(
     all_rows = torch.tensor([h[0] for h in headers], dtype=torch.int64)
     all_sizes = torch.tensor([h[1:3] for h in headers], dtype=torch.int64, device=device).view(-1, 2)
     draws = pipe.sample(all_sizes, keys[all_rows].to(device))  # every image's, once for the batch
-    if shrink and not nvjpeg:
+    if shrink and not batched:
         factors = pipe.decode_scales(draws)
     else:
         factors = torch.ones(n, dtype=torch.int64, device=device)
+    regions = pipe.read_regions(draws) if decoder == "nvimgcodec" else None
     outs, kept = [], []
-    for c in pipe.chunks(n) if not nvjpeg else [slice(0, n)]:
-        images, good = _decode_chunk(encoded, headers[c], factors[c], device, bad, nvjpeg)
+    for c in pipe.chunks(n) if not batched else [slice(0, n)]:
+        chunk_regions = None if regions is None else regions[c].tolist()
+        images, good, cropped = _decode_chunk(encoded, headers[c], factors[c], chunk_regions, device, bad, decoder)
         if not good:
             continue
         sel = torch.tensor(good, dtype=torch.int64, device=device) + c.start  # the decoded images' rows among the n
-        if nvjpeg and ragged:  # every image to the first op as it was decoded, in one buffer: no canvas
-            canvas = RaggedImages.from_images(images, device, CHW)
-            decoded = canvas.sizes
-        elif nvjpeg:
-            canvas, decoded = to_canvas([a.permute(1, 2, 0) if isinstance(a, torch.Tensor) else a for a in images])
-            canvas, decoded = canvas.to(device), decoded.to(device)
-        elif pipe.takes_image_list:
-            canvas = [torch.from_numpy(a) for a in images]
-            decoded = torch.tensor([a.shape[:2] for a in images], dtype=torch.int64)
-        else:
-            canvas, decoded = to_canvas(images)
-        chunk = pipe.fit_to_decoded(draws.take(sel), all_sizes[sel], decoded, factors[sel])
+        chunk, sizes = draws.take(sel), all_sizes[sel]
+        if regions is not None:  # the images decoded as their regions: draws and sizes in the region's terms
+            inside = torch.tensor(cropped, dtype=torch.bool, device=device)
+            chunk = pipe.in_regions(chunk, regions[sel], inside)
+            sizes = torch.where(inside[:, None], regions[sel][:, 2:], sizes)
+        canvas, decoded = _to_first_op(pipe, images, device, decoder, ragged)
+        chunk = pipe.fit_to_decoded(chunk, sizes, decoded, factors[sel])
         outs.append(pipe.apply(canvas, decoded, chunk))
         kept += all_rows[sel.cpu()].tolist()
+    if decoder.startswith("nvimgcodec") and device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()  # before the decoder's buffers (in `images`) are let go
     if not outs:
         return pipe.empty(device), [], bad
     return torch.cat(outs), kept, bad
 
 
-def _decode_chunk(encoded, chunk, factors, device, bad, nvjpeg: bool) -> tuple[list, list[int]]:
-    """The chunk's images (HWC uint8 arrays or device tensors) and their positions in the
-    chunk; a file that fails to decode is added to `bad` as (row, reason)."""
-    if nvjpeg:
-        results = decode_cuda([encoded[h[0]] for h in chunk], [h[3] for h in chunk], device)
+def _to_first_op(pipe, images: list, device, decoder: str, ragged: bool):
+    """The decoded images as the first op takes them, and their (h, w)."""
+    layout = CHW if decoder == "nvjpeg" else HWC  # torchvision's decoders give (3, H, W)
+    if decoder != "cpu" and ragged:  # every image to the first op as it was decoded, in one buffer: no canvas
+        canvas = RaggedImages.from_images(images, device, layout)
+        return canvas, canvas.sizes
+    if decoder != "cpu":
+        hwc = [a.permute(1, 2, 0) if isinstance(a, torch.Tensor) and layout == CHW else a for a in images]
+        canvas, decoded = to_canvas(hwc)
+        return canvas.to(device), decoded.to(device)
+    if pipe.takes_image_list:
+        return [torch.from_numpy(a) for a in images], torch.tensor([a.shape[:2] for a in images], dtype=torch.int64)
+    return to_canvas(images)
+
+
+def _decode_chunk(encoded, chunk, factors, regions, device, bad, decoder: str) -> tuple[list, list[int], list[bool]]:
+    """The chunk's images (HWC uint8 arrays or device tensors), their positions in the chunk,
+    and whether each is its region (`regions`, nvImageCodec only); a file that fails to
+    decode is added to `bad` as (row, reason)."""
+    datas = [encoded[h[0]] for h in chunk]
+    cropped = [False] * len(chunk)
+    if decoder == "nvjpeg":
+        results = decode_cuda(datas, [h[3] for h in chunk], device)
+    elif decoder.startswith("nvimgcodec"):
+        results, cropped = engines.decode_regions(datas, [h[3] for h in chunk], regions, device)
+        results = [_decoded(data, 1) if r is None else r for data, r in zip(datas, results, strict=True)]
     else:
-        results = []
-        for j, h in enumerate(chunk):
-            try:
-                results.append(decode_image(encoded[h[0]], int(factors[j])))
-            except BadImage as e:
-                results.append(e)
-    images, good = [], []
+        results = [_decoded(data, int(f)) for data, f in zip(datas, factors, strict=True)]
+    images, good, kept_cropped = [], [], []
     for j, result in enumerate(results):
         if isinstance(result, BadImage):
             bad.append((chunk[j][0], str(result)))
         else:
             images.append(result)
             good.append(j)
-    return images, good
+            kept_cropped.append(cropped[j])
+    return images, good, kept_cropped
+
+
+def _decoded(data: bytes, shrink: int):
+    """decode_image's array, or the BadImage that says why there is none."""
+    try:
+        return decode_image(data, shrink)
+    except BadImage as e:
+        return e

@@ -79,6 +79,16 @@ class Op(torch.nn.Module):
         1/factors of its size."""
         raise NotImplementedError
 
+    def region(self, params: dict) -> torch.Tensor | None:
+        """Per image, the box (top, left, h, w) of the full-size image that `apply` reads, for a
+        decoder that can decode that region alone (augment/engines.py); None: the whole image."""
+        return None
+
+    def in_region(self, params: dict, region: torch.Tensor, inside: torch.Tensor) -> dict:
+        """`params` in the coordinates of `region` (from `region`) of each image where `inside`,
+        unchanged elsewhere."""
+        raise NotImplementedError
+
     def forward(self, x, rng: KeyedRng, sizes: torch.Tensor | None = None):
         return self.apply(x, self.sample(rng, sizes), sizes)
 
@@ -441,6 +451,14 @@ class RandomResizedCrop(Op):
 
         t0, l0, t1, l1 = edge(top), edge(left), edge(top + h), edge(left + w)
         return params | {"box": torch.stack([t0, l0, t1 - t0, l1 - l0], 1)}
+
+    def region(self, params):
+        return params["box"]  # the resampler reads nothing outside the box
+
+    def in_region(self, params, region, inside):
+        box = params["box"]
+        corner = box[:, :2] - torch.where(inside[:, None], region[:, :2], 0)
+        return params | {"box": torch.cat([corner, box[:, 2:]], 1)}
 
 
 @register

@@ -103,6 +103,15 @@ class EpochPipeline(torch.nn.Module):
         factors = self.ops[0].max_shrink(draws.first)
         return torch.ones(len(draws.keys), dtype=torch.int64, device=draws.keys.device) if factors is None else factors
 
+    def read_regions(self, draws: Draws) -> torch.Tensor | None:
+        """Per image, the box (top, left, h, w) of the full-size image that the first op reads
+        (a decoder may decode just that: augment/engines.py); None: it reads whole images."""
+        return self.ops[0].region(draws.first)
+
+    def in_regions(self, draws: Draws, regions: torch.Tensor, inside: torch.Tensor) -> Draws:
+        """The draws for images of which only `regions` were decoded, where `inside`."""
+        return draws.with_first(self.ops[0].in_region(draws.first, regions, inside))
+
     def fit_to_decoded(self, draws: Draws, sizes, decoded, factors) -> Draws:
         """The draws for the images as they were decoded (`sizes` the headers', `decoded` the
         decoded ones'). An image that came back at 1/f of its size gets its box rescaled; one at

@@ -9,9 +9,13 @@ ImageNet-size (shorter side 333-500) and, with --camera, camera-size (longer sid
 
 * decode+augment     augment.batch.decode_augment, what the augment stage runs on encoded
                      rows: on the CPU with reduced-size JPEG decoding, on a GPU with one
-                     batched nvjpeg call per batch (the files are uploaded inside the timing);
+                     batched call per batch of the decoder the job takes there (nvImageCodec
+                     where installed, else nvjpeg; the files are uploaded inside the timing);
 * full-size decode   the same call with reduced-size decoding off (CPU only);
-* decode only        the batched nvjpeg call alone (GPU only);
+* decode only        each batched decoder's call alone: nvImageCodec's on each image's crop
+                     box (nvimgcodec) and on whole images (nvimgcodec_whole), where it is
+                     installed (on the CPU its libjpeg-turbo backend, with its own threads),
+                     and torchvision's nvjpeg (GPU only);
 * N processes        decode+augment in N processes at once on the one GPU, img/s summed
                      (--processes; the job runs 4 augment tasks per GPU);
 * seed (PIL)         the seed's per image work in this process: PIL decode, then
@@ -75,16 +79,33 @@ def time_decode_augment(files, batch: int, device: torch.device, shrink: bool, s
     return n / (time.perf_counter() - start)
 
 
-def time_decode_only(files, batch: int, device: torch.device, seconds: float) -> float:
-    """The batched nvjpeg call alone (augment.decode.decode_cuda), files uploaded inside the timing."""
+def time_decode_only(files, batch: int, device: torch.device, seconds: float, decoder: str) -> float:
+    """One batched decode call alone, files uploaded inside the timing: nvjpeg
+    (augment.decode.decode_cuda), nvimgcodec (augment.engines.decode_regions, each image's
+    crop box as the imagenet train preset draws it) or nvimgcodec-whole (whole images)."""
     from augment.decode import decode_cuda, read_header
+    from augment.engines import decode_regions
 
-    jpeg = [read_header(f)[2] for f in files]
+    headers = [read_header(f) for f in files]
+    jpeg = [h[2] for h in headers]
+    regions = [None] * len(files)
+    if decoder == "nvimgcodec":
+        from augment.pipeline import Pipeline
+        from augment.presets import PRESETS
+
+        pipe = Pipeline(PRESETS["imagenet"].train, seed=0).at_epoch(0)
+        draws = pipe.sample(torch.tensor([h[:2] for h in headers]), torch.arange(len(files)))
+        regions = pipe.read_regions(draws).tolist()
 
     def one(i: int) -> int:
         idx = [(i * batch + j) % len(files) for j in range(batch)]
-        out = decode_cuda([files[j] for j in idx], [jpeg[j] for j in idx], device)
-        torch.cuda.synchronize(device)
+        if decoder == "nvjpeg":
+            out = decode_cuda([files[j] for j in idx], [jpeg[j] for j in idx], device)
+        else:
+            out, _ = decode_regions([files[j] for j in idx], [jpeg[j] for j in idx], [regions[j] for j in idx], device)
+            assert all(image is not None for image in out), "nvImageCodec refused a generated photo"
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         return len(out)
 
     one(0)
@@ -145,6 +166,15 @@ def time_seed(files, seconds: float) -> float:
     return n / (time.perf_counter() - start)
 
 
+def decoders(device: torch.device) -> list[str]:
+    """The batched decoders timed alone here: nvImageCodec's where it is installed (its CPU
+    backend on the CPU), torchvision's nvjpeg on a GPU."""
+    from augment import engines
+
+    found = ["nvimgcodec", "nvimgcodec-whole"] if engines.available() else []
+    return found + (["nvjpeg"] if device.type == "cuda" else [])
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -171,8 +201,10 @@ def main(argv=None) -> list[dict]:
         for batch in args.batch_sizes if kind == "imagenet" else [min(args.batch_sizes)]:
             row = {"photos": kind, "batch": batch, "device": args.device}
             row["decode_augment"] = round(time_decode_augment(files, batch, device, True, args.seconds), 1)
+            for decoder in decoders(device):
+                rate = time_decode_only(files, batch, device, args.seconds, decoder)
+                row[f"decode_only_{decoder.replace('-', '_')}"] = round(rate, 1)
             if device.type == "cuda":
-                row["decode_only"] = round(time_decode_only(files, batch, device, args.seconds), 1)
                 for p in args.processes if kind == "imagenet" else []:
                     try:
                         rate = round(time_processes(files, batch, args.device, args.seconds, p), 1)

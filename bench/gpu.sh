@@ -43,16 +43,20 @@ timeout 240 "$PY" -m bench.train --data "$PHOTOS" --train-images 0 --preset imag
     --batch-size 256 --epochs 3 --synthetic-steps 60 --variants plain job synthetic --json "$OUT/train-cuda.json" \
     --work "$OUT/train-work" 2>&1 | tee "$OUT/train-cuda.txt"
 
-# 3. decode + augment from encoded JPEGs at 224 px: one batched nvjpeg call per batch, the call
-# alone, and 4 processes at once as the job's augment tasks share a GPU (at most 120 s)
+# 3. decode + augment from encoded JPEGs at 224 px: one batched call per batch of the job's GPU
+# decoder (nvImageCodec where installed, else nvjpeg), each batched decoder's call alone (nvImageCodec
+# on crop regions and on whole images, nvjpeg), and 4 processes at once as the job's augment tasks
+# share a GPU (at most 120 s)
 step decode
 timeout 120 "$PY" -m bench.decode --device cuda --batch-sizes 256 1024 --processes 4 --seconds 3 \
     --json "$OUT/decode-cuda.json" 2>&1 | tee "$OUT/decode-cuda.txt"
 
 # 3b. the GPU path without a canvas (augment/ragged.py) against the canvas before it, side by
-# side: operations dispatched per batch and img/s, batches of 256 and 1,024 (at most 90 s)
+# side, with each batched decoder: operations dispatched per batch and img/s, batches of 256 and
+# 1,024 (at most 90 s)
 step gpu_path
-timeout 90 "$PY" -m bench.gpu_path --batch-sizes 256 1024 --seconds 4 --paths ragged canvas \
+DECODERS=$("$PY" -c 'from augment import engines; print("nvimgcodec nvimgcodec-whole nvjpeg" if engines.available() else "nvjpeg")')
+timeout 90 "$PY" -m bench.gpu_path --batch-sizes 256 1024 --seconds 2 --paths ragged canvas --decoders $DECODERS \
     --json "$OUT/gpu-path-cuda.json" 2>&1 | tee "$OUT/gpu-path-cuda.txt"
 
 # 4. correctness on CUDA, the decoder's stream ordering included (at most 180 s)

@@ -3,9 +3,12 @@
     python -m bench.gpu_path                               # on whatever device there is
     python -m bench.gpu_path --batch-sizes 256 1024 --json gpu-path.json
 
-`augment.batch.decode_augment` with the batched decoder (`nvjpeg=True`: one
-torchvision.io.decode_jpeg call for the batch's JPEGs, then augment/ragged.py's resampler
-over one flat buffer, then the preset's other ops on the (B, 3, S, S) batch), the
+`augment.batch.decode_augment` with a batched decoder (`--decoders`: nvimgcodec, one
+nvImageCodec call for the batch's JPEGs, each decoding only its crop region, where the
+package is installed, else nvjpeg, one torchvision.io.decode_jpeg call; nvimgcodec-whole,
+nvImageCodec on whole images), then
+augment/ragged.py's resampler over one flat buffer, then the preset's other ops on the
+(B, 3, S, S) batch; the
 `imagenet` train preset at 224 px, on ImageNet-size JPEGs (shorter side 333-500, quality
 90) held in memory. On a machine without CUDA the same Python and torch calls run on the
 CPU.
@@ -16,6 +19,7 @@ A `TorchDispatchMode` counts the torch operations one batch dispatches, in three
 * views      operations that only make a view (reshape, slice, permute): no kernel;
 * decoder    torchvision's decode calls: on a GPU one for the batch; on the CPU
              torchvision loops over the images inside it, so there it counts one per image.
+             nvImageCodec's call is not a torch operation: 0 for it.
 
 Target (the GPU stage's issue): the same `ops` for a batch of 256 and of 1,024, that is,
 nothing launched per image. Columns: ops, views, decoder per batch size, and img/s over
@@ -34,6 +38,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from augment import engines
 from augment.batch import decode_augment
 from augment.pipeline import Pipeline
 from augment.presets import PRESETS
@@ -57,38 +62,38 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def one_batch(pipeline: Pipeline, files: list[bytes], device: torch.device, epoch: int, ragged: bool) -> torch.Tensor:
+def one_batch(pipeline: Pipeline, files: list[bytes], device, epoch: int, decoder: str, ragged: bool) -> torch.Tensor:
     keys = torch.arange(len(files), dtype=torch.int64) * 7919 + epoch
-    out, kept, bad = decode_augment(pipeline, files, keys, epoch, device, shrink=False, nvjpeg=True, ragged=ragged)
+    out, kept, bad = decode_augment(pipeline, files, keys, epoch, device, shrink=False, decoder=decoder, ragged=ragged)
     if bad or len(kept) != len(files):
         raise RuntimeError(f"bench: {len(bad)} of the generated files did not decode: {bad[:3]}")
     return out
 
 
-def count(pipeline: Pipeline, files: list[bytes], device: torch.device, ragged: bool) -> OpCounter:
-    one_batch(pipeline, files, device, 0, ragged)  # warm-up: lazy imports, the allocator
+def count(pipeline: Pipeline, files: list[bytes], device, decoder: str, ragged: bool) -> OpCounter:
+    one_batch(pipeline, files, device, 0, decoder, ragged)  # warm-up: lazy imports, the allocator
     with OpCounter() as counter:
-        one_batch(pipeline, files, device, 1, ragged)
+        one_batch(pipeline, files, device, 1, decoder, ragged)
     return counter
 
 
-def images_per_s(pipeline: Pipeline, files: list[bytes], device: torch.device, seconds: float, ragged: bool) -> float:
+def images_per_s(pipeline: Pipeline, files: list[bytes], device, seconds: float, decoder: str, ragged: bool) -> float:
     start, n, epoch = time.perf_counter(), 0, 2
     while time.perf_counter() - start < seconds or n == 0:
-        one_batch(pipeline, files, device, epoch, ragged)
+        one_batch(pipeline, files, device, epoch, decoder, ragged)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         n, epoch = n + len(files), epoch + 1
     return n / (time.perf_counter() - start)
 
 
-def measure(pipeline, distinct, device, batch_sizes, seconds: float, path: str) -> dict:
-    """One path's counts and img/s for each batch size, printed as they come."""
+def measure(pipeline, distinct, device, batch_sizes, seconds: float, decoder: str, path: str) -> dict:
+    """One decoder and path's counts and img/s for each batch size, printed as they come."""
     figures = {"ops_per_batch": {}, "views_per_batch": {}, "decoder_calls_per_batch": {}, "images_per_s": {}}
     for batch in batch_sizes:
         files = [distinct[i % len(distinct)] for i in range(batch)]
-        kinds = count(pipeline, files, device, path == "ragged").kinds
-        rate = images_per_s(pipeline, files, device, seconds, path == "ragged")
+        kinds = count(pipeline, files, device, decoder, path == "ragged").kinds
+        rate = images_per_s(pipeline, files, device, seconds, decoder, path == "ragged")
         for name, value in (
             ("ops_per_batch", kinds["ops"]),
             ("views_per_batch", kinds["views"]),
@@ -96,7 +101,8 @@ def measure(pipeline, distinct, device, batch_sizes, seconds: float, path: str) 
             ("images_per_s", round(rate, 1)),
         ):
             figures[name][str(batch)] = value
-        print(f"{path:<7} {batch:>6} {kinds['ops']:>6} {kinds['views']:>6} {kinds['decoder']:>8} {rate:>9.1f}")
+        counts = f"{kinds['ops']:>6} {kinds['views']:>6} {kinds['decoder']:>8}"
+        print(f"{decoder:<11} {path:<7} {batch:>6} {counts} {rate:>9.1f}")
     figures["nothing_per_image"] = len(set(figures["ops_per_batch"].values())) == 1
     return figures
 
@@ -110,19 +116,28 @@ def main(argv=None) -> dict:
     ap.add_argument(
         "--paths", nargs="+", default=["ragged"], choices=("ragged", "canvas"), help="canvas: the padded batch before"
     )
+    ap.add_argument(
+        "--decoders",
+        nargs="+",
+        choices=("nvimgcodec", "nvimgcodec-whole", "nvjpeg"),
+        default=["nvimgcodec" if engines.available() else "nvjpeg"],
+        help="the batched decoders to run (default: the one the job takes on a GPU here)",
+    )
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     device = torch.device(args.device)
     distinct = encoded_photos("imagenet", args.images)
     pipeline = Pipeline(PRESETS["imagenet"].train, seed=0).to(device)
-    result = {"device": str(device), "preset": "imagenet", "torch_threads": 1}
-    print(f"{'path':<7} {'batch':>6} {'ops':>6} {'views':>6} {'decoder':>8} {'img/s':>9}")
-    for path in args.paths:
-        figures = measure(pipeline, distinct, device, args.batch_sizes, args.seconds, path)
-        result |= figures if path == "ragged" else {path: figures}  # the job's path at the top level
+    result = {"device": str(device), "preset": "imagenet", "torch_threads": 1, "decoder": args.decoders[0]}
+    print(f"{'decoder':<11} {'path':<7} {'batch':>6} {'ops':>6} {'views':>6} {'decoder':>8} {'img/s':>9}")
+    for decoder in args.decoders:
+        for path in args.paths:
+            figures = measure(pipeline, distinct, device, args.batch_sizes, args.seconds, decoder, path)
+            top = decoder == args.decoders[0] and path == "ragged"
+            result |= figures if top else {f"{decoder}_{path}": figures}  # the job's path at the top level
     if "ragged" in args.paths:
-        print(f"ragged: ops per batch the same for every batch size: {result['nothing_per_image']}")
+        print(f"{args.decoders[0]} ragged: ops per batch the same for every batch size: {result['nothing_per_image']}")
     return write_json(args.json, result)
 
 

@@ -223,12 +223,12 @@ def test_reduced_size_decode_stays_close_and_independent_of_the_batch(encoded):
 
 
 def test_the_gpu_paths_batched_decode_runs_the_same_code_on_cpu_tensors(encoded):
-    """nvjpeg=True takes the GPU branch (one batched torchvision.io.decode_jpeg call, then
+    """decoder="nvjpeg" takes the GPU branch (one batched torchvision.io.decode_jpeg call, then
     per-file fallbacks), which torchvision also runs on the CPU: same images, same bad files."""
     pipeline = Pipeline(PRESETS["imagenet"].train, seed=5)
     keys = torch.arange(len(encoded), dtype=torch.int64) * 7919
     cpu, kept, bad = decode_augment(pipeline, encoded, keys, 1, CPU, shrink=False)
-    gpu_path, kept_g, bad_g = decode_augment(pipeline, encoded, keys, 1, CPU, shrink=True, nvjpeg=True)
+    gpu_path, kept_g, bad_g = decode_augment(pipeline, encoded, keys, 1, CPU, shrink=True, decoder="nvjpeg")
     assert kept_g == kept and sorted(bad_g) == sorted(bad)  # shrink is a CPU-only path: ignored here
     # torchvision's and simplejpeg's decoders differ by a level here and there, which colour
     # jitter's contrast and saturation may widen to two
@@ -299,8 +299,27 @@ def test_nvjpeg_decodes_a_batch_like_the_cpu(encoded):
         assert float((image.cpu().float() - ref.float()).abs().mean()) < 2.0
     pipeline = Pipeline(PRESETS["imagenet"].train, seed=5).to("cuda")
     keys = torch.arange(len(encoded), dtype=torch.int64)
-    out, kept, bad = decode_augment(pipeline, encoded, keys, 1, torch.device("cuda"), shrink=False)
+    out, kept, bad = decode_augment(pipeline, encoded, keys, 1, torch.device("cuda"), shrink=False, decoder="nvjpeg")
     assert kept == list(range(7)) and len(bad) == 2 and out.device.type == "cuda"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="nvImageCodec's GPU decoders need a CUDA device; none here")
+def test_nvimgcodec_decodes_crop_regions_on_the_gpu_like_the_cpu(encoded):
+    """The job's GPU decoder where nvImageCodec is installed: the regions decoded on the device
+    (its hardware engines or CUDA decoder), then the whole train preset, against the CPU path."""
+    from augment import engines
+
+    if not engines.available():
+        pytest.skip("nvImageCodec is not installed (pip install -e '.[gpu]')")
+    pipeline = Pipeline(PRESETS["imagenet"].train, seed=5)
+    keys = torch.arange(len(encoded), dtype=torch.int64) * 7919
+    cpu, kept, bad = decode_augment(pipeline, encoded, keys, 1, CPU, shrink=False)
+    pipeline.to("cuda")
+    gpu, kept_g, bad_g = decode_augment(pipeline, encoded, keys, 1, torch.device("cuda"), shrink=False)
+    assert kept_g == kept and sorted(bad_g) == sorted(bad) and gpu.device.type == "cuda"
+    # the GPU's JPEG decoders differ from libjpeg-turbo by a level or two (docs/benchmark-log.md, "GPU")
+    assert float((gpu.cpu().float() - cpu.float()).abs().mean()) < 2.0
 
 
 @pytest.mark.parametrize("fmt", ["PNG", "JPEG", "GIF", "BMP"])

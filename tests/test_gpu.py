@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 
 from augment.batch import augment_batch
+from augment.decode import read_header
 from augment.pipeline import Pipeline
 from augment.presets import PRESETS
 from augment.rng import KeyedRng
@@ -151,20 +152,36 @@ def test_a_cuda_bf16_run_augments_on_gpu_shares_and_covers_every_image(jpeg_tree
     assert summary["val_acc"] > 0.25  # four tinted classes: better than chance after two epochs
 
 
-def test_the_batched_decoder_never_writes_over_memory_the_callers_queued_kernels_read():
-    """pytorch/vision#9606's reproducer, through augment.decode.decode_cuda: the caller's
-    stream is held busy, then reads tensors that are freed at once, so the caching allocator
-    may hand their blocks to the decoder's outputs. Unordered, the decoder writes them before
-    those reads run (199 of 200 iterations corrupted on an H100). Every queued sum and every
-    decoded image must come out as computed alone."""
-    from augment.decode import decode_cuda, read_header
+def _batched_decode(decoder: str, files, jpeg, device) -> list:
+    from augment.decode import decode_cuda
+    from augment.engines import decode_regions
+
+    if decoder == "nvjpeg":
+        return decode_cuda(files, jpeg, device)
+    regions = [(h // 4, w // 4, h // 2, w // 2) for h, w in (read_header(f)[:2] for f in files)]
+    images, cropped = decode_regions(files, jpeg, regions, device)
+    assert all(cropped), "nvImageCodec refused a region of the generated photos"
+    return images
+
+
+@pytest.mark.parametrize("decoder", ["nvjpeg", "nvimgcodec"])
+def test_the_batched_decoder_never_writes_over_memory_the_callers_queued_kernels_read(decoder):
+    """pytorch/vision#9606's reproducer, through each batched decoder (augment.decode.decode_cuda,
+    augment.engines.decode_regions): the caller's stream is held busy, then reads tensors
+    that are freed at once, so the caching allocator may hand their blocks to the decoder's
+    outputs. Unordered, the decoder writes them before those reads run (199 of 200
+    iterations corrupted on an H100). Every queued sum and every decoded image must come out
+    as computed alone."""
+    from augment import engines
     from bench.decode import encoded_photos
 
+    if decoder == "nvimgcodec" and not engines.available():
+        pytest.skip("nvImageCodec is not installed (pip install -e '.[gpu]')")
     device = torch.device("cuda")
     files = encoded_photos("imagenet", 8)
     jpeg = [read_header(f)[2] for f in files]
-    reference = [int(image.sum()) for image in decode_cuda(files, jpeg, device)]
-    sizes = [int(image.nbytes) for image in decode_cuda(files, jpeg, device)]
+    reference = [int(image.sum()) for image in _batched_decode(decoder, files, jpeg, device)]
+    sizes = [int(image.nbytes) for image in _batched_decode(decoder, files, jpeg, device)]
     corrupted = []
     for iteration in range(200):
         victims = [
@@ -174,7 +191,7 @@ def test_the_batched_decoder_never_writes_over_memory_the_callers_queued_kernels
         torch.cuda._sleep(200_000_000)  # the caller's stream busy for a while (PyTorch's own tests' stall)
         sums = [v.sum() for v in victims]  # queued reads of the victims
         del victims  # freed while those reads still wait
-        decoded = decode_cuda(files, jpeg, device)
+        decoded = _batched_decode(decoder, files, jpeg, device)
         got = [float(s) for s in sums]
         if got != expected or [int(image.sum()) for image in decoded] != reference:
             corrupted.append(iteration)

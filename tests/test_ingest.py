@@ -173,7 +173,7 @@ def test_every_epoch_reads_a_new_order_from_seed_and_epoch(ray_cluster, order_tr
     assert other_seed[0] != straight[0]
 
 
-def test_decode_rule_by_device_preset_and_file_size():
+def test_decode_rule_by_device_preset_and_file_size(monkeypatch):
     tree = _fake_tree(100)
     small = make_split("/x", ["a/1.png"], [0], [3_000])
     imagenet, cifar = PRESETS["imagenet"].train, PRESETS["cifar"].train
@@ -182,7 +182,10 @@ def test_decode_rule_by_device_preset_and_file_size():
     assert choose_decode("auto", small, imagenet, use_gpu=False).where == "read"  # tiny files
     assert choose_decode("auto", tree.train, cifar, use_gpu=False).where == "read"  # no crop to shrink into
     gpu = choose_decode("auto", small, cifar, use_gpu=True)
-    assert (gpu.where, gpu.shrink) == ("augment", False) and "nvjpeg" in gpu.describe()
+    assert (gpu.where, gpu.shrink) == ("augment", False) and "nvImageCodec (hardware JPEG engines" in gpu.describe()
+    monkeypatch.setattr("augment.engines.available", lambda: False)  # the package not installed
+    gpu = choose_decode("auto", small, cifar, use_gpu=True)
+    assert "torchvision's nvjpeg (nvImageCodec not installed: pip install -e '.[gpu]')" in gpu.describe()
     assert not choose_decode("augment-full", tree.train, imagenet, use_gpu=False).shrink
     assert choose_decode("read", tree.train, imagenet, use_gpu=False).where == "read"
 

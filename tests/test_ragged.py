@@ -10,6 +10,7 @@ import torch
 
 import augment.batch
 import augment.pipeline
+from augment import engines
 from augment.batch import decode_augment
 from augment.ops import gather_crop, resample_boxes
 from augment.pipeline import Pipeline, to_canvas
@@ -80,10 +81,14 @@ def test_a_ragged_crop_equals_the_canvas_crop_with_padding_at_both_ends_of_the_b
         assert torch.equal(got, gather_crop(canvas, sizes, top, left, (32, 32), 0.5)), how
 
 
-def test_a_batch_dispatches_as_many_operations_for_32_images_as_for_8(monkeypatch):
-    """The GPU path (nvjpeg=True) on CPU tensors: torchvision's decoder loops over the images
-    on a CPU (one call each; one for the batch on a GPU) and views are free, but nothing
-    that computes or copies may be dispatched per image. No canvas is made."""
+@pytest.mark.parametrize("decoder", ["nvjpeg", "nvimgcodec"])
+def test_a_batch_dispatches_as_many_operations_for_32_images_as_for_8(monkeypatch, decoder):
+    """The GPU path on CPU tensors, with either batched decoder: torchvision's loops over the
+    images on a CPU (one call each; one for the batch on a GPU), nvImageCodec's is no torch
+    operation, views are free, but nothing that computes or copies may be dispatched per
+    image. No canvas is made."""
+    if decoder == "nvimgcodec" and not engines.available():
+        pytest.skip("nvImageCodec is not installed (the test extra installs it: pip install -e '.[test]')")
 
     def no_canvas(images):
         raise AssertionError("the GPU path made a canvas")
@@ -92,16 +97,17 @@ def test_a_batch_dispatches_as_many_operations_for_32_images_as_for_8(monkeypatc
     monkeypatch.setattr(augment.pipeline, "to_canvas", no_canvas)
     files = encoded_photos("imagenet", 8)
     pipeline = Pipeline(PRESETS["imagenet"].train, seed=0)
-    counts = {}
+    counts, cpu = {}, torch.device("cpu")
     for n in (8, 32):
         batch = [files[i % len(files)] for i in range(n)]
         keys = torch.arange(n, dtype=torch.int64)
-        decode_augment(pipeline, batch, keys, 1, torch.device("cpu"), shrink=False, nvjpeg=True)  # warm-up
+        decode_augment(pipeline, batch, keys, 1, cpu, shrink=False, decoder=decoder)  # warm-up
         with OpCounter() as counter:
-            out, kept, bad = decode_augment(pipeline, batch, keys, 1, torch.device("cpu"), shrink=False, nvjpeg=True)
+            out, kept, bad = decode_augment(pipeline, batch, keys, 1, cpu, shrink=False, decoder=decoder)
         assert out.shape == (n, 224, 224, 3) and kept == list(range(n)) and not bad
         counts[n] = counter
-    assert counts[8].kinds["decoder"] == 8 and counts[32].kinds["decoder"] == 32  # the counter sees each call
+    per_image = {"nvjpeg": 1, "nvimgcodec": 0}[decoder]
+    assert counts[8].kinds["decoder"] == 8 * per_image and counts[32].kinds["decoder"] == 32 * per_image
     assert counts[32].kinds["ops"] == counts[8].kinds["ops"], counts[32].names - counts[8].names
 
 

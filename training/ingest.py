@@ -78,6 +78,15 @@ class DecodePlan:
         return f"decode in the {self.where} stage, {how} ({self.why})"
 
 
+def gpu_decoder() -> str:
+    """What decodes on a GPU (augment/batch.py default_decoder), as the plan line names it."""
+    from augment import engines
+
+    if engines.available():
+        return "nvImageCodec (hardware JPEG engines where the GPU has them, each crop region alone)"
+    return "torchvision's nvjpeg (nvImageCodec not installed: pip install -e '.[gpu]')"
+
+
 def choose_decode(setting: str, split: Split, train_preset: tuple, use_gpu: bool) -> DecodePlan:
     """Where and how images are decoded: `setting` is --decode (auto, read, augment,
     augment-full); auto picks by device, preset and the split's mean file size."""
@@ -85,9 +94,9 @@ def choose_decode(setting: str, split: Split, train_preset: tuple, use_gpu: bool
         return DecodePlan("read", False, "--decode read")
     if setting in ("augment", "augment-full"):
         shrink = setting == "augment" and not use_gpu
-        return DecodePlan("augment", shrink, f"--decode {setting}" + (", nvjpeg on the GPU" if use_gpu else ""))
+        return DecodePlan("augment", shrink, f"--decode {setting}" + (f", {gpu_decoder()}" if use_gpu else ""))
     if use_gpu:
-        return DecodePlan("augment", False, "GPU: nvjpeg in the augment call")
+        return DecodePlan("augment", False, f"GPU: {gpu_decoder()} in the augment call")
     from augment.ops import can_shrink  # torch: the driver has it loaded by now
 
     mean_kb = split.mean_file_bytes / 1024

@@ -1,0 +1,124 @@
+"""JPEGs of a batch decoded by NVIDIA's nvImageCodec, each only in the region the first op reads.
+
+    images, cropped = decode_regions(datas, jpeg, regions, device)
+
+On a GPU the batch goes to the card's hardware JPEG engines where it has them (A100, H100,
+H200: the decode then costs the SMs nothing), else to nvImageCodec's CUDA decoder; off a GPU
+(the tests, a CPU machine with the package) to its libjpeg-turbo backend, through the same
+calls. A region of interest is decoded on its own: the crop of a RandomResizedCrop, not the
+whole photo.
+
+Whatever the decoder does not take comes back as None, for the caller's CPU decoders
+(augment/decode.py), which decode it whole or name what is wrong with it: a file that is not
+a YCbCr or grayscale JPEG (`jpeg` from read_header), a JPEG without its end-of-image marker
+(the GPU decoders fill a truncated stream's missing rows without an error), a region that
+does not fit the image, a stream the decoder refuses.
+
+Stream ordering is explicit on both sides. The decoder writes into buffers of its own, never
+into memory torch may hand to kernels still queued, and it is given the caller's stream to
+order its output against; the tensors are taken over through DLPack on that same stream. The
+decoded buffers must outlive the kernels that read them: the caller synchronises its stream
+before it lets them go (augment/batch.py). tests/test_gpu.py runs pytorch/vision#9606's
+pattern against it.
+
+The package is optional (`pip install -e ".[gpu]"`; `available()` says whether it imports).
+It prints one line for each codec library it cannot load when it is imported (JPEG 2000 and
+TIFF, which this project does not use): those lines are dropped, and its log is kept to
+errors it reports as None anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+
+from augment.decode import ends_complete
+
+
+def available() -> bool:
+    """Whether nvImageCodec is installed (its import is not tried: see _module)."""
+    try:
+        return importlib.util.find_spec("nvidia.nvimgcodec") is not None
+    except ModuleNotFoundError:  # no `nvidia` namespace at all
+        return False
+
+
+@contextlib.contextmanager
+def _stderr_dropped():
+    """File descriptor 2 to /dev/null for the block: the library prints from C, past sys.stderr."""
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@functools.cache
+def _module():
+    # 0: nothing from its logger; a file it cannot decode comes back as None, and the caller's
+    # CPU decoders then say what is wrong with it, in the bad-file log
+    os.environ.setdefault("PYNVIMGCODEC_VERBOSITY", "0")
+    with _stderr_dropped():
+        from nvidia import nvimgcodec
+    return nvimgcodec
+
+
+@functools.cache
+def _decoder(device_index: int | None):
+    """One decoder per device for the process (it holds the library's handles and threads):
+    the hardware engines first, then the CUDA decoder; None: the CPU backend alone."""
+    nv = _module()
+    if device_index is None:
+        return nv.Decoder(device_id=nv.NVIMGCODEC_DEVICE_CPU_ONLY, backends=[nv.Backend(nv.CPU_ONLY)])
+    return nv.Decoder(device_id=device_index, backends=[nv.Backend(nv.HW_GPU_ONLY), nv.Backend(nv.GPU_ONLY)])
+
+
+def _code_stream(nv, data: bytes, region):
+    """The file's code stream, cut to `region` (top, left, h, w) if one is given; None if the
+    library cannot parse its header."""
+    try:
+        stream = nv.CodeStream(data)
+        if region is None:
+            return stream
+        top, left, h, w = region
+        return stream.get_sub_code_stream(region=nv.Region(top, left, top + h, left + w))
+    except RuntimeError:
+        return None
+
+
+def decode_regions(datas: list[bytes], jpeg: list[bool], regions, device) -> tuple[list, list[bool]]:
+    """Per file: a uint8 (h, w, 3) RGB image (a tensor on a CUDA `device`, a numpy array on the
+    CPU) or None where this decoder does not take the file; and per file whether the image is
+    its region (`regions[i]`, (top, left, h, w) in the full image; None: the whole image) or
+    the whole image. One batched decode call for the files it takes."""
+    import torch
+
+    nv = _module()
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    regions = [None] * len(datas) if regions is None else regions
+    take = [i for i, ok in enumerate(jpeg) if ok and ends_complete(datas[i])]
+    streams = {i: _code_stream(nv, datas[i], regions[i]) for i in take}
+    take = [i for i in take if streams[i] is not None]
+    out: list = [None] * len(datas)
+    if take:
+        params = nv.DecodeParams(apply_exif_orientation=False, color_spec=nv.SRGB, sample_format=nv.I_RGB)
+        index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
+        stream = torch.cuda.current_stream(device).cuda_stream if cuda else 0
+        decoded = _decoder(index).decode([streams[i] for i in take], params=params, cuda_stream=stream)
+        for i, image in zip(take, decoded, strict=True):
+            if image is not None:
+                out[i] = torch.from_dlpack(image) if cuda else _host_array(image)
+    cropped = [out[i] is not None and regions[i] is not None for i in range(len(datas))]
+    return out, cropped
+
+
+def _host_array(image):
+    import numpy as np
+
+    return np.asarray(image)  # a view that keeps the library's buffer alive

@@ -1,0 +1,135 @@
+"""nvImageCodec's batched decode (augment/engines.py) through its CPU backend, the calls the
+GPU makes: the same pixels as libjpeg-turbo, whole or as a region; every file it does not
+take left to the CPU decoders, so the same files are kept and listed; the job's choice of
+decoder; and no line of the library's on stderr."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from augment import batch as augment_batch_module
+from augment import engines
+from augment.batch import decode_augment, default_decoder
+from augment.decode import decode_image, read_header
+from augment.pipeline import Pipeline
+from augment.presets import PRESETS
+from bench.augment import synthetic_photo
+
+CPU = torch.device("cpu")
+
+pytestmark = pytest.mark.skipif(
+    not engines.available(),
+    reason="nvImageCodec is not installed (the test extra installs it: pip install -e '.[test]')",
+)
+
+
+def _encode(array: np.ndarray, fmt: str = "JPEG", **kw) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(array).save(out, format=fmt, **kw)
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def jpegs() -> list[bytes]:
+    """4:4:4, 4:2:2, 4:2:0, progressive and grayscale JPEGs of odd sizes."""
+    photo = synthetic_photo(427, 641, 3)
+    return [
+        _encode(photo, quality=90, subsampling=0),
+        _encode(photo[:301, :333], quality=85, subsampling=1),
+        _encode(photo[:255, :379], quality=80, subsampling=2),
+        _encode(photo, quality=85, progressive=True),
+        _encode(photo[:200, :150, 0]),
+    ]
+
+
+def test_whole_images_and_regions_are_libjpeg_turbos_pixels(jpegs):
+    regions = [(37, 51, 201, 173), None, (0, 0, 255, 379), (426, 640, 1, 1), (199, 0, 1, 150)]
+    images, cropped = engines.decode_regions(jpegs, [True] * len(jpegs), regions, CPU)
+    assert cropped == [r is not None for r in regions]
+    for data, region, image in zip(jpegs, regions, images, strict=True):
+        ref = decode_image(data)
+        if region is not None:
+            top, left, h, w = region
+            ref = ref[top : top + h, left : left + w]
+        assert image.dtype == np.uint8 and image.shape == ref.shape
+        assert np.array_equal(image, ref)
+
+
+def test_what_it_does_not_take_comes_back_as_none(jpegs):
+    whole = jpegs[2]
+    png = _encode(synthetic_photo(40, 60, 1), "PNG")
+    files = [whole, whole[: len(whole) // 2], b"\xff\xd8\xff not a jpeg \xff\xd9", png, whole, whole]
+    jpeg = [True, True, True, False, False, True]  # read_header's flag: the PNG and a file it refused
+    regions = [None, None, None, None, None, (200, 300, 100, 100)]  # the last one past the image's edge
+    images, cropped = engines.decode_regions(files, jpeg, regions, CPU)
+    assert [image is not None for image in images] == [True, False, False, False, False, False]
+    assert cropped == [False] * 6
+
+
+def test_decode_augment_through_it_gives_the_full_decodes_images_and_bad_files(monkeypatch):
+    """The region decode with the draws moved into the region against the batch decoded
+    whole (torchvision's batched call, the same CPU resampler): the same images to a level,
+    the same files kept and listed, whichever files the library leaves to the CPU."""
+    photos = [synthetic_photo(h, w, i) for i, (h, w) in enumerate([(300, 400), (500, 333), (64, 64), (480, 640)])]
+    good = [_encode(p, quality=90) for p in photos]
+    cmyk = _cmyk_jpeg(photos[0])
+    files = [*good[:2], b"not an image", cmyk, _encode(photos[2], "PNG"), good[3], good[0][:500], *good]
+    assert not read_header(cmyk)[2]
+    keys = torch.arange(len(files), dtype=torch.int64) * 7919
+    decode_regions, regions_decoded = engines.decode_regions, []
+
+    def spy(*args):
+        images, cropped = decode_regions(*args)
+        regions_decoded.append(sum(cropped))
+        return images, cropped
+
+    monkeypatch.setattr(augment_batch_module.engines, "decode_regions", spy)
+    for preset in ("imagenet", "cifar"):
+        pipeline = Pipeline(PRESETS[preset].train, seed=3)
+        whole, kept, bad = decode_augment(pipeline, files, keys, 2, CPU, shrink=False, decoder="nvjpeg")
+        regions, kept_r, bad_r = decode_augment(pipeline, files, keys, 2, CPU, shrink=False, decoder="nvimgcodec")
+        assert kept_r == kept == [0, 1, 3, 4, 5, 7, 8, 9, 10] and bad_r == bad
+        assert [row for row, _ in bad] == [2, 6]
+        # the same pixels decoded (torchvision's CPU decoder is libjpeg-turbo too), the same boxes
+        assert int((regions.int() - whole.int()).abs().max()) <= 1, preset
+    # the complete JPEGs as their crop boxes for imagenet's random_resized_crop; cifar's
+    # random_crop (padding) reads the whole image
+    assert regions_decoded == [7, 0]
+
+
+def _cmyk_jpeg(photo: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(photo).convert("CMYK").save(out, format="JPEG", quality=90)
+    return out.getvalue()
+
+
+def test_the_gpu_takes_nvimgcodec_where_it_is_installed_and_nvjpeg_where_not(monkeypatch):
+    assert default_decoder(torch.device("cuda")) == "nvimgcodec"
+    assert default_decoder(CPU) == "cpu"
+    monkeypatch.setattr(augment_batch_module.engines, "available", lambda: False)
+    assert default_decoder(torch.device("cuda:1")) == "nvjpeg"
+    with pytest.raises(ValueError, match="decoder must be one of"):
+        pipeline = Pipeline(PRESETS["cifar"].train, seed=0)
+        decode_augment(pipeline, [b"x"], torch.zeros(1), 0, CPU, shrink=False, decoder="dali")
+
+
+def test_the_library_prints_nothing_when_imported_or_given_bad_files():
+    """Its import prints a line for each codec library it cannot load, and its log names
+    every file it cannot parse; the job lists bad files itself, in one place."""
+    code = (
+        "from augment import engines; import torch\n"
+        "files = [b'\\xff\\xd8 junk \\xff\\xd9', b'']\n"
+        "images, _ = engines.decode_regions(files, [True, True], None, torch.device('cpu'))\n"
+        "assert images == [None, None]\n"
+        "print('done')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == "done\n", done.stderr
+    assert done.stderr == ""
