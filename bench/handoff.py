@@ -42,10 +42,10 @@ def busy_s() -> float:
     return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
 
 
-@functools.lru_cache(maxsize=1)
-def template() -> np.ndarray:
-    """A batch of pixels, made once per worker process."""
-    return np.random.default_rng(0).integers(0, 256, (256, SIDE, SIDE, 3), dtype=np.uint8)
+@functools.lru_cache(maxsize=2)
+def template(rows: int) -> np.ndarray:
+    """A block's pixels, made once per worker process and block size."""
+    return np.random.default_rng(0).integers(0, 256, (rows, SIDE, SIDE, 3), dtype=np.uint8)
 
 
 def make_block(batch: dict) -> dict:
@@ -53,7 +53,7 @@ def make_block(batch: dict) -> dict:
     output (no random numbers: their cost is not the hand-off's)."""
     n = len(batch["id"])
     image = np.empty((n, SIDE, SIDE, 3), dtype=np.uint8)
-    image[:] = template()[:n]
+    image[:] = template(n)
     ids = batch["id"].astype(np.int64)
     return {"image": image, "label": ids % 10, "key": ids * 7919, "epoch": np.ones(n, np.int64)}
 

@@ -200,7 +200,9 @@ def test_thumbnails_decoded_in_the_read_task_go_1024_to_a_task_unless_the_flag_s
     assert augment_rows(64, thumbs, read_thumbs) == 64  # --augment-batch-size wins
     assert augment_rows(0, photos, choose_decode("auto", photos, imagenet, use_gpu=False)) == 256
     assert augment_rows(0, photos, choose_decode("auto", photos, cifar, use_gpu=False)) == 256  # not thumbnails
-    assert augment_rows(0, thumbs, choose_decode("auto", thumbs, cifar, use_gpu=True)) == 256  # the GPU decodes
+    on_gpu = choose_decode("auto", thumbs, cifar, use_gpu=True)
+    assert augment_rows(0, thumbs, on_gpu, use_gpu=True) == 1024  # the GPU decodes, in batches of 1,024
+    assert augment_rows(256, photos, on_gpu, use_gpu=True) == 256
     with pytest.raises(ConfigError, match="--augment-batch-size must be 0"):
         TrainConfig(augment_batch_size=-1)
 

@@ -58,6 +58,10 @@ ROWS_PER_TASK = 256  # at most this many files per read task (one augment call p
 # PNG may be a large flat image).
 THUMBNAIL_BYTES, THUMBNAIL_ROWS = 8 * 1024, 1024
 DECODED_BLOCK_BYTES = 64 * 2**20
+# GPU: a block of 1,024 augmented images costs the hand-off to the trainer about 0.6 of the host
+# CPU per image of a block of 256, and a GPU decodes and augments a batch of 1,024 faster than one
+# of 256 (docs/benchmarks.md, "Hand-off" and "GPU")
+GPU_ROWS = 1024
 MIN_TASKS, MIN_ROWS_PER_TASK = 8, 16  # a small split still gets a few tasks, of 16 rows at least
 MAX_TASKS = 4096  # Ray Data warns of "excessive task creation" from 5,000 read tasks on
 TASK_BYTES = 64 * 2**20  # encoded bytes per read task at most (camera photos: a few files each)
@@ -107,11 +111,13 @@ def choose_decode(setting: str, split: Split, train_preset: tuple, use_gpu: bool
     return DecodePlan("read", False, f"CPU, {small}")
 
 
-def augment_rows(setting: int, split: Split, decode: DecodePlan) -> int:
+def augment_rows(setting: int, split: Split, decode: DecodePlan, use_gpu: bool = False) -> int:
     """Images per augment call and at most per read task: --augment-batch-size, or (0) 256,
-    and THUMBNAIL_ROWS for thumbnails decoded in the read task."""
+    THUMBNAIL_ROWS for thumbnails decoded in the read task, and GPU_ROWS on a GPU."""
     if setting:
         return setting
+    if use_gpu:
+        return GPU_ROWS
     thumbnails = decode.where == "read" and split.mean_file_bytes < THUMBNAIL_BYTES
     return THUMBNAIL_ROWS if thumbnails else ROWS_PER_TASK
 
@@ -367,7 +373,7 @@ def build_datasets(cfg, tree, preset, plan, clock, bad_log=None, decode: DecodeP
     decode = decode or choose_decode(cfg.decode, tree.train, preset.train, plan.use_gpu)
     out = {}
     for split_name, split in (("train", tree.train), ("val", tree.val)):
-        train, rows = split_name == "train", augment_rows(cfg.augment_batch_size, split, decode)
+        train, rows = split_name == "train", augment_rows(cfg.augment_batch_size, split, decode, plan.use_gpu)
         if cfg.strict:  # decode every file once now, so a bad one stops the run before training
             bad = check_decodes(split, num_cpus=plan.augment_cpus)
             if bad and bad_log is not None:

@@ -112,7 +112,7 @@ def run(
     warning = few_steps_warning(cfg, tree)
     if warning:
         log(warning)
-    rows = augment_rows(cfg.augment_batch_size, tree.train, decode)
+    rows = augment_rows(cfg.augment_batch_size, tree.train, decode, plan.use_gpu)
     chosen = f" (--preset auto: {auto_preset(tree)[1]})" if cfg.preset == "auto" else ""
     log(
         f"plan: preset {preset.name}{chosen}; {plan.describe()}; {decode.describe()}; "
