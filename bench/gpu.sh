@@ -37,7 +37,9 @@ step photos
 test -f "$PHOTOS/.done" || { timeout 45 "$PY" -m bench.train --make-photos "$PHOTOS" --photos 6000 && touch "$PHOTOS/.done"; }
 
 # 2. end to end, bf16, global batch 256, 3 epochs (steady state = epochs 2-3) (at most 240 s);
-# the runs' logs (jobs.train's plan line, Ray Data's warnings) go to $OUT/train-work
+# the runs' logs (jobs.train's plan line, Ray Data's warnings) go to $OUT/train-work, and the job's
+# timings.csv and summary.json there say what bounded it and how many of its planned CPUs the
+# trainer kept busy (trainer_cpus against trainer_cpus_planned): the GPU node's plan, measured
 step train
 timeout 240 "$PY" -m bench.train --data "$PHOTOS" --train-images 0 --preset imagenet --device cuda --amp bf16 \
     --batch-size 256 --epochs 3 --synthetic-steps 60 --variants plain job synthetic --json "$OUT/train-cuda.json" \

@@ -23,7 +23,8 @@ def _plan(cpus: int, gpus: int = 0, **flags):
 def test_a_cpu_plan_gives_its_fused_tasks_the_cpus_the_trainers_leave():
     plan = _plan(2)  # 1 trainer x 1 CPU, tasks of 0.5 CPU
     assert (plan.cpus_per_worker, plan.augment_cpus) == (1, 0.5)
-    assert DataSlots.of(plan, 2, decode_in_read=True) == DataSlots(read=2, augment=2, fused=True, decode_in_read=True)
+    slots = DataSlots.of(plan, 2, decode_in_read=True)
+    assert slots == DataSlots(read=2, augment=2, fused=True, decode_in_read=True, trainer_cpus=1.0)
     plan = _plan(16, num_workers=2)  # 2 trainers x 4 CPUs, tasks of 1 CPU: 8 left
     assert DataSlots.of(plan, 16, decode_in_read=False).read == 16 - 2 * plan.cpus_per_worker == 8
 
@@ -81,6 +82,23 @@ def test_the_hints_name_flags_for_the_device_that_augments():
     assert "--cpus-per-worker" in cpu and "--device cuda" in cpu
     assert "--augment-gpus" in gpu and "--augment-actors" in gpu
     assert "(tasks 90% busy)" in cpu and "(tasks 95% busy)" in gpu
+
+
+def test_a_hint_gives_the_trainers_the_cpus_they_were_measured_to_use():
+    """On a GPU node a trainer holds half the CPUs by plan; where the trainers kept less than half
+    of theirs busy and the data tasks bound the run, the hint names the share that would do."""
+    held = dataclasses.replace(GPU, trainer_cpus=8.0)
+    idle = epoch_bound(held, read_s=38, augment_s=4, steady_s=10, steady_wait=0.5, trainer_cpus=1.2)
+    line = idle.describe(held)
+    assert line.startswith("  << input-bound by read") and "kept 1.2 of their 8 CPUs busy" in line
+    assert "--cpus-per-worker 2 gives it the rest" in line
+    busy = epoch_bound(held, read_s=38, augment_s=4, steady_s=10, steady_wait=0.5, trainer_cpus=5.0).describe(held)
+    assert "kept" not in busy and "lower --cpus-per-worker or --num-workers" in busy
+    assert idle.to_row()["trainer_cpus"] == 1.2 and Bound.of_row(idle.to_row()) == idle
+    verdict = idle.to_dict(held)
+    assert (verdict["trainer_cpus"], verdict["trainer_cpus_planned"]) == (1.2, 8.0)
+    rows = [idle.to_row() | {"steady_s": 10.0, "steady_wait_frac": 0.5}] * 2
+    assert steady_bound(held, rows).trainer_cpus == pytest.approx(1.2)  # the run's, from its epochs' rows
 
 
 def test_the_run_verdict_weighs_the_steady_epochs_by_their_time_and_skips_the_first():

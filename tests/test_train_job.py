@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -114,6 +115,9 @@ def test_run_directory_has_sane_contents(two_worker_run):
     # what bounded the epoch (training/bounds.py): the two ranks' rows carried the stages' seconds
     assert timing["bound"] in STAGES and float(timing["augment_busy"]) > 0 and float(timing["read_busy"]) > 0
     assert summary["bound"]["stage"] == timing["bound"] and summary["bound"]["hint"]
+    # the CPUs a rank's process kept busy, measured: something, and no more than the machine has
+    assert 0 < float(timing["trainer_cpus"]) <= os.cpu_count(), timing
+    assert summary["bound"]["trainer_cpus_planned"] > 0
 
     assert json.loads((run_dir / "summary.json").read_text()) == summary
     assert summary["world_size"] == 2 and summary["device"] == "cpu" and summary["num_classes"] == 5

@@ -57,6 +57,7 @@ class DataSlots:
     fused: bool
     decode_in_read: bool = False
     on_gpu: bool = False
+    trainer_cpus: float = 0.0  # the CPUs the plan gives each train worker (0: not recorded)
 
     @classmethod
     def of(cls, plan, cpus: float, *, decode_in_read: bool) -> "DataSlots":
@@ -64,8 +65,9 @@ class DataSlots:
         workers leave Ray Data, in tasks of plan.augment_cpus."""
         left = max(cpus - plan.num_workers * plan.cpus_per_worker, plan.augment_cpus)
         tasks = max(1.0, math.floor(left / plan.augment_cpus + 1e-9))
+        held = float(plan.cpus_per_worker)
         if plan.augment_tasks and not plan.augment_gpus:
-            return cls(read=tasks, augment=tasks, fused=True, decode_in_read=decode_in_read)
+            return cls(read=tasks, augment=tasks, fused=True, decode_in_read=decode_in_read, trainer_cpus=held)
         augment = plan.augment_actors or plan.augment_concurrency or 1
         return cls(
             read=max(1.0, tasks - augment),
@@ -73,6 +75,7 @@ class DataSlots:
             fused=False,
             decode_in_read=decode_in_read,
             on_gpu=bool(plan.augment_gpus),
+            trainer_cpus=held,
         )
 
 
@@ -81,19 +84,22 @@ class Bound:
     """An epoch's (or a run's steady epochs') verdict: the stage that bounds it (STAGES, or "read
     + decode" where the read decodes); how busy the read and the decode + augment were, each as
     a share of its slots' time; how busy the tasks of the stage named were (read and decode +
-    augment together where one task does both); whether the trainer waited for its input."""
+    augment together where one task does both); whether the trainer waited for its input;
+    the CPUs a train worker's process kept busy, on average over the ranks (0: not measured)."""
 
     stage: str
     read_busy: float
     augment_busy: float
     tasks_busy: float
     input_bound: bool
+    trainer_cpus: float = 0.0
 
     @classmethod
     def of_row(cls, row: dict) -> "Bound":
         """From an epoch's timings row (to_row's fields)."""
         fields = ("bound", "read_busy", "augment_busy", "tasks_busy")
-        return cls(*(row[f] for f in fields), input_bound=row["bound"] != "trainer")
+        used = float(row.get("trainer_cpus") or 0.0)
+        return cls(*(row[f] for f in fields), input_bound=row["bound"] != "trainer", trainer_cpus=used)
 
     def to_row(self) -> dict:
         """timings.csv's columns."""
@@ -102,25 +108,36 @@ class Bound:
             "read_busy": round(self.read_busy, 4),
             "augment_busy": round(self.augment_busy, 4),
             "tasks_busy": round(self.tasks_busy, 4),
+            "trainer_cpus": round(self.trainer_cpus, 2),
         }
 
     def describe(self, slots: DataSlots) -> str:
         """The epoch line's verdict; "" when the trainer is the bound."""
         if not self.input_bound:
             return ""
+        how = hint(self.stage, slots, self.trainer_cpus)
         if self.stage == "hand-off":
-            return f"  << input-bound by the hand-off: {hint(self.stage, slots)}"
-        return f"  << input-bound by {self.stage} (tasks {100 * self.tasks_busy:.0f}% busy): {hint(self.stage, slots)}"
+            return f"  << input-bound by the hand-off: {how}"
+        return f"  << input-bound by {self.stage} (tasks {100 * self.tasks_busy:.0f}% busy): {how}"
 
     def to_dict(self, slots: DataSlots) -> dict:
         """summary.json's "bound"."""
         busy = {k: v for k, v in self.to_row().items() if k != "bound"}
-        return {"stage": self.stage, **busy, "input_bound": self.input_bound, "hint": hint(self.stage, slots)}
+        how = hint(self.stage, slots, self.trainer_cpus)
+        planned = {"trainer_cpus_planned": slots.trainer_cpus}
+        return {"stage": self.stage, **busy, **planned, "input_bound": self.input_bound, "hint": how}
 
 
-def hint(stage: str, slots: DataSlots) -> str:
-    """The flags that would help where `stage` bounds the run."""
+def hint(stage: str, slots: DataSlots, trainer_cpus: float = 0.0) -> str:
+    """The flags that would help where `stage` bounds the run; where the train workers kept
+    less than half of the CPUs they hold busy (`trainer_cpus`, measured), the share to give them."""
     more_cpus = "leave Ray Data more CPUs (lower --cpus-per-worker or --num-workers, or add nodes)"
+    if 0 < trainer_cpus < slots.trainer_cpus / 2 and slots.trainer_cpus >= 2:
+        share = max(1, math.ceil(1.5 * trainer_cpus))
+        more_cpus = (
+            f"leave Ray Data more CPUs: the train workers kept {trainer_cpus:.1f} of their "
+            f"{slots.trainer_cpus:g} CPUs busy, so --cpus-per-worker {share} gives it the rest"
+        )
     if stage in ("read", "read + decode"):
         return more_cpus + "; for many small files or object storage, pack the tree with jobs.prepare"
     if stage == "decode + augment":
@@ -137,17 +154,26 @@ def busy(seconds: float, slots: float, window_s: float) -> float:
     return seconds / max(slots * window_s, 1e-9)
 
 
-def epoch_bound(slots: DataSlots, *, read_s: float, augment_s: float, steady_s: float, steady_wait: float) -> Bound:
+def epoch_bound(
+    slots: DataSlots, *, read_s: float, augment_s: float, steady_s: float, steady_wait: float, trainer_cpus: float = 0.0
+) -> Bound:
     """The bound of one epoch's steady part, from its first batch on (the wait for that batch is
     the data tasks' start-up): the stages' seconds on the rows trained on over all ranks, its
-    seconds, and the trainer's share of them waiting for input."""
+    seconds, the trainer's share of them waiting for input, and the CPUs a train worker kept busy."""
     read_busy = busy(read_s, slots.read, steady_s)
     augment_busy = busy(augment_s, slots.read if slots.fused else slots.augment, steady_s)
     tasks_busy = read_busy + augment_busy if slots.fused else max(read_busy, augment_busy)
-    return judge(slots, read_busy, augment_busy, tasks_busy, steady_wait)
+    return judge(slots, read_busy, augment_busy, tasks_busy, steady_wait, trainer_cpus)
 
 
-def judge(slots: DataSlots, read_busy: float, augment_busy: float, tasks_busy: float, steady_wait: float) -> Bound:
+def judge(
+    slots: DataSlots,
+    read_busy: float,
+    augment_busy: float,
+    tasks_busy: float,
+    steady_wait: float,
+    trainer_cpus: float = 0.0,
+) -> Bound:
     """The stage named for these busy fractions and this wait (the module's docstring)."""
     if steady_wait < INPUT_BOUND:
         stage = "trainer"
@@ -157,7 +183,7 @@ def judge(slots: DataSlots, read_busy: float, augment_busy: float, tasks_busy: f
         stage = "read + decode" if slots.decode_in_read else "read"
     else:
         stage = "decode + augment"
-    return Bound(stage, read_busy, augment_busy, tasks_busy, steady_wait >= INPUT_BOUND)
+    return Bound(stage, read_busy, augment_busy, tasks_busy, steady_wait >= INPUT_BOUND, trainer_cpus)
 
 
 def steady_bound(slots: DataSlots, timings: list[dict]) -> Bound | None:
@@ -168,10 +194,11 @@ def steady_bound(slots: DataSlots, timings: list[dict]) -> Bound | None:
     if not total:
         return None
 
-    def mean(field):
-        return sum(t[field] * t["steady_s"] for t in rows) / total
+    def mean(field):  # trainer_cpus: 0 in the rows of older checkpoints
+        return sum(float(t.get(field) or 0.0) * t["steady_s"] for t in rows) / total
 
-    return judge(slots, *(mean(f) for f in ("read_busy", "augment_busy", "tasks_busy", "steady_wait_frac")))
+    fields = ("read_busy", "augment_busy", "tasks_busy", "steady_wait_frac", "trainer_cpus")
+    return judge(slots, *(mean(f) for f in fields))
 
 
 def steady_verdict(slots: dict | None, timings: list[dict]) -> dict | None:

@@ -43,7 +43,7 @@ from training.stamp import check_stamp, refuse_stale, stale_rows
 
 CHECKPOINT_FILE = "checkpoint.pt"
 # wall-clock, never deterministic: timings.csv's, not metrics.csv's
-TIMING_COLUMNS = ("epoch_s", "images_per_s", "data_wait_frac", "steady_s", "steady_wait_frac", *COSTS)
+TIMING_COLUMNS = ("epoch_s", "images_per_s", "data_wait_frac", "steady_s", "steady_wait_frac", "trainer_cpus", *COSTS)
 
 
 class CheckpointMismatch(RuntimeError):
@@ -302,6 +302,7 @@ class EpochMeter:
         self.views = torch.zeros((), device=device, dtype=torch.int64)
         self.keys, self.count, self.steps, self.rng = [], 0, 0, rng_digest()  # the stream where the epoch starts
         self.wait_s, self.start, self.first_step_at, self.side = 0.0, time.perf_counter(), None, None
+        self.cpu_start = time.process_time()  # the process's CPU, every thread (the feed, Ray Data's executor)
         self.first_wait_s = 0.0  # the wait for the first batch: the data tasks' start-up
 
     def timed(self, batches):
@@ -338,10 +339,10 @@ class EpochMeter:
     def summary(self) -> dict:
         """The epoch's figures over all ranks (the epoch's host syncs are here); StaleBatch if any
         batch was augmented for another epoch."""
-        elapsed = time.perf_counter() - self.start
+        elapsed, cpu_s = time.perf_counter() - self.start, time.process_time() - self.cpu_start
         seen = _all_gather(shard_record(self.keys, self.count, int(self.views), self.rng))
-        loss_sum, correct, stale, count, *costs = _all_reduce(
-            torch.cat([self.sums, self.sums.new_tensor([self.count]), self.costs])
+        loss_sum, correct, stale, count, cpu_s, *costs = _all_reduce(
+            torch.cat([self.sums, self.sums.new_tensor([self.count, cpu_s]), self.costs])
         ).tolist()
         refuse_stale(stale, self.epoch)
         steady_s = elapsed - self.first_wait_s
@@ -356,6 +357,7 @@ class EpochMeter:
             "steady_s": steady_s,
             "steady_wait_frac": (self.wait_s - self.first_wait_s) / max(steady_s, 1e-9),
             **dict(zip(COSTS, costs, strict=True)),
+            "trainer_cpus": cpu_s / len(seen) / max(elapsed, 1e-9),  # CPUs a rank's process kept busy
             "seen": seen,
             "first_step_at": self.first_step_at,
             "image_size": self.side,
@@ -522,6 +524,7 @@ def record_epoch(state: dict, epoch: int, stats: dict, *, lr: float, first: bool
         augment_s=stats[AUGMENT_COST],
         steady_s=stats["steady_s"],
         steady_wait=stats["steady_wait_frac"],
+        trainer_cpus=stats["trainer_cpus"],
     )
     timing |= bound.to_row()
     state["slots"] = dataclasses.asdict(slots)  # summary.json's steady bound and its hint
