@@ -20,12 +20,15 @@ def augment_batch(pipeline: Pipeline, images, keys: torch.Tensor, epoch: int, de
 DECODERS = ("cpu", "nvjpeg", "nvimgcodec", "nvimgcodec-whole")
 
 
-def default_decoder(device: torch.device) -> str:
-    """The decoder for `device`: on a GPU nvImageCodec where it is installed (the hardware JPEG
-    engines, each crop region alone), else torchvision's nvjpeg; libjpeg-turbo on the CPU."""
+def default_decoder(device: torch.device, gpu: str = "auto") -> str:
+    """The decoder for `device`: on a GPU `gpu` (--gpu-decoder), or for "auto" nvImageCodec
+    where it is installed and has not failed here (the hardware JPEG engines, each crop region
+    alone), else torchvision's nvjpeg; libjpeg-turbo on the CPU."""
     if torch.device(device).type != "cuda":
         return "cpu"
-    return "nvimgcodec" if engines.available() else "nvjpeg"
+    if gpu != "auto":
+        return gpu
+    return "nvimgcodec" if engines.usable() else "nvjpeg"
 
 
 def decode_augment(
@@ -127,8 +130,12 @@ def _decode_chunk(encoded, chunk, factors, regions, device, bad, decoder: str) -
     if decoder == "nvjpeg":
         results = decode_cuda(datas, [h[3] for h in chunk], device)
     elif decoder.startswith("nvimgcodec"):
-        results, cropped = engines.decode_regions(datas, [h[3] for h in chunk], regions, device)
-        results = [_decoded(data, 1) if r is None else r for data, r in zip(datas, results, strict=True)]
+        try:
+            results, cropped = engines.decode_regions(datas, [h[3] for h in chunk], regions, device)
+        except engines.EngineFailure:  # said once: this batch and the next go to nvjpeg, as (H, W, 3) views
+            results = [_hwc(r) for r in decode_cuda(datas, [h[3] for h in chunk], device)]
+        else:
+            results = [_decoded(data, 1) if r is None else r for data, r in zip(datas, results, strict=True)]
     else:
         results = [_decoded(data, int(f)) for data, f in zip(datas, factors, strict=True)]
     images, good, kept_cropped = [], [], []
@@ -140,6 +147,11 @@ def _decode_chunk(encoded, chunk, factors, regions, device, bad, decoder: str) -
             good.append(j)
             kept_cropped.append(cropped[j])
     return images, good, kept_cropped
+
+
+def _hwc(image):
+    """A (3, H, W) tensor of torchvision's decoders as an (H, W, 3) view; anything else as it is."""
+    return image.permute(1, 2, 0) if isinstance(image, torch.Tensor) else image
 
 
 def _decoded(data: bytes, shrink: int):

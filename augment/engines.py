@@ -21,7 +21,9 @@ decoded buffers must outlive the kernels that read them: the caller synchronises
 before it lets them go (augment/batch.py). tests/test_gpu.py runs pytorch/vision#9606's
 pattern against it.
 
-The package is optional (`pip install -e ".[gpu]"`; `available()` says whether it imports).
+The package is optional (`pip install -e ".[gpu]"`; `available()` says whether it is there).
+Where it fails on a machine (a CUDA or driver error, a library it cannot load), it says so in
+one line and the process decodes with torchvision's nvjpeg from then on (`usable()`).
 It prints one line for each codec library it cannot load when it is imported (JPEG 2000 and
 TIFF, which this project does not use): those lines are dropped, and its log is kept to
 errors it reports as None anyway.
@@ -33,8 +35,16 @@ import contextlib
 import functools
 import importlib.util
 import os
+import sys
 
 from augment.decode import ends_complete
+
+
+class EngineFailure(RuntimeError):
+    """The library failed on this machine (not a file it refused: those come back as None)."""
+
+
+_FAILED: list[str] = []  # this process's first failure of the library, once it has failed
 
 
 def available() -> bool:
@@ -43,6 +53,24 @@ def available() -> bool:
         return importlib.util.find_spec("nvidia.nvimgcodec") is not None
     except ModuleNotFoundError:  # no `nvidia` namespace at all
         return False
+
+
+def usable() -> bool:
+    """Installed, and it has not failed in this process."""
+    return available() and not _FAILED
+
+
+def _failed(error: Exception) -> EngineFailure:
+    """The library failed: said once per process, on one line, and not tried again here."""
+    if not _FAILED:
+        _FAILED.append(f"{type(error).__name__}: {error}")
+        print(
+            f"nvImageCodec failed here ({_FAILED[0]}); this process decodes with torchvision's nvjpeg "
+            "from now on (--gpu-decoder nvjpeg leaves nvImageCodec out)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return EngineFailure(_FAILED[0])
 
 
 @contextlib.contextmanager
@@ -95,11 +123,22 @@ def decode_regions(datas: list[bytes], jpeg: list[bool], regions, device) -> tup
     """Per file: a uint8 (h, w, 3) RGB image (a tensor on a CUDA `device`, a numpy array on the
     CPU) or None where this decoder does not take the file; and per file whether the image is
     its region (`regions[i]`, (top, left, h, w) in the full image; None: the whole image) or
-    the whole image. One batched decode call for the files it takes."""
+    the whole image. One batched decode call for the files it takes. EngineFailure where the
+    library fails (it is then left alone in this process: usable())."""
+    import torch
+
+    if _FAILED:
+        raise EngineFailure(_FAILED[0])
+    try:
+        return _decode(datas, jpeg, regions, torch.device(device))
+    except Exception as e:  # the optional library on this machine: a CUDA or driver error, a missing library
+        raise _failed(e) from e
+
+
+def _decode(datas, jpeg, regions, device) -> tuple[list, list[bool]]:
     import torch
 
     nv = _module()
-    device = torch.device(device)
     cuda = device.type == "cuda"
     regions = [None] * len(datas) if regions is None else regions
     take = [i for i, ok in enumerate(jpeg) if ok and ends_complete(datas[i])]
@@ -112,10 +151,15 @@ def decode_regions(datas: list[bytes], jpeg: list[bool], regions, device) -> tup
         stream = torch.cuda.current_stream(device).cuda_stream if cuda else 0
         decoded = _decoder(index).decode([streams[i] for i in take], params=params, cuda_stream=stream)
         for i, image in zip(take, decoded, strict=True):
-            if image is not None:
+            if image is not None and tuple(image.shape) == _expected(streams[i], regions[i]):  # else the CPU's
                 out[i] = torch.from_dlpack(image) if cuda else _host_array(image)
     cropped = [out[i] is not None and regions[i] is not None for i in range(len(datas))]
     return out, cropped
+
+
+def _expected(stream, region) -> tuple[int, int, int]:
+    """The shape a decoded image of `stream` (cut to `region`) must have."""
+    return (stream.height, stream.width, 3) if region is None else (region[2], region[3], 3)
 
 
 def _host_array(image):

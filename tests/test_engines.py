@@ -133,3 +133,42 @@ def test_the_library_prints_nothing_when_imported_or_given_bad_files():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout == "done\n", done.stderr
     assert done.stderr == ""
+
+
+def test_a_library_that_fails_here_is_said_once_and_the_batches_go_to_nvjpeg(monkeypatch, capfd):
+    """A CUDA or driver error inside nvImageCodec (here: its decoder cannot be made) is one line
+    on stderr, once per process; that batch and every later one decode with torchvision's nvjpeg,
+    the same files kept and listed, and the default decoder on a GPU turns to nvjpeg."""
+
+    def broken(device_index):
+        raise RuntimeError("CUDA Runtime failure: '#35'")
+
+    monkeypatch.setattr(engines, "_decoder", broken)
+    monkeypatch.setattr(engines, "_FAILED", [])
+    photos = [synthetic_photo(h, w, i) for i, (h, w) in enumerate([(300, 400), (64, 80)])]
+    files = [_encode(photos[0], quality=90), b"not an image", _encode(photos[1], "PNG")]
+    keys = torch.arange(len(files), dtype=torch.int64)
+    pipeline = Pipeline(PRESETS["imagenet"].train, seed=1)
+    expected, kept, bad = decode_augment(pipeline, files, keys, 0, CPU, shrink=False, decoder="nvjpeg")
+    for _ in range(2):
+        got, kept_f, bad_f = decode_augment(pipeline, files, keys, 0, CPU, shrink=False, decoder="nvimgcodec")
+        assert torch.equal(got, expected) and kept_f == kept == [0, 2] and bad_f == bad
+    said = capfd.readouterr().err.splitlines()
+    assert said == [
+        "nvImageCodec failed here (RuntimeError: CUDA Runtime failure: '#35'); this process decodes with "
+        "torchvision's nvjpeg from now on (--gpu-decoder nvjpeg leaves nvImageCodec out)"
+    ]
+    assert not engines.usable() and default_decoder(torch.device("cuda")) == "nvjpeg"
+    assert default_decoder(torch.device("cuda"), "nvimgcodec") == "nvimgcodec"  # as asked: it falls back per batch
+
+
+def test_gpu_decoder_nvimgcodec_without_the_package_stops_before_ray(monkeypatch):
+    from training.config import ConfigError
+    from training.inputs import check_gpu_decoder
+
+    check_gpu_decoder("nvimgcodec")  # installed here
+    monkeypatch.setattr(engines, "available", lambda: False)
+    check_gpu_decoder("auto")
+    check_gpu_decoder("nvjpeg")
+    with pytest.raises(ConfigError, match=r"--gpu-decoder nvimgcodec: nvImageCodec is not installed here; .*\[gpu\]"):
+        check_gpu_decoder("nvimgcodec")

@@ -186,6 +186,8 @@ def test_decode_rule_by_device_preset_and_file_size(monkeypatch):
     monkeypatch.setattr("augment.engines.available", lambda: False)  # the package not installed
     gpu = choose_decode("auto", small, cifar, use_gpu=True)
     assert "torchvision's nvjpeg (nvImageCodec not installed: pip install -e '.[gpu]')" in gpu.describe()
+    forced = choose_decode("auto", small, cifar, use_gpu=True, gpu="nvjpeg").describe()
+    assert "GPU: torchvision's nvjpeg (--gpu-decoder nvjpeg) in the augment call" in forced
     assert not choose_decode("augment-full", tree.train, imagenet, use_gpu=False).shrink
     assert choose_decode("read", tree.train, imagenet, use_gpu=False).where == "read"
 

@@ -129,9 +129,16 @@ class TrainConfig:
     decode: str = _f(
         "auto",
         "where images are decoded: auto (by device, preset and file size; the plan line says which), read (Ray "
-        "Data's read tasks, full size), augment (the augment call: nvjpeg on a GPU, JPEGs at the smallest scale "
-        "their crop allows on CPUs), augment-full (the augment call, always full size)",
+        "Data's read tasks, full size), augment (the augment call: --gpu-decoder's on a GPU, JPEGs at the "
+        "smallest scale their crop allows on CPUs), augment-full (the augment call, always full size)",
         choices=("auto", "read", "augment", "augment-full"),
+    )
+    gpu_decoder: str = _f(
+        "auto",
+        "the GPU's JPEG decoder: auto (nvimgcodec where it is installed, else nvjpeg; the plan line says which), "
+        "nvimgcodec (NVIDIA's nvImageCodec: the GPU's hardware JPEG engines, each crop region alone; "
+        "pip install -e '.[gpu]'), nvjpeg (torchvision's, whole images)",
+        choices=("auto", "nvimgcodec", "nvjpeg"),
     )
     # output
     storage_path: str = _f("runs", "where run directories go (local path, or s3://, gs:// for multi-node)")

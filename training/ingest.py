@@ -82,25 +82,30 @@ class DecodePlan:
         return f"decode in the {self.where} stage, {how} ({self.why})"
 
 
-def gpu_decoder() -> str:
-    """What decodes on a GPU (augment/batch.py default_decoder), as the plan line names it."""
+def gpu_decoder(setting: str = "auto") -> str:
+    """What decodes on a GPU for --gpu-decoder `setting` (augment/batch.py default_decoder), as
+    the plan line names it."""
     from augment import engines
 
-    if engines.available():
-        return "nvImageCodec (hardware JPEG engines where the GPU has them, each crop region alone)"
+    forced = "" if setting == "auto" else f", --gpu-decoder {setting}"
+    if setting == "nvimgcodec" or (setting == "auto" and engines.available()):
+        return f"nvImageCodec (hardware JPEG engines where the GPU has them, each crop region alone{forced})"
+    if setting == "nvjpeg":
+        return f"torchvision's nvjpeg ({forced[2:]})"
     return "torchvision's nvjpeg (nvImageCodec not installed: pip install -e '.[gpu]')"
 
 
-def choose_decode(setting: str, split: Split, train_preset: tuple, use_gpu: bool) -> DecodePlan:
+def choose_decode(setting: str, split: Split, train_preset: tuple, use_gpu: bool, gpu: str = "auto") -> DecodePlan:
     """Where and how images are decoded: `setting` is --decode (auto, read, augment,
-    augment-full); auto picks by device, preset and the split's mean file size."""
+    augment-full); auto picks by device, preset and the split's mean file size; `gpu` is
+    --gpu-decoder."""
     if setting == "read":
         return DecodePlan("read", False, "--decode read")
     if setting in ("augment", "augment-full"):
         shrink = setting == "augment" and not use_gpu
-        return DecodePlan("augment", shrink, f"--decode {setting}" + (f", {gpu_decoder()}" if use_gpu else ""))
+        return DecodePlan("augment", shrink, f"--decode {setting}" + (f", {gpu_decoder(gpu)}" if use_gpu else ""))
     if use_gpu:
-        return DecodePlan("augment", False, f"GPU: {gpu_decoder()} in the augment call")
+        return DecodePlan("augment", False, f"GPU: {gpu_decoder(gpu)} in the augment call")
     from augment.ops import can_shrink  # torch: the driver has it loaded by now
 
     mean_kb = split.mean_file_bytes / 1024
@@ -370,7 +375,7 @@ def build_datasets(cfg, tree, preset, plan, clock, bad_log=None, decode: DecodeP
     - --augment-actors N: an actor pool of N per split, on a GPU share each where there is one.
     Nothing is decoded up front (but with --strict): the first step waits for the first batch.
     """
-    decode = decode or choose_decode(cfg.decode, tree.train, preset.train, plan.use_gpu)
+    decode = decode or choose_decode(cfg.decode, tree.train, preset.train, plan.use_gpu, cfg.gpu_decoder)
     out = {}
     for split_name, split in (("train", tree.train), ("val", tree.val)):
         train, rows = split_name == "train", augment_rows(cfg.augment_batch_size, split, decode, plan.use_gpu)
@@ -396,6 +401,7 @@ def build_datasets(cfg, tree, preset, plan, clock, bad_log=None, decode: DecodeP
             resize=cfg.progressive_resize,
             epochs=cfg.epochs,
             shrink=decode.shrink and train,
+            gpu_decoder=cfg.gpu_decoder,
         )
         clock_or_none = clock if train else None
         inputs = read_plan(split, rows)[1] if len(split) else 0

@@ -107,7 +107,7 @@ def run(
         log(f"note: {capacity.note()}")
     if cfg.batch_size < plan.num_workers:
         raise ConfigError(f"--batch-size {cfg.batch_size} is smaller than the {plan.num_workers} workers; raise it")
-    decode = choose_decode(cfg.decode, tree.train, preset.train, plan.use_gpu)
+    decode = choose_decode(cfg.decode, tree.train, preset.train, plan.use_gpu, cfg.gpu_decoder)
     log(f"data: {tree.describe()}")
     warning = few_steps_warning(cfg, tree)
     if warning:

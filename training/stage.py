@@ -48,6 +48,7 @@ class StageArgs:
     epochs: int = 1
     shrink: bool = False  # the CPU train path decodes each JPEG at the smallest scale its crop allows
     resize: str = "none"  # --progressive-resize (train only)
+    gpu_decoder: str = "auto"  # --gpu-decoder (augment/batch.py default_decoder)
 
     @classmethod
     def of(cls, preset: Preset | dict, **fields) -> "StageArgs":
@@ -75,12 +76,13 @@ class AugmentStage:
         self.pipeline = Pipeline(ops, seed=args.seed, epochs=args.epochs, **schedules).to(self.device)
         self.clock = clock
         self.shrink = args.shrink and args.train  # evaluation decodes at full size (torchvision parity)
+        self.gpu_decoder = args.gpu_decoder
         self.bad_log = bad_log
 
     def __call__(self, batch: dict) -> dict:
         import torch
 
-        from augment.batch import augment_batch, decode_augment
+        from augment.batch import augment_batch, decode_augment, default_decoder
 
         started = time.perf_counter()
         if self.device.index is not None:  # a task's cuda:N: what lands on "the" GPU lands on ours
@@ -88,7 +90,10 @@ class AugmentStage:
         epoch = current_epoch(self.clock)
         keys = torch.as_tensor(np.array(batch["key"]))
         if "bytes" in batch:
-            out, kept, bad = decode_augment(self.pipeline, batch["bytes"], keys, epoch, self.device, shrink=self.shrink)
+            decoder = default_decoder(self.device, self.gpu_decoder)
+            out, kept, bad = decode_augment(
+                self.pipeline, batch["bytes"], keys, epoch, self.device, shrink=self.shrink, decoder=decoder
+            )
             if bad and self.bad_log is not None:  # fire and forget: the driver reads the log later
                 self.bad_log.add.remote([(str(batch["path"][i]), reason) for i, reason in bad])
         else:
