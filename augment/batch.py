@@ -84,23 +84,25 @@ def decode_augment(
         factors = torch.ones(n, dtype=torch.int64, device=device)
     regions = pipe.read_regions(draws) if decoder == "nvimgcodec" else None
     outs, kept = [], []
-    for c in pipe.chunks(n) if not batched else [slice(0, n)]:
-        chunk_regions = None if regions is None else regions[c].tolist()
-        images, good, cropped = _decode_chunk(encoded, headers[c], factors[c], chunk_regions, device, bad, decoder)
-        if not good:
-            continue
-        sel = torch.tensor(good, dtype=torch.int64, device=device) + c.start  # the decoded images' rows among the n
-        chunk, sizes = draws.take(sel), all_sizes[sel]
-        if regions is not None:  # the images decoded as their regions: draws and sizes in the region's terms
-            inside = torch.tensor(cropped, dtype=torch.bool, device=device)
-            chunk = pipe.in_regions(chunk, regions[sel], inside)
-            sizes = torch.where(inside[:, None], regions[sel][:, 2:], sizes)
-        canvas, decoded = _to_first_op(pipe, images, device, decoder, ragged)
-        chunk = pipe.fit_to_decoded(chunk, sizes, decoded, factors[sel])
-        outs.append(pipe.apply(canvas, decoded, chunk))
-        kept += all_rows[sel.cpu()].tolist()
-    if decoder.startswith("nvimgcodec") and device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()  # before the decoder's buffers (in `images`) are let go
+    try:
+        for c in pipe.chunks(n) if not batched else [slice(0, n)]:
+            chunk_regions = None if regions is None else regions[c].tolist()
+            images, good, cropped = _decode_chunk(encoded, headers[c], factors[c], chunk_regions, device, bad, decoder)
+            if not good:
+                continue
+            sel = torch.tensor(good, dtype=torch.int64, device=device) + c.start  # the decoded images' rows
+            chunk, sizes = draws.take(sel), all_sizes[sel]
+            if regions is not None:  # the images decoded as their regions: draws and sizes in the region's terms
+                inside = torch.tensor(cropped, dtype=torch.bool, device=device)
+                chunk = pipe.in_regions(chunk, regions[sel], inside)
+                sizes = torch.where(inside[:, None], regions[sel][:, 2:], sizes)
+            canvas, decoded = _to_first_op(pipe, images, device, decoder, ragged)
+            chunk = pipe.fit_to_decoded(chunk, sizes, decoded, factors[sel])
+            outs.append(pipe.apply(canvas, decoded, chunk))
+            kept += all_rows[sel.cpu()].tolist()
+    finally:
+        if decoder.startswith("nvimgcodec") and device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # before the decoder's buffers (in `images`) go
     if not outs:
         return pipe.empty(device), [], bad
     return torch.cat(outs), kept, bad

@@ -22,8 +22,11 @@ before it lets them go (augment/batch.py). tests/test_gpu.py runs pytorch/vision
 pattern against it.
 
 The package is optional (`pip install -e ".[gpu]"`; `available()` says whether it is there).
-Where it fails on a machine (a CUDA or driver error, a library it cannot load), it says so in
-one line and the process decodes with torchvision's nvjpeg from then on (`usable()`).
+Where it cannot be loaded or set up on a machine (a missing library, a CUDA or driver error),
+it says so in one line and the process decodes with torchvision's nvjpeg from then on
+(`usable()`); a batch it fails on goes to nvjpeg alone, and after MAX_BATCH_FAILURES of them
+the process leaves it too. (A CUDA error that breaks the process's context breaks nvjpeg too:
+no decoder can go on after one.)
 It prints one line for each codec library it cannot load when it is imported (JPEG 2000 and
 TIFF, which this project does not use): those lines are dropped, and its log is kept to
 errors it reports as None anyway.
@@ -32,6 +35,7 @@ errors it reports as None anyway.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -44,11 +48,21 @@ class EngineFailure(RuntimeError):
     """The library failed on this machine (not a file it refused: those come back as None)."""
 
 
-_FAILED: list[str] = []  # this process's first failure of the library, once it has failed
+@dataclasses.dataclass
+class Failures:
+    """This process's failures of the library: why it is left alone (`left`, once it is) and the
+    batches it failed on (MAX_BATCH_FAILURES at most)."""
+
+    left: list[str] = dataclasses.field(default_factory=list)
+    batches: list[str] = dataclasses.field(default_factory=list)
+
+
+FAILURES = Failures()
+MAX_BATCH_FAILURES = 3
 
 
 def available() -> bool:
-    """Whether nvImageCodec is installed (its import is not tried: see _module)."""
+    """Whether nvImageCodec is installed (its import is not tried: see library)."""
     try:
         return importlib.util.find_spec("nvidia.nvimgcodec") is not None
     except ModuleNotFoundError:  # no `nvidia` namespace at all
@@ -57,20 +71,32 @@ def available() -> bool:
 
 def usable() -> bool:
     """Installed, and it has not failed in this process."""
-    return available() and not _FAILED
+    return available() and not FAILURES.left
 
 
-def _failed(error: Exception) -> EngineFailure:
-    """The library failed: said once per process, on one line, and not tried again here."""
-    if not _FAILED:
-        _FAILED.append(f"{type(error).__name__}: {error}")
-        print(
-            f"nvImageCodec failed here ({_FAILED[0]}); this process decodes with torchvision's nvjpeg "
-            "from now on (--gpu-decoder nvjpeg leaves nvImageCodec out)",
-            file=sys.stderr,
-            flush=True,
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _failed(error: Exception, *, setup: bool) -> EngineFailure:
+    """The library failed. Where it cannot be loaded or set up (`setup`), or after
+    MAX_BATCH_FAILURES batches, it is left alone in this process, said once on one line; a
+    batch it fails on before that goes to nvjpeg on its own, the first such said once too."""
+    why = f"{type(error).__name__}: {error}"
+    if not setup:
+        FAILURES.batches.append(why)
+        if len(FAILURES.batches) == 1:
+            _say(f"nvImageCodec failed on a batch ({why}); that batch decodes with torchvision's nvjpeg")
+        if len(FAILURES.batches) < MAX_BATCH_FAILURES:
+            return EngineFailure(why)
+        why = f"{MAX_BATCH_FAILURES} batches failed, the last with {why}"
+    if not FAILURES.left:
+        FAILURES.left.append(why)
+        _say(
+            f"nvImageCodec failed here ({why}); this process decodes with torchvision's nvjpeg "
+            "from now on (--gpu-decoder nvjpeg leaves nvImageCodec out)"
         )
-    return EngineFailure(_FAILED[0])
+    return EngineFailure(FAILURES.left[0])
 
 
 @contextlib.contextmanager
@@ -87,7 +113,7 @@ def _stderr_dropped():
 
 
 @functools.cache
-def _module():
+def library():
     # 0: nothing from its logger; a file it cannot decode comes back as None, and the caller's
     # CPU decoders then say what is wrong with it, in the bad-file log
     os.environ.setdefault("PYNVIMGCODEC_VERBOSITY", "0")
@@ -97,10 +123,10 @@ def _module():
 
 
 @functools.cache
-def _decoder(device_index: int | None):
+def decoder_for(device_index: int | None):
     """One decoder per device for the process (it holds the library's handles and threads):
     the hardware engines first, then the CUDA decoder; None: the CPU backend alone."""
-    nv = _module()
+    nv = library()
     if device_index is None:
         return nv.Decoder(device_id=nv.NVIMGCODEC_DEVICE_CPU_ONLY, backends=[nv.Backend(nv.CPU_ONLY)])
     return nv.Decoder(device_id=device_index, backends=[nv.Backend(nv.HW_GPU_ONLY), nv.Backend(nv.GPU_ONLY)])
@@ -124,21 +150,26 @@ def decode_regions(datas: list[bytes], jpeg: list[bool], regions, device) -> tup
     CPU) or None where this decoder does not take the file; and per file whether the image is
     its region (`regions[i]`, (top, left, h, w) in the full image; None: the whole image) or
     the whole image. One batched decode call for the files it takes. EngineFailure where the
-    library fails (it is then left alone in this process: usable())."""
+    library fails (see _failed: it may then be left alone in this process, usable())."""
     import torch
 
-    if _FAILED:
-        raise EngineFailure(_FAILED[0])
+    if FAILURES.left:
+        raise EngineFailure(FAILURES.left[0])
+    device = torch.device(device)
+    index = None if device.type != "cuda" else device.index if device.index is not None else torch.cuda.current_device()
+    try:  # the optional library on this machine: a library it cannot load, a CUDA or driver error
+        nv, decoder = library(), decoder_for(index)
+    except Exception as e:
+        raise _failed(e, setup=True) from e
     try:
-        return _decode(datas, jpeg, regions, torch.device(device))
-    except Exception as e:  # the optional library on this machine: a CUDA or driver error, a missing library
-        raise _failed(e) from e
+        return decode_batch(nv, decoder, datas, jpeg, regions, device)
+    except Exception as e:  # this batch: out of memory, say, or a call this version does not take
+        raise _failed(e, setup=False) from e
 
 
-def _decode(datas, jpeg, regions, device) -> tuple[list, list[bool]]:
+def decode_batch(nv, decoder, datas, jpeg, regions, device) -> tuple[list, list[bool]]:
     import torch
 
-    nv = _module()
     cuda = device.type == "cuda"
     regions = [None] * len(datas) if regions is None else regions
     take = [i for i, ok in enumerate(jpeg) if ok and ends_complete(datas[i])]
@@ -147,9 +178,8 @@ def _decode(datas, jpeg, regions, device) -> tuple[list, list[bool]]:
     out: list = [None] * len(datas)
     if take:
         params = nv.DecodeParams(apply_exif_orientation=False, color_spec=nv.SRGB, sample_format=nv.I_RGB)
-        index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
         stream = torch.cuda.current_stream(device).cuda_stream if cuda else 0
-        decoded = _decoder(index).decode([streams[i] for i in take], params=params, cuda_stream=stream)
+        decoded = decoder.decode([streams[i] for i in take], params=params, cuda_stream=stream)
         for i, image in zip(take, decoded, strict=True):
             if image is not None and tuple(image.shape) == _expected(streams[i], regions[i]):  # else the CPU's
                 out[i] = torch.from_dlpack(image) if cuda else _host_array(image)

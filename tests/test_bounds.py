@@ -85,20 +85,29 @@ def test_the_hints_name_flags_for_the_device_that_augments():
 
 
 def test_a_hint_gives_the_trainers_the_cpus_they_were_measured_to_use():
-    """On a GPU node a trainer holds half the CPUs by plan; where the trainers kept less than half
-    of theirs busy and the data tasks bound the run, the hint names the share that would do."""
+    """On a GPU node a trainer holds half the CPUs by plan; where the trainers, fed, would keep
+    less than half of theirs busy and the data tasks bound the run, the hint names the share
+    that would do. Their use while waiting half the time counts double."""
     held = dataclasses.replace(GPU, trainer_cpus=8.0)
-    idle = epoch_bound(held, read_s=38, augment_s=4, steady_s=10, steady_wait=0.5, trainer_cpus=1.2)
+
+    def read_bound(slots, used, wait=0.5):
+        return epoch_bound(slots, read_s=38, augment_s=4, steady_s=10, steady_wait=wait, trainer_cpus=used)
+
+    idle = read_bound(held, 0.9)
     line = idle.describe(held)
-    assert line.startswith("  << input-bound by read") and "kept 1.2 of their 8 CPUs busy" in line
-    assert "--cpus-per-worker 2 gives it the rest" in line
-    busy = epoch_bound(held, read_s=38, augment_s=4, steady_s=10, steady_wait=0.5, trainer_cpus=5.0).describe(held)
-    assert "kept" not in busy and "lower --cpus-per-worker or --num-workers" in busy
-    assert idle.to_row()["trainer_cpus"] == 1.2 and Bound.of_row(idle.to_row()) == idle
+    assert line.startswith("  << input-bound by read") and "would keep about 1.8 of their 8 CPUs busy" in line
+    assert "--cpus-per-worker 3 gives it the rest" in line
+    busy = read_bound(held, 2.5).describe(held)  # 5 of 8, fed: not under half
+    assert "would keep" not in busy and "lower --cpus-per-worker or --num-workers" in busy
+    two = dataclasses.replace(held, trainer_cpus=2.0)  # fed 0.8 of 2: the share would stay 2
+    assert "would keep" not in read_bound(two, 0.4).describe(two)
+    cpu = dataclasses.replace(CPU, trainer_cpus=8.0)  # on CPUs the share sets the torch threads: no such hint
+    assert "would keep" not in read_bound(cpu, 0.9).describe(cpu)
+    row = idle.to_row() | {"steady_s": 10.0, "steady_wait_frac": 0.5}
+    assert idle.to_row()["trainer_cpus"] == 0.9 and Bound.of_row(row) == idle
     verdict = idle.to_dict(held)
-    assert (verdict["trainer_cpus"], verdict["trainer_cpus_planned"]) == (1.2, 8.0)
-    rows = [idle.to_row() | {"steady_s": 10.0, "steady_wait_frac": 0.5}] * 2
-    assert steady_bound(held, rows).trainer_cpus == pytest.approx(1.2)  # the run's, from its epochs' rows
+    assert (verdict["trainer_cpus"], verdict["trainer_cpus_planned"]) == (0.9, 8.0)
+    assert steady_bound(held, [row, row]).trainer_cpus == pytest.approx(0.9)  # the run's, from its epochs' rows
 
 
 def test_the_run_verdict_weighs_the_steady_epochs_by_their_time_and_skips_the_first():

@@ -305,18 +305,29 @@ def test_nvjpeg_decodes_a_batch_like_the_cpu(encoded):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="nvImageCodec's GPU decoders need a CUDA device; none here")
-def test_nvimgcodec_decodes_crop_regions_on_the_gpu_like_the_cpu(encoded):
+def test_nvimgcodec_decodes_crop_regions_on_the_gpu_like_the_cpu(encoded, monkeypatch):
     """The job's GPU decoder where nvImageCodec is installed: the regions decoded on the device
     (its hardware engines or CUDA decoder), then the whole train preset, against the CPU path."""
-    from augment import engines
+    from augment import batch, engines
 
     if not engines.available():
         pytest.skip("nvImageCodec is not installed (pip install -e '.[gpu]')")
+    decode_regions, regions = engines.decode_regions, []
+
+    def spy(*args):
+        images, cropped = decode_regions(*args)
+        regions.append(sum(cropped))
+        return images, cropped
+
     pipeline = Pipeline(PRESETS["imagenet"].train, seed=5)
     keys = torch.arange(len(encoded), dtype=torch.int64) * 7919
     cpu, kept, bad = decode_augment(pipeline, encoded, keys, 1, CPU, shrink=False)
     pipeline.to("cuda")
-    gpu, kept_g, bad_g = decode_augment(pipeline, encoded, keys, 1, torch.device("cuda"), shrink=False)
+    monkeypatch.setattr(batch.engines, "decode_regions", spy)
+    cuda = torch.device("cuda")
+    gpu, kept_g, bad_g = decode_augment(pipeline, encoded, keys, 1, cuda, shrink=False, decoder="nvimgcodec")
+    assert engines.usable(), engines.FAILURES  # it ran on the GPU, not fell back to nvjpeg
+    assert regions == [6], regions  # the six complete JPEGs of `encoded`, each as its crop box
     assert kept_g == kept and sorted(bad_g) == sorted(bad) and gpu.device.type == "cuda"
     # the GPU's JPEG decoders differ from libjpeg-turbo by a level or two (docs/benchmark-log.md, "GPU")
     assert float((gpu.cpu().float() - cpu.float()).abs().mean()) < 2.0

@@ -143,8 +143,8 @@ def test_a_library_that_fails_here_is_said_once_and_the_batches_go_to_nvjpeg(mon
     def broken(device_index):
         raise RuntimeError("CUDA Runtime failure: '#35'")
 
-    monkeypatch.setattr(engines, "_decoder", broken)
-    monkeypatch.setattr(engines, "_FAILED", [])
+    monkeypatch.setattr(engines, "decoder_for", broken)
+    monkeypatch.setattr(engines, "FAILURES", engines.Failures())
     photos = [synthetic_photo(h, w, i) for i, (h, w) in enumerate([(300, 400), (64, 80)])]
     files = [_encode(photos[0], quality=90), b"not an image", _encode(photos[1], "PNG")]
     keys = torch.arange(len(files), dtype=torch.int64)
@@ -162,6 +162,32 @@ def test_a_library_that_fails_here_is_said_once_and_the_batches_go_to_nvjpeg(mon
     assert default_decoder(torch.device("cuda"), "nvimgcodec") == "nvimgcodec"  # as asked: it falls back per batch
 
 
+def test_a_batch_it_fails_on_goes_to_nvjpeg_alone_and_three_leave_it_for_good(monkeypatch, capfd):
+    """An error inside one batch's call (out of memory, say) sends that batch to nvjpeg and is
+    said once; the library is tried again on the next batch, and left alone after three."""
+
+    def out_of_memory(*args):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(engines, "decode_batch", out_of_memory)
+    monkeypatch.setattr(engines, "FAILURES", engines.Failures())
+    files = [_encode(synthetic_photo(120, 160, 0), quality=90)]
+    pipeline = Pipeline(PRESETS["imagenet"].train, seed=1)
+    keys = torch.zeros(1, dtype=torch.int64)
+    usable = []
+    for _ in range(4):
+        out, kept, bad = decode_augment(pipeline, files, keys, 0, CPU, shrink=False, decoder="nvimgcodec")
+        assert out.shape == (1, 224, 224, 3) and kept == [0] and not bad
+        usable.append(engines.usable())
+    assert usable == [True, True, False, False] and len(engines.FAILURES.batches) == 3
+    assert capfd.readouterr().err.splitlines() == [
+        "nvImageCodec failed on a batch (RuntimeError: CUDA out of memory); that batch decodes with "
+        "torchvision's nvjpeg",
+        "nvImageCodec failed here (3 batches failed, the last with RuntimeError: CUDA out of memory); this process "
+        "decodes with torchvision's nvjpeg from now on (--gpu-decoder nvjpeg leaves nvImageCodec out)",
+    ]
+
+
 def test_gpu_decoder_nvimgcodec_without_the_package_stops_before_ray(monkeypatch):
     from training.config import ConfigError
     from training.inputs import check_gpu_decoder
@@ -172,3 +198,4 @@ def test_gpu_decoder_nvimgcodec_without_the_package_stops_before_ray(monkeypatch
     check_gpu_decoder("nvjpeg")
     with pytest.raises(ConfigError, match=r"--gpu-decoder nvimgcodec: nvImageCodec is not installed here; .*\[gpu\]"):
         check_gpu_decoder("nvimgcodec")
+    check_gpu_decoder("nvimgcodec", device="cpu")  # a CPU run decodes on the CPU whatever the flag says

@@ -205,6 +205,8 @@ def test_thumbnails_decoded_in_the_read_task_go_1024_to_a_task_unless_the_flag_s
     on_gpu = choose_decode("auto", thumbs, cifar, use_gpu=True)
     assert augment_rows(0, thumbs, on_gpu, use_gpu=True) == 1024  # the GPU decodes, in batches of 1,024
     assert augment_rows(256, photos, on_gpu, use_gpu=True) == 256
+    camera = make_split("/x", ["a/1.jpg", "a/2.jpg"], [0, 0], [4_000_000, 5_000_000])
+    assert augment_rows(0, camera, on_gpu, use_gpu=True) == 256  # 1,024 of these decoded whole: GBs a task
     with pytest.raises(ConfigError, match="--augment-batch-size must be 0"):
         TrainConfig(augment_batch_size=-1)
 

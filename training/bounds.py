@@ -93,13 +93,14 @@ class Bound:
     tasks_busy: float
     input_bound: bool
     trainer_cpus: float = 0.0
+    wait: float = 0.0  # the trainer's share of the time waiting for input (not a timings.csv column of its own)
 
     @classmethod
     def of_row(cls, row: dict) -> "Bound":
         """From an epoch's timings row (to_row's fields)."""
         fields = ("bound", "read_busy", "augment_busy", "tasks_busy")
-        used = float(row.get("trainer_cpus") or 0.0)
-        return cls(*(row[f] for f in fields), input_bound=row["bound"] != "trainer", trainer_cpus=used)
+        used, wait = (float(row.get(f) or 0.0) for f in ("trainer_cpus", "steady_wait_frac"))
+        return cls(*(row[f] for f in fields), input_bound=row["bound"] != "trainer", trainer_cpus=used, wait=wait)
 
     def to_row(self) -> dict:
         """timings.csv's columns."""
@@ -115,27 +116,34 @@ class Bound:
         """The epoch line's verdict; "" when the trainer is the bound."""
         if not self.input_bound:
             return ""
-        how = hint(self.stage, slots, self.trainer_cpus)
+        how = hint(self.stage, slots, self.fed_cpus())
         if self.stage == "hand-off":
             return f"  << input-bound by the hand-off: {how}"
         return f"  << input-bound by {self.stage} (tasks {100 * self.tasks_busy:.0f}% busy): {how}"
 
+    def fed_cpus(self) -> float:
+        """The CPUs a train worker would keep busy if its input kept up: what it used over the
+        share of the time it was not waiting (0: not measured)."""
+        return self.trainer_cpus / max(1.0 - self.wait, 0.1)
+
     def to_dict(self, slots: DataSlots) -> dict:
         """summary.json's "bound"."""
         busy = {k: v for k, v in self.to_row().items() if k != "bound"}
-        how = hint(self.stage, slots, self.trainer_cpus)
+        how = hint(self.stage, slots, self.fed_cpus())
         planned = {"trainer_cpus_planned": slots.trainer_cpus}
         return {"stage": self.stage, **busy, **planned, "input_bound": self.input_bound, "hint": how}
 
 
-def hint(stage: str, slots: DataSlots, trainer_cpus: float = 0.0) -> str:
-    """The flags that would help where `stage` bounds the run; where the train workers kept
-    less than half of the CPUs they hold busy (`trainer_cpus`, measured), the share to give them."""
+def hint(stage: str, slots: DataSlots, fed_cpus: float = 0.0) -> str:
+    """The flags that would help where `stage` bounds the run. On GPUs, where the train workers
+    would keep less than half of the CPUs they hold busy even with their input keeping up
+    (`fed_cpus`, from the measured use), the share to give them; not on CPUs, where a worker's
+    share also sets its torch threads."""
     more_cpus = "leave Ray Data more CPUs (lower --cpus-per-worker or --num-workers, or add nodes)"
-    if 0 < trainer_cpus < slots.trainer_cpus / 2 and slots.trainer_cpus >= 2:
-        share = max(1, math.ceil(1.5 * trainer_cpus))
+    share = max(1, math.ceil(1.5 * fed_cpus))
+    if slots.on_gpu and 0 < fed_cpus < slots.trainer_cpus / 2 and share < slots.trainer_cpus:
         more_cpus = (
-            f"leave Ray Data more CPUs: the train workers kept {trainer_cpus:.1f} of their "
+            f"leave Ray Data more CPUs: the train workers would keep about {fed_cpus:.1f} of their "
             f"{slots.trainer_cpus:g} CPUs busy, so --cpus-per-worker {share} gives it the rest"
         )
     if stage in ("read", "read + decode"):
@@ -183,7 +191,7 @@ def judge(
         stage = "read + decode" if slots.decode_in_read else "read"
     else:
         stage = "decode + augment"
-    return Bound(stage, read_busy, augment_busy, tasks_busy, steady_wait >= INPUT_BOUND, trainer_cpus)
+    return Bound(stage, read_busy, augment_busy, tasks_busy, steady_wait >= INPUT_BOUND, trainer_cpus, steady_wait)
 
 
 def steady_bound(slots: DataSlots, timings: list[dict]) -> Bound | None:

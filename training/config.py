@@ -124,7 +124,8 @@ class TrainConfig:
     augment_batch_size: int = _f(
         0,
         "images per augment call, and at most per read task on CPUs (larger is faster on a GPU); 0 = 256, or "
-        "1024 on a GPU and for thumbnails decoded in the read task (files averaging under 8 KB)",
+        "1024 on a GPU for files averaging 256 KB or less and for thumbnails decoded in the read task (files "
+        "averaging under 8 KB)",
     )
     decode: str = _f(
         "auto",

@@ -58,10 +58,11 @@ ROWS_PER_TASK = 256  # at most this many files per read task (one augment call p
 # PNG may be a large flat image).
 THUMBNAIL_BYTES, THUMBNAIL_ROWS = 8 * 1024, 1024
 DECODED_BLOCK_BYTES = 64 * 2**20
-# GPU: a block of 1,024 augmented images costs the hand-off to the trainer about 0.6 of the host
-# CPU per image of a block of 256, and a GPU decodes and augments a batch of 1,024 faster than one
-# of 256 (docs/benchmarks.md, "Hand-off" and "GPU")
-GPU_ROWS = 1024
+# GPU: a block of 1,024 augmented images costs the hand-off to the trainer less host CPU per image
+# than a block of 256, and a GPU decodes and augments a batch of 1,024 faster than one of 256
+# (docs/benchmarks.md, "Hand-off" and "GPU"); files averaging over GPU_ROWS_MAX_FILE_BYTES
+# (camera photos) keep ROWS_PER_TASK a call, as 1,024 of them decoded whole would fill GBs a task
+GPU_ROWS, GPU_ROWS_MAX_FILE_BYTES = 1024, 256 * 1024
 MIN_TASKS, MIN_ROWS_PER_TASK = 8, 16  # a small split still gets a few tasks, of 16 rows at least
 MAX_TASKS = 4096  # Ray Data warns of "excessive task creation" from 5,000 read tasks on
 TASK_BYTES = 64 * 2**20  # encoded bytes per read task at most (camera photos: a few files each)
@@ -118,11 +119,12 @@ def choose_decode(setting: str, split: Split, train_preset: tuple, use_gpu: bool
 
 def augment_rows(setting: int, split: Split, decode: DecodePlan, use_gpu: bool = False) -> int:
     """Images per augment call and at most per read task: --augment-batch-size, or (0) 256,
-    THUMBNAIL_ROWS for thumbnails decoded in the read task, and GPU_ROWS on a GPU."""
+    THUMBNAIL_ROWS for thumbnails decoded in the read task, and GPU_ROWS on a GPU for files
+    averaging GPU_ROWS_MAX_FILE_BYTES or less."""
     if setting:
         return setting
     if use_gpu:
-        return GPU_ROWS
+        return GPU_ROWS if split.mean_file_bytes <= GPU_ROWS_MAX_FILE_BYTES else ROWS_PER_TASK
     thumbnails = decode.where == "read" and split.mean_file_bytes < THUMBNAIL_BYTES
     return THUMBNAIL_ROWS if thumbnails else ROWS_PER_TASK
 

@@ -152,15 +152,16 @@ def check_sizes_and_device(cfg: TrainConfig, name: str, preset=None) -> None:
     local = not (os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"))
     if cfg.device == "auto" and local:
         check_amp(cfg.amp, on_gpu=local_gpus() > 0)
-    check_gpu_decoder(cfg.gpu_decoder)
+    check_gpu_decoder(cfg.gpu_decoder, cfg.device)
 
 
-def check_gpu_decoder(setting: str) -> None:
-    """--gpu-decoder nvimgcodec where this machine has no nvImageCodec (the nodes' environment is
-    taken to be the driver's, as the project's venv or runtime environment makes it)."""
+def check_gpu_decoder(setting: str, device: str = "auto") -> None:
+    """--gpu-decoder nvimgcodec where this machine has no nvImageCodec, unless the run is on CPUs
+    (the nodes' environment is taken to be the driver's, as the project's venv or a runtime
+    environment makes it)."""
     from augment import engines
 
-    if setting == "nvimgcodec" and not engines.available():
+    if setting == "nvimgcodec" and device != "cpu" and not engines.available():
         raise ConfigError(
             "--gpu-decoder nvimgcodec: nvImageCodec is not installed here; install it with "
             "pip install -e '.[gpu]', or use --gpu-decoder auto (nvjpeg where it is missing)"
