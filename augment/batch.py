@@ -127,15 +127,15 @@ def _decode_chunk(encoded, chunk, factors, regions, device, bad, decoder: str) -
     """The chunk's images (HWC uint8 arrays or device tensors), their positions in the chunk,
     and whether each is its region (`regions`, nvImageCodec only); a file that fails to
     decode is added to `bad` as (row, reason)."""
-    datas = [encoded[h[0]] for h in chunk]
+    datas, jpeg = [encoded[h[0]] for h in chunk], [h[3] for h in chunk]
     cropped = [False] * len(chunk)
     if decoder == "nvjpeg":
-        results = decode_cuda(datas, [h[3] for h in chunk], device)
+        results = decode_cuda(datas, jpeg, device)
     elif decoder.startswith("nvimgcodec"):
         try:
-            results, cropped = engines.decode_regions(datas, [h[3] for h in chunk], regions, device)
+            results, cropped = engines.decode_regions(datas, jpeg, regions, device)
         except engines.EngineFailure:  # said once: this batch and the next go to nvjpeg, as (H, W, 3) views
-            results = [_hwc(r) for r in decode_cuda(datas, [h[3] for h in chunk], device)]
+            results = [_hwc(r) for r in decode_cuda(datas, jpeg, device)]
         else:
             results = [_decoded(data, 1) if r is None else r for data, r in zip(datas, results, strict=True)]
     else:

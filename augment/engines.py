@@ -61,8 +61,10 @@ FAILURES = Failures()
 MAX_BATCH_FAILURES = 3
 
 
+@functools.cache
 def available() -> bool:
-    """Whether nvImageCodec is installed (its import is not tried: see library)."""
+    """Whether nvImageCodec is installed (its import is not tried: see library); asked once per
+    process, as every GPU batch asks it (augment/batch.py default_decoder)."""
     try:
         return importlib.util.find_spec("nvidia.nvimgcodec") is not None
     except ModuleNotFoundError:  # no `nvidia` namespace at all

@@ -88,11 +88,11 @@ def gpu_decoder(setting: str = "auto") -> str:
     the plan line names it."""
     from augment import engines
 
-    forced = "" if setting == "auto" else f", --gpu-decoder {setting}"
-    if setting == "nvimgcodec" or (setting == "auto" and engines.available()):
-        return f"nvImageCodec (hardware JPEG engines where the GPU has them, each crop region alone{forced})"
     if setting == "nvjpeg":
-        return f"torchvision's nvjpeg ({forced[2:]})"
+        return "torchvision's nvjpeg (--gpu-decoder nvjpeg)"
+    if setting == "nvimgcodec" or engines.available():
+        forced = ", --gpu-decoder nvimgcodec" if setting == "nvimgcodec" else ""
+        return f"nvImageCodec (hardware JPEG engines where the GPU has them, each crop region alone{forced})"
     return "torchvision's nvjpeg (nvImageCodec not installed: pip install -e '.[gpu]')"
 
 
