@@ -19,11 +19,11 @@ time over the epoch (every Ray process, the block's making included) per image, 
 the epochs; and of that, the trainer's process (this one: Ray Data's executor runs in it).
 Target (the GPU stage's issue): at most 150 µs of host CPU per image.
 
-Before any epoch, the object store's pages are written once (`warm_store`, timed and
+Before any epoch, most of the object store's pages are written once (`warm_store`, timed and
 printed): a page of the store's shared memory costs a fault and its zeroing the first time
-anything writes it, then no more. A job is past that once it has written a store-ful of blocks,
-while the bench's short epochs would pay it for several epochs and measure the store's age,
-not the hand-off (docs/benchmarks.md, "Hand-off"). `--cold` leaves the store as Ray starts it.
+anything writes it, then no more. A job is past that after a few store-fuls of blocks; the
+warm-up keeps the figures from depending on how much the store was written before
+(docs/benchmarks.md, "Hand-off"). `--cold` leaves the store as Ray starts it.
 """
 
 from __future__ import annotations
