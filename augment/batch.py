@@ -83,6 +83,8 @@ def decode_augment(
     else:
         factors = torch.ones(n, dtype=torch.int64, device=device)
     regions = pipe.read_regions(draws) if decoder == "nvimgcodec" else None
+    # on the CPU each chunk's pixels are written straight into the batch's rows
+    out = torch.empty((n, *pipe.out_hw, 3), dtype=torch.uint8) if device.type == "cpu" else None
     outs, kept = [], []
     try:
         for c in pipe.chunks(n) if not batched else [slice(0, n)]:
@@ -98,14 +100,15 @@ def decode_augment(
                 sizes = torch.where(inside[:, None], regions[sel][:, 2:], sizes)
             canvas, decoded = _to_first_op(pipe, images, device, decoder, ragged)
             chunk = pipe.fit_to_decoded(chunk, sizes, decoded, factors[sel])
-            outs.append(pipe.apply(canvas, decoded, chunk))
+            rows = None if out is None else out[len(kept) : len(kept) + len(good)]
+            outs.append(pipe.apply(canvas, decoded, chunk, rows))
             kept += all_rows[sel.cpu()].tolist()
     finally:
         if decoder.startswith("nvimgcodec") and device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()  # before the decoder's buffers (in `images`) go
     if not outs:
         return pipe.empty(device), [], bad
-    return torch.cat(outs), kept, bad
+    return (torch.cat(outs) if out is None else out[: len(kept)]), kept, bad
 
 
 def _to_first_op(pipe, images: list, device, decoder: str, ragged: bool):

@@ -68,6 +68,11 @@ class Op(torch.nn.Module):
     def apply(self, x, params, sizes=None):
         raise NotImplementedError
 
+    def apply_(self, x, params, sizes=None):
+        """`apply`, free to overwrite x: the pipeline hands each op after the first its own
+        intermediate batch, which nothing else holds. Ops that can work in place on the CPU do."""
+        return self.apply(x, params, sizes)
+
     def max_shrink(self, params) -> torch.Tensor | None:
         """Per image, the largest factor in augment.decode.SHRINK_FACTORS by which a decoder may
         shrink the image before `apply` (with `shrink_params`) and lose nothing of the output's
@@ -192,16 +197,24 @@ class HorizontalFlip(Op):
         return {"flip": rng.uniform(self.stream, 1)[:, 0] < self.p}
 
     def apply(self, x, params, sizes=None):
-        if x.device.type != "cpu" or not x.is_contiguous() or x.shape[1:].numel() < 3 * 64 * 64:
-            return torch.where(params["flip"][:, None, None, None], x.flip(-1), x)  # one kernel for the batch
-        # the CPU's own path (planar), images of 64 px and more: a copy, then only the images that
-        # flip, which is cheaper there than torch.where; on smaller images Python's per-image cost
-        # outweighs the saving (docs/design.md, "Choices and where they were measured"). The
-        # GPU's path run on a CPU (channels_last) takes torch.where, as on a GPU.
-        out = x.clone()
+        if self._per_image(x):
+            return self.apply_(x.clone(), params)
+        return torch.where(params["flip"][:, None, None, None], x.flip(-1), x)  # one kernel for the batch
+
+    def apply_(self, x, params, sizes=None):
+        if not self._per_image(x):
+            return self.apply(x, params)
         for i in params["flip"].nonzero()[:, 0].tolist():
-            out[i] = x[i].flip(-1)
-        return out
+            x[i] = x[i].flip(-1)
+        return x
+
+    @staticmethod
+    def _per_image(x) -> bool:
+        # the CPU's own path (planar), images of 64 px and more: only the images that flip, in
+        # place, which is cheaper there than torch.where; on smaller images Python's per-image
+        # cost outweighs the saving (docs/design.md, "Choices and where they were measured").
+        # The GPU's path run on a CPU (channels_last) takes torch.where, as on a GPU.
+        return x.device.type == "cpu" and x.is_contiguous() and x.shape[1:].numel() >= 3 * 64 * 64
 
 
 @register
@@ -250,9 +263,9 @@ class ColorJitter(Op):
         return {"factors": factors, "order": order, "apply": u[:, 8] < self.p}
 
     def apply(self, x, params, sizes=None):
-        identity = torch.tensor([1.0, 1.0, 1.0, 0.0], device=x.device)
-        factors = torch.where(params["apply"][:, None], params["factors"], identity)
-        order = params["order"]
+        if self._compiled(x):
+            return self.apply_(x.clone(), params)
+        factors, order = self._factors(params), params["order"]
         w = _GRAY.tolist()
         for step in range(order.shape[1]):
             op = order[:, step].view(-1, 1, 1, 1)  # which adjustment each image makes now
@@ -262,14 +275,34 @@ class ColorJitter(Op):
                 f = torch.where(op == 3, 1.0, f)  # the blend below is then the identity for these
             # Brightness, contrast and saturation are each a blend f*x + (1-f)*m, with m = 0, the
             # mean grey level, or the grey image: m for every image at once from 0/1 selectors,
-            # then one fused multiply-add. On a CPU the batch is planar (Pipeline makes it so):
-            # broadcasting the (B, 1, H, W) grey image over channels_last memory was slower
-            # (docs/design.md, "Choices and where they were measured").
+            # then one fused multiply-add.
             gray = (x[:, 0:1] * w[0]).add_(x[:, 1:2], alpha=w[1]).add_(x[:, 2:3], alpha=w[2])  # (B, 1, H, W)
             is_con, is_sat = (op == 1).to(x.dtype), (op == 2).to(x.dtype)
             m = gray * ((1.0 - f) * is_sat) + gray.mean(dim=(2, 3), keepdim=True) * ((1.0 - f) * is_con)
             x = torch.addcmul(m, x, f).clamp_(0.0, 1.0)
         return x
+
+    def apply_(self, x, params, sizes=None):
+        if not self._compiled(x):
+            return self.apply(x, params)
+        from augment import cpu_kernels
+
+        return cpu_kernels.color_jitter_(x, self._factors(params), params["order"])
+
+    def _factors(self, params) -> torch.Tensor:
+        """(B, 4) factors, the identity's for the images that do not jitter."""
+        identity = torch.tensor([1.0, 1.0, 1.0, 0.0], device=params["factors"].device)
+        return torch.where(params["apply"][:, None], params["factors"], identity)
+
+    def _compiled(self, x) -> bool:
+        # on the CPU's planar batches, numba's loops (augment/cpu_kernels.py): a pass over an
+        # image per step, against about ten passes over the batch for the torch ops above
+        # (docs/design.md, "Choices and where they were measured"). Hue stays with Kornia's op.
+        if self.hue > 0 or x.device.type != "cpu":
+            return False
+        from augment import cpu_kernels
+
+        return cpu_kernels.takes(x)
 
 
 def _adjust_hue_where(x: torch.Tensor, where: torch.Tensor, hue: torch.Tensor) -> torch.Tensor:

@@ -130,29 +130,31 @@ class EpochPipeline(torch.nn.Module):
         return draws.with_first(first)
 
     @torch.no_grad()
-    def apply(self, canvas, sizes: torch.Tensor, draws: Draws) -> torch.Tensor:
+    def apply(self, canvas, sizes: torch.Tensor, draws: Draws, out: torch.Tensor | None = None) -> torch.Tensor:
         """canvas: uint8 (B, Hmax, Wmax, 3), a RaggedImages (augment/ragged.py: the GPU's), or
         a list of HWC images where takes_image_list;
-        sizes: int64 (B, 2) of the images in it -> uint8 (B, S, S, 3). A canvas on the CPU goes
-        through a chunk of images at a time."""
+        sizes: int64 (B, 2) of the images in it -> uint8 (B, S, S, 3), in `out` if given (a
+        contiguous uint8 (B, S, S, 3) on the CPU: the rows of a larger batch). A canvas on the
+        CPU goes through a chunk of images at a time."""
         b = len(canvas)
         if not isinstance(canvas, torch.Tensor) or canvas.device.type != "cpu" or b <= self.cpu_chunk:
-            return self._apply(canvas, sizes, draws).contiguous()
-        out = torch.empty((b, *self.out_hw, 3), dtype=torch.uint8)
+            return self._apply(canvas, sizes, draws, out).contiguous()
+        out = torch.empty((b, *self.out_hw, 3), dtype=torch.uint8) if out is None else out
         for c in self.chunks(b):
-            out[c] = self._apply(canvas[c], sizes[c], draws.take(torch.arange(c.start, c.stop)))
+            self._apply(canvas[c], sizes[c], draws.take(torch.arange(c.start, c.stop)), out[c])
         return out
 
-    def _apply(self, canvas, sizes, draws: Draws) -> torch.Tensor:
+    def _apply(self, canvas, sizes, draws: Draws, out: torch.Tensor | None) -> torch.Tensor:
         rng = KeyedRng(draws.keys, self.seed, self.epoch)
         x = self.ops[0].apply(canvas, draws.first, sizes)  # float (B, 3, S, S)
-        # planar on the CPU: the pixel ops' broadcasts are faster on it there (docs/design.md,
+        # planar on the CPU: the pixel ops' loops are faster on it there (docs/design.md,
         # "Choices and where they were measured"); the GPU's ragged path stays as on a GPU
         if x.device.type == "cpu" and not isinstance(canvas, RaggedImages):
             x = x.contiguous()
         for op, params in zip(self.ops[1:], draws.rest, strict=True):
-            x = op(x, rng) if params is None else op.apply(x, params)
-        return to_uint8_nhwc(x)
+            # x is the pipeline's own: each op may overwrite it (apply_)
+            x = op(x, rng) if params is None else op.apply_(x, params)
+        return to_uint8_nhwc(x, out)
 
     @torch.no_grad()
     def augment_images(self, images, keys: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -283,14 +285,14 @@ def to_canvas(images) -> tuple[torch.Tensor, torch.Tensor]:
     return canvas, sizes.to(device)
 
 
-def to_uint8_nhwc(x: torch.Tensor) -> torch.Tensor:
-    """float (B, 3, H, W) in [0, 1] -> uint8 (B, H, W, 3), rounded. On a GPU x is channels_last
-    and the permute already contiguous. On the CPU (planar x) the values go into a float NHWC
-    buffer and numpy casts them: torch's float-to-uint8 cast and its uint8 transpose are slower
-    there, for the same bytes (docs/design.md, "Choices and where they were measured")."""
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or x.requires_grad:
-        return x.mul(255.0).round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
-    b, c, h, w = x.shape
-    nhwc = torch.empty((b, h, w, c), dtype=x.dtype)
-    torch.mul(x, 255.0, out=nhwc.permute(0, 3, 1, 2)).round_().clamp_(0, 255)
-    return torch.from_numpy(nhwc.numpy().astype(np.uint8))
+def to_uint8_nhwc(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """float (B, 3, H, W) in [0, 1] -> uint8 (B, H, W, 3), rounded (half to even), into `out` if
+    given. On the CPU (planar float32 x) one compiled loop writes the bytes
+    (augment/cpu_kernels.py); on a GPU x is channels_last and the permute already contiguous."""
+    if x.device.type == "cpu" and not x.requires_grad:
+        from augment import cpu_kernels
+
+        if cpu_kernels.takes(x):
+            return cpu_kernels.to_uint8_nhwc(x, out)
+    y = x.mul(255.0).round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
+    return y if out is None else out.copy_(y)
