@@ -14,8 +14,9 @@ what the CPU path makes; the GPU (and the GPU's path run on a CPU, channels_last
 batched torch ops. Float32 arithmetic in the order of the torch ops they replace, the
 contrast mean summed in float64; tests/test_cpu_kernels.py holds them to the torch ops and
 to torchvision. numba compiles them on first use in a process and caches the machine code
-beside this file (or in its user cache where that is read-only). augment/ops.py and
-augment/pipeline.py import this module only when a CPU batch first reaches them.
+beside this file (or in its user cache where that is read-only). augment/ops.py
+(`compiled_loops`) imports this module only when a CPU batch first reaches an op that uses
+it, and where numba is missing runs the torch ops instead.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ not depend on the batch it lands in. Kornia is imported only by the ops that use
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -33,6 +34,17 @@ from augment.ragged import RaggedImages, crop, resample
 from augment.rng import KeyedRng
 
 OPS: dict[str, type["Op"]] = {}
+
+
+@functools.cache
+def compiled_loops():
+    """The CPU path's compiled loops (augment/cpu_kernels.py), imported on first use; None where
+    numba is missing (an environment assembled by hand): the torch ops then run on the CPU too."""
+    try:
+        from augment import cpu_kernels
+    except ImportError:
+        return None
+    return cpu_kernels
 
 
 def register(cls):
@@ -285,9 +297,7 @@ class ColorJitter(Op):
     def apply_(self, x, params, sizes=None):
         if not self._compiled(x):
             return self.apply(x, params)
-        from augment import cpu_kernels
-
-        return cpu_kernels.color_jitter_(x, self._factors(params), params["order"])
+        return compiled_loops().color_jitter_(x, self._factors(params), params["order"])
 
     def _factors(self, params) -> torch.Tensor:
         """(B, 4) factors, the identity's for the images that do not jitter."""
@@ -300,9 +310,8 @@ class ColorJitter(Op):
         # (docs/design.md, "Choices and where they were measured"). Hue stays with Kornia's op.
         if self.hue > 0 or x.device.type != "cpu":
             return False
-        from augment import cpu_kernels
-
-        return cpu_kernels.takes(x)
+        loops = compiled_loops()
+        return loops is not None and loops.takes(x)
 
 
 def _adjust_hue_where(x: torch.Tensor, where: torch.Tensor, hue: torch.Tensor) -> torch.Tensor:

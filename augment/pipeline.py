@@ -22,7 +22,7 @@ import torch
 
 from augment.errors import PresetError
 from augment.kornia_ops import is_kornia
-from augment.ops import OPS, KorniaOp, Op
+from augment.ops import OPS, KorniaOp, Op, compiled_loops
 from augment.presets import scale_geometry, spec_side
 from augment.ragged import RaggedImages
 from augment.rng import KeyedRng
@@ -288,11 +288,10 @@ def to_canvas(images) -> tuple[torch.Tensor, torch.Tensor]:
 def to_uint8_nhwc(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """float (B, 3, H, W) in [0, 1] -> uint8 (B, H, W, 3), rounded (half to even), into `out` if
     given. On the CPU (planar float32 x) one compiled loop writes the bytes
-    (augment/cpu_kernels.py); on a GPU x is channels_last and the permute already contiguous."""
-    if x.device.type == "cpu" and not x.requires_grad:
-        from augment import cpu_kernels
-
-        if cpu_kernels.takes(x):
-            return cpu_kernels.to_uint8_nhwc(x, out)
+    (augment/cpu_kernels.py, where numba is installed); on a GPU x is channels_last and the
+    permute already contiguous."""
+    loops = compiled_loops() if x.device.type == "cpu" else None
+    if loops is not None and loops.takes(x):
+        return loops.to_uint8_nhwc(x, out)
     y = x.mul(255.0).round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
     return y if out is None else out.copy_(y)

@@ -3,15 +3,22 @@ and against torchvision; and the in-place contract of the ops that use them."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
-from augment import cpu_kernels
+from augment import ops
 from augment.ops import OPS
-from augment.pipeline import Pipeline
+from augment.pipeline import Pipeline, to_uint8_nhwc
 from augment.presets import PRESETS
 from augment.rng import KeyedRng
 from bench.augment import synthetic_photo
+
+cpu_kernels = pytest.importorskip(
+    "augment.cpu_kernels",
+    reason="numba, a dependency in pyproject.toml, is not installed here: the CPU path runs torch's ops",
+)
 
 
 def _keys(n: int) -> torch.Tensor:
@@ -69,8 +76,6 @@ def test_apply_keeps_its_input_and_apply_in_place_overwrites_it(batch, name):
 
 
 def test_to_uint8_matches_torch_round_half_to_even_and_clamps():
-    from augment.pipeline import to_uint8_nhwc
-
     levels = torch.arange(-3, 260, dtype=torch.float32)
     ties = (levels + 0.5) / 255  # every .5 tie, and values past both ends
     rest = torch.rand(3 * 16 * 16 * 2 - 2 * len(levels), generator=torch.Generator().manual_seed(0)) * 1.2 - 0.1
@@ -93,3 +98,17 @@ def test_pipeline_writes_the_same_pixels_into_given_rows():
     assert into.data_ptr() == rows[2:].data_ptr()
     assert torch.equal(rows[2:], alone) and not rows[:2].any()
     assert alone.shape == (9, 224, 224, 3) and alone.float().std() > 10  # photos, not a blank batch
+
+
+def test_without_numba_the_cpu_path_runs_the_torch_ops(batch, monkeypatch):
+    op = OPS["color_jitter"](brightness=0.4, contrast=0.4, saturation=0.4)
+    p = op.sample(KeyedRng(_keys(len(batch)), 0, 0), None)
+    compiled, compiled_u8 = op.apply(batch, p), to_uint8_nhwc(batch)
+    monkeypatch.setitem(sys.modules, "numba", None)  # `import numba` raises ImportError
+    monkeypatch.delitem(sys.modules, "augment.cpu_kernels")
+    monkeypatch.delattr(sys.modules["augment"], "cpu_kernels")  # else `from augment import` finds it
+    assert ops.compiled_loops.__wrapped__() is None
+    monkeypatch.setattr(ops, "compiled_loops", ops.compiled_loops.__wrapped__)
+    monkeypatch.setattr("augment.pipeline.compiled_loops", ops.compiled_loops)
+    torch.testing.assert_close(op.apply(batch, p), compiled, atol=1e-6, rtol=0)
+    assert torch.equal(to_uint8_nhwc(batch), compiled_u8)
