@@ -11,8 +11,8 @@ were measured").
 
 They take what `takes(x)` accepts: float32 planar (contiguous) batches on the CPU, which is
 what the CPU path makes; the GPU (and the GPU's path run on a CPU, channels_last) keeps the
-batched torch ops. Float32 arithmetic in the order of the torch ops they replace, the
-contrast mean summed in float64; tests/test_cpu_kernels.py holds them to the torch ops and
+batched torch ops. The torch ops' float32 formulas (where torch fuses a multiply-add, the
+last bit may differ), the contrast mean summed in float64; tests/test_cpu_kernels.py holds them to the torch ops and
 to torchvision. numba compiles them on first use in a process and caches the machine code
 beside this file (or in its user cache where that is read-only). augment/ops.py
 (`compiled_loops`) imports this module only when a CPU batch first reaches an op that uses

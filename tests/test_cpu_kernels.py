@@ -110,5 +110,11 @@ def test_without_numba_the_cpu_path_runs_the_torch_ops(batch, monkeypatch):
     assert ops.compiled_loops.__wrapped__() is None
     monkeypatch.setattr(ops, "compiled_loops", ops.compiled_loops.__wrapped__)
     monkeypatch.setattr("augment.pipeline.compiled_loops", ops.compiled_loops)
+
+    def refuse(*args):
+        raise AssertionError("the compiled loops ran with numba missing")
+
+    monkeypatch.setattr(cpu_kernels, "color_jitter_", refuse)
+    monkeypatch.setattr(cpu_kernels, "to_uint8_nhwc", refuse)
     torch.testing.assert_close(op.apply(batch, p), compiled, atol=1e-6, rtol=0)
     assert torch.equal(to_uint8_nhwc(batch), compiled_u8)
