@@ -12,6 +12,7 @@ import torch
 import torchvision  # noqa: F401  (imported here so that the timings below measure the checks, not the import)
 
 from tests.conftest import exits_2
+from training import artifacts
 from training.config import TrainConfig
 from training.inputs import check_inputs, start_fresh
 
@@ -132,6 +133,7 @@ def test_fresh_removes_the_old_run_only_once_every_input_has_passed(tree, tmp_pa
     old = tmp_path / "runs" / "r"
     old.mkdir(parents=True)
     (old / "metrics.csv").write_text("epoch\n1\n")
+    artifacts.mark_run_dir(str(old), "r")
     bad = tmp_path / "bad.yaml"
     bad.write_text("train: [")
     common = ["--data", str(tree), "--storage-path", str(tmp_path / "runs"), "--name", "r", "--fresh"]

@@ -50,6 +50,36 @@ def remove_tree(uri: str) -> None:
     fs.delete_dir(path)
 
 
+# Written into every run directory this job creates, before anything else: `--fresh` removes only
+# a directory that holds it (or the config.json of a run written before the marker existed).
+RUN_MARKER = ".ray-gpu-augment-run"
+
+
+def mark_run_dir(run_dir: str, name: str) -> None:
+    """Claim `run_dir` as a run directory of this job (idempotent)."""
+    if not exists(join(run_dir, RUN_MARKER)):
+        write_json(join(run_dir, RUN_MARKER), {"job": "jobs.train", "name": name})
+
+
+def is_run_dir(run_dir: str) -> bool:
+    """Whether `run_dir` was written by this job as a run directory: its marker, or a config.json
+    of this job's shape ({"config": {..., "name": ...}}), which older runs have without a marker."""
+    if exists(join(run_dir, RUN_MARKER)):
+        return True
+    try:
+        config = json.loads(read_bytes(join(run_dir, "config.json")))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("config"), dict) and "name" in config["config"]
+
+
+def is_empty_dir(uri: str) -> bool:
+    import pyarrow.fs as pafs
+
+    fs, path = _fs(uri)
+    return not fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+
+
 def write_json(uri: str, obj) -> None:
     write_bytes(uri, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 

@@ -32,6 +32,20 @@ def check_amp(amp: str, on_gpu: bool) -> None:
         )
 
 
+RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
+
+
+def check_run_name(name: str) -> None:
+    """A run name is one path component, so STORAGE_PATH/NAME lies strictly inside STORAGE_PATH:
+    `--name ..` with --fresh would otherwise remove the storage path's parent, `--name .` every
+    run beside it, and `--name ../x` write outside it."""
+    if not RUN_NAME.fullmatch(name) or name in (".", ".."):
+        raise ConfigError(
+            f"--name {name!r}: a run name is one folder name of letters, digits and . _ - (not '.' or '..', "
+            "no '/', at most 200 characters), e.g. --name photos-r18; --storage-path says where it goes"
+        )
+
+
 def _f(default, help: str, **meta):
     return dataclasses.field(default=default, metadata={"help": help, **meta})
 
@@ -218,6 +232,8 @@ class TrainConfig:
             )
         if self.quiet and self.verbose:
             raise ConfigError("--quiet and --verbose contradict each other; give one")
+        if self.name:
+            check_run_name(self.name)
         if self.num_workers and self.batch_size < self.num_workers:
             raise ConfigError(
                 f"--batch-size {self.batch_size} is smaller than --num-workers {self.num_workers}; each worker "

@@ -214,6 +214,7 @@ def check_inputs(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree]:
     if cfg.preset != "auto":
         check_preset_name(cfg.preset)
     # Ray Train, rank 0 and the driver all write there; the probe leaves no directory behind
+    check_run_dir(cfg)  # first: the write probe below must not write through a link or into someone's folder
     storage.check_writable(cfg.run_dir, "--storage-path")
     if not cfg.fresh:
         check_same_run(cfg, tree)
@@ -349,11 +350,41 @@ def prepare(cfg: TrainConfig):
     return cfg, tree, name, preset
 
 
+def check_run_dir(cfg: TrainConfig) -> None:
+    """ConfigError where STORAGE_PATH/NAME is something this job must not write into or remove: a
+    file, a symbolic link (its target may lie anywhere), or a folder holding files that this job
+    did not write as a run directory (training.artifacts.is_run_dir). An empty folder is taken."""
+    run_dir, flag = cfg.run_dir, f"--name {cfg.name}"
+    if not storage.is_uri(run_dir):
+        if os.path.islink(run_dir):
+            raise ConfigError(
+                f"{flag}: {run_dir} is a symbolic link; a run directory must be a folder of its own inside "
+                "--storage-path; give another --name"
+            )
+        storage_dir = os.path.realpath(cfg.storage_path)
+        if os.path.dirname(os.path.realpath(run_dir)) != storage_dir:  # the name rule makes this hold
+            raise ConfigError(f"{flag}: {run_dir} does not lie inside --storage-path {storage_dir}")
+        if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+            raise ConfigError(f"{flag}: {run_dir} is a file, not a run directory; give another --name")
+    with storage.errors(run_dir, "reading"):
+        if not artifacts.exists(run_dir) or artifacts.is_empty_dir(run_dir) or artifacts.is_run_dir(run_dir):
+            return
+    raise ConfigError(
+        f"{flag}: {run_dir} holds files that jobs.train did not write (no {artifacts.RUN_MARKER} or config.json "
+        "of a run); nothing there was touched; give another --name or --storage-path"
+    )
+
+
 def start_fresh(cfg: TrainConfig) -> None:
     """With --fresh, remove the run directory NAME already has (Ray Train would otherwise
     resume from its checkpoints); nothing without it. Call it after every input, the preset
-    file included, has been checked: a mistake must leave the old run as it was."""
+    file included, has been checked: a mistake must leave the old run as it was. Only a run
+    directory of this job's, strictly inside --storage-path, is removed (check_run_dir again,
+    right before the removal); an empty folder is left as it is."""
+    if not cfg.fresh:
+        return
+    check_run_dir(cfg)
     run_dir = cfg.run_dir
     with storage.errors(run_dir, "writing"):
-        if cfg.fresh and artifacts.exists(run_dir):
+        if artifacts.exists(run_dir) and artifacts.is_run_dir(run_dir):
             artifacts.remove_tree(run_dir)

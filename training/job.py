@@ -150,6 +150,7 @@ def run(
 def write_config(run_dir: str, attempt: "Attempt", plan: ResourcePlan, rows: int) -> None:
     """config.json: every setting, the plan, the preset, the classes, the commit and the data."""
     cfg, preset, tree = attempt.cfg, attempt.preset, attempt.tree
+    artifacts.mark_run_dir(run_dir, cfg.name)  # first: --fresh removes only a folder that holds it
     artifacts.write_json(
         artifacts.join(run_dir, "config.json"),
         {
