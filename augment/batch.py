@@ -4,10 +4,12 @@ one call, each image's parameters drawn from its header's size before it is deco
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from augment import engines
-from augment.decode import BadImage, decode_cuda, decode_image, read_header
+from augment.decode import GPU_SMS, ON_CPU, BadImage, decode_cuda, decode_image, read_header
 from augment.pipeline import Pipeline, to_canvas
 from augment.ragged import CHW, HWC, RaggedImages
 
@@ -18,6 +20,17 @@ def augment_batch(pipeline: Pipeline, images, keys: torch.Tensor, epoch: int, de
 
 
 DECODERS = ("cpu", "nvjpeg", "nvimgcodec", "nvimgcodec-whole")
+
+
+class Decoded(NamedTuple):
+    """decode_augment's batch: the augmented images of the files kept, their rows in the batch,
+    the files dropped with the reason, and where each kept image was decoded (augment.decode's
+    ENGINES, GPU_SMS, ON_CPU)."""
+
+    images: torch.Tensor  # uint8 (B', S, S, 3)
+    kept: list[int]
+    bad: list[tuple[int, str]]
+    decoded_on: list[int]
 
 
 def default_decoder(device: torch.device, gpu: str = "auto") -> str:
@@ -42,7 +55,8 @@ def decode_augment(
     decoder: str | None = None,
     ragged: bool = True,
 ):
-    """Encoded files -> (uint8 (B', S, S, 3), indices of the B' rows kept, [(row, reason)] of the rest).
+    """Encoded files -> Decoded: uint8 (B', S, S, 3), the indices of the B' rows kept, [(row, reason)]
+    of the rest, and where each kept image was decoded.
 
     Each image's parameters are drawn from its header's size before it is decoded, so its
     augmentation is the same whatever batch it lands in and however it is decoded.
@@ -73,7 +87,7 @@ def decode_augment(
         except BadImage as e:
             bad.append((i, str(e)))
     if not headers:
-        return pipe.empty(device), [], bad
+        return Decoded(pipe.empty(device), [], bad, [])
     n = len(headers)
     all_rows = torch.tensor([h[0] for h in headers], dtype=torch.int64)
     all_sizes = torch.tensor([h[1:3] for h in headers], dtype=torch.int64, device=device).view(-1, 2)
@@ -85,11 +99,13 @@ def decode_augment(
     regions = pipe.read_regions(draws) if decoder == "nvimgcodec" else None
     # on the CPU each chunk's pixels are written straight into the batch's rows
     out = torch.empty((n, *pipe.out_hw, 3), dtype=torch.uint8) if device.type == "cpu" else None
-    outs, kept = [], []
+    outs, kept, where = [], [], []
     try:
         for c in pipe.chunks(n) if not batched else [slice(0, n)]:
             chunk_regions = None if regions is None else regions[c].tolist()
-            images, good, cropped = _decode_chunk(encoded, headers[c], factors[c], chunk_regions, device, bad, decoder)
+            images, good, cropped, on = _decode_chunk(
+                encoded, headers[c], factors[c], chunk_regions, device, bad, decoder
+            )
             if not good:
                 continue
             sel = torch.tensor(good, dtype=torch.int64, device=device) + c.start  # the decoded images' rows
@@ -103,12 +119,14 @@ def decode_augment(
             rows = None if out is None else out[len(kept) : len(kept) + len(good)]
             outs.append(pipe.apply(canvas, decoded, chunk, rows))
             kept += all_rows[sel.cpu()].tolist()
+            where += on
     finally:
         if decoder.startswith("nvimgcodec") and device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()  # before the decoder's buffers (in `images`) go
     if not outs:
-        return pipe.empty(device), [], bad
-    return (torch.cat(outs) if out is None else out[: len(kept)]), kept, bad
+        return Decoded(pipe.empty(device), [], bad, [])
+    images = torch.cat(outs) if out is None else out[: len(kept)]
+    return Decoded(images, kept, bad, where if device.type == "cuda" else [ON_CPU] * len(kept))
 
 
 def _to_first_op(pipe, images: list, device, decoder: str, ragged: bool):
@@ -126,24 +144,26 @@ def _to_first_op(pipe, images: list, device, decoder: str, ragged: bool):
     return to_canvas(images)
 
 
-def _decode_chunk(encoded, chunk, factors, regions, device, bad, decoder: str) -> tuple[list, list[int], list[bool]]:
+def _decode_chunk(encoded, chunk, factors, regions, device, bad, decoder: str):
     """The chunk's images (HWC uint8 arrays or device tensors), their positions in the chunk,
-    and whether each is its region (`regions`, nvImageCodec only); a file that fails to
-    decode is added to `bad` as (row, reason)."""
+    whether each is its region (`regions`, nvImageCodec only) and where each was decoded; a file
+    that fails to decode is added to `bad` as (row, reason)."""
     datas, jpeg = [encoded[h[0]] for h in chunk], [h[3] for h in chunk]
-    cropped = [False] * len(chunk)
+    cropped, where = [False] * len(chunk), [ON_CPU] * len(chunk)
     if decoder == "nvjpeg":
         results = decode_cuda(datas, jpeg, device)
+        where = [GPU_SMS if isinstance(r, torch.Tensor) else ON_CPU for r in results]
     elif decoder.startswith("nvimgcodec"):
         try:
-            results, cropped = engines.decode_regions(datas, jpeg, regions, device)
+            results, cropped, where = engines.decode_regions(datas, jpeg, regions, device)
         except engines.EngineFailure:  # said once: this batch and the next go to nvjpeg, as (H, W, 3) views
             results = [_hwc(r) for r in decode_cuda(datas, jpeg, device)]
+            where = [GPU_SMS if isinstance(r, torch.Tensor) else ON_CPU for r in results]
         else:
             results = [_decoded(data, 1) if r is None else r for data, r in zip(datas, results, strict=True)]
     else:
         results = [_decoded(data, int(f)) for data, f in zip(datas, factors, strict=True)]
-    images, good, kept_cropped = [], [], []
+    images, good, kept_cropped, kept_where = [], [], [], []
     for j, result in enumerate(results):
         if isinstance(result, BadImage):
             bad.append((chunk[j][0], str(result)))
@@ -151,7 +171,8 @@ def _decode_chunk(encoded, chunk, factors, regions, device, bad, decoder: str) -
             images.append(result)
             good.append(j)
             kept_cropped.append(cropped[j])
-    return images, good, kept_cropped
+            kept_where.append(where[j])
+    return images, good, kept_cropped, kept_where
 
 
 def _hwc(image):

@@ -38,6 +38,12 @@ import numpy as np
 
 SHRINK_FACTORS = (1, 2, 4, 8)  # the scales libjpeg's IDCT produces directly
 
+# Where an image was decoded: the code each augmented row carries (`decoded_on`), counted per epoch
+# in timings.csv and summary.json. On a GPU a CPU decode is a fall-back: a file the GPU's decoders
+# refuse (another format, CMYK, progressive where the engines refuse it) or a batch they failed on.
+ENGINES, GPU_SMS, ON_CPU = 0, 1, 2  # the hardware JPEG engines; CUDA kernels on the SMs; the CPU
+DECODE_PLACES = ("engines", "gpu_sms", "cpu")
+
 
 class BadImage(ValueError):
     """A file that cannot be used as an image; the message is the reason."""

@@ -14,12 +14,19 @@ a YCbCr or grayscale JPEG (`jpeg` from read_header), a JPEG without its end-of-i
 (the GPU decoders fill a truncated stream's missing rows without an error), a region that
 does not fit the image, a stream the decoder refuses.
 
-Stream ordering is explicit on both sides. The decoder writes into buffers of its own, never
-into memory torch may hand to kernels still queued, and it is given the caller's stream to
-order its output against; the tensors are taken over through DLPack on that same stream. The
-decoded buffers must outlive the kernels that read them: the caller synchronises its stream
-before it lets them go (augment/batch.py). tests/test_gpu.py runs pytorch/vision#9606's
-pattern against it.
+Stream ordering is explicit on both sides. Before the call the host waits for an event recorded
+on the caller's stream (`wait_for_queued`): nothing the caller queued is still running when the
+decoder starts. The decoder writes into buffers of its own, never into memory torch may hand to
+kernels still queued, and it is given the caller's stream to order its output against; the
+tensors are taken over through DLPack on that same stream. The decoded buffers must outlive the
+kernels that read them: the caller synchronises its stream before it lets them go
+(augment/batch.py). tests/test_gpu.py runs pytorch/vision#9606's pattern against it, with a
+reuse case and checksums queued right after each decode.
+
+Each image's decoder is known (`decode_regions`' third list: augment.decode's ENGINES, GPU_SMS or
+ON_CPU): the batch goes to the hardware engines first and what they return nothing for to the CUDA
+decoder, in a second call. A GPU without engines (the hardware decoder takes none of the first
+batch's images) is said once and the process calls the CUDA decoder alone from then on.
 
 The package is optional (`pip install -e ".[gpu]"`; `available()` says whether it is there).
 Where it cannot be loaded or set up on a machine (a missing library, a CUDA or driver error),
@@ -41,7 +48,7 @@ import importlib.util
 import os
 import sys
 
-from augment.decode import ends_complete
+from augment.decode import ENGINES, GPU_SMS, ON_CPU, ends_complete
 
 
 class EngineFailure(RuntimeError):
@@ -55,6 +62,7 @@ class Failures:
 
     left: list[str] = dataclasses.field(default_factory=list)
     batches: list[str] = dataclasses.field(default_factory=list)
+    no_engines: bool = False  # the hardware decoder took none of a batch: the CUDA decoder alone from then on
 
 
 FAILURES = Failures()
@@ -125,13 +133,14 @@ def library():
 
 
 @functools.cache
-def decoder_for(device_index: int | None):
-    """One decoder per device for the process (it holds the library's handles and threads):
-    the hardware engines first, then the CUDA decoder; None: the CPU backend alone."""
+def decoders_for(device_index: int | None) -> tuple:
+    """(the hardware engines' decoder, the CUDA decoder) for a device, once per process (each holds
+    the library's handles and threads); (None, the CPU backend's decoder) off a GPU."""
     nv = library()
     if device_index is None:
-        return nv.Decoder(device_id=nv.NVIMGCODEC_DEVICE_CPU_ONLY, backends=[nv.Backend(nv.CPU_ONLY)])
-    return nv.Decoder(device_id=device_index, backends=[nv.Backend(nv.HW_GPU_ONLY), nv.Backend(nv.GPU_ONLY)])
+        return None, nv.Decoder(device_id=nv.NVIMGCODEC_DEVICE_CPU_ONLY, backends=[nv.Backend(nv.CPU_ONLY)])
+    hardware = nv.Decoder(device_id=device_index, backends=[nv.Backend(nv.HW_GPU_ONLY)])
+    return hardware, nv.Decoder(device_id=device_index, backends=[nv.Backend(nv.GPU_ONLY)])
 
 
 def _code_stream(nv, data: bytes, region):
@@ -147,12 +156,13 @@ def _code_stream(nv, data: bytes, region):
         return None
 
 
-def decode_regions(datas: list[bytes], jpeg: list[bool], regions, device) -> tuple[list, list[bool]]:
+def decode_regions(datas: list[bytes], jpeg: list[bool], regions, device) -> tuple[list, list[bool], list[int]]:
     """Per file: a uint8 (h, w, 3) RGB image (a tensor on a CUDA `device`, a numpy array on the
-    CPU) or None where this decoder does not take the file; and per file whether the image is
-    its region (`regions[i]`, (top, left, h, w) in the full image; None: the whole image) or
-    the whole image. One batched decode call for the files it takes. EngineFailure where the
-    library fails (see _failed: it may then be left alone in this process, usable())."""
+    CPU) or None where this decoder does not take the file; per file whether the image is its
+    region (`regions[i]`, (top, left, h, w) in the full image; None: the whole image) or the whole
+    image; and per file where it was decoded (ENGINES, GPU_SMS, ON_CPU; ON_CPU for the Nones,
+    which the caller's CPU decoders take). EngineFailure where the library fails (see _failed:
+    it may then be left alone in this process, usable())."""
     import torch
 
     if FAILURES.left:
@@ -160,33 +170,57 @@ def decode_regions(datas: list[bytes], jpeg: list[bool], regions, device) -> tup
     device = torch.device(device)
     index = None if device.type != "cuda" else device.index if device.index is not None else torch.cuda.current_device()
     try:  # the optional library on this machine: a library it cannot load, a CUDA or driver error
-        nv, decoder = library(), decoder_for(index)
+        nv, decoders = library(), decoders_for(index)
     except Exception as e:
         raise _failed(e, setup=True) from e
     try:
-        return decode_batch(nv, decoder, datas, jpeg, regions, device)
+        return decode_batch(nv, decoders, datas, jpeg, regions, device)
     except Exception as e:  # this batch: out of memory, say, or a call this version does not take
         raise _failed(e, setup=False) from e
 
 
-def decode_batch(nv, decoder, datas, jpeg, regions, device) -> tuple[list, list[bool]]:
+def wait_for_queued(device) -> None:
+    """The host waits until the work queued on the caller's stream so far has run: an event
+    recorded there, then waited for."""
+    import torch
+
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    event.synchronize()
+
+
+def decode_batch(nv, decoders, datas, jpeg, regions, device) -> tuple[list, list[bool], list[int]]:
+    """decode_regions' work: the engines first, then the CUDA decoder (or the CPU backend) for
+    what they returned nothing for; each image checked for its region's (or header's) shape."""
     import torch
 
     cuda = device.type == "cuda"
+    hardware, fallback = decoders
     regions = [None] * len(datas) if regions is None else regions
     take = [i for i, ok in enumerate(jpeg) if ok and ends_complete(datas[i])]
     streams = {i: _code_stream(nv, datas[i], regions[i]) for i in take}
     take = [i for i in take if streams[i] is not None]
     out: list = [None] * len(datas)
+    where = [ON_CPU] * len(datas)
     if take:
         params = nv.DecodeParams(apply_exif_orientation=False, color_spec=nv.SRGB, sample_format=nv.I_RGB)
         stream = torch.cuda.current_stream(device).cuda_stream if cuda else 0
-        decoded = decoder.decode([streams[i] for i in take], params=params, cuda_stream=stream)
-        for i, image in zip(take, decoded, strict=True):
-            if image is not None and tuple(image.shape) == _expected(streams[i], regions[i]):  # else the CPU's
-                out[i] = torch.from_dlpack(image) if cuda else _host_array(image)
+        if cuda:
+            wait_for_queued(device)  # explicit: not a side effect of some earlier host sync
+        steps = [(hardware, ENGINES), (fallback, GPU_SMS if cuda else ON_CPU)]
+        for decoder, place in steps if hardware is not None and not FAILURES.no_engines else steps[1:]:
+            todo = [i for i in take if out[i] is None]
+            if not todo:
+                break
+            decoded = decoder.decode([streams[i] for i in todo], params=params, cuda_stream=stream)
+            for i, image in zip(todo, decoded, strict=True):
+                if image is not None and tuple(image.shape) == _expected(streams[i], regions[i]):  # else the CPU's
+                    out[i], where[i] = (torch.from_dlpack(image) if cuda else _host_array(image)), place
+            if place == ENGINES and len(todo) >= 8 and all(out[i] is None for i in todo):
+                FAILURES.no_engines = True  # this GPU has none (or they take none of these files)
+                _say("nvImageCodec: the hardware JPEG engines decoded none of a batch; this process decodes on the SMs")
     cropped = [out[i] is not None and regions[i] is not None for i in range(len(datas))]
-    return out, cropped
+    return out, cropped, where
 
 
 def _expected(stream, region) -> tuple[int, int, int]:

@@ -37,6 +37,8 @@ import time
 
 import torch
 
+from bench import write_json
+
 
 def encoded_photos(kind: str, n: int) -> list[bytes]:
     from PIL import Image
@@ -67,7 +69,7 @@ def time_decode_augment(files, batch: int, device: torch.device, shrink: bool, s
 
     def one(i: int) -> int:
         idx = [(i * batch + j) % len(files) for j in range(batch)]
-        out, _, _ = decode_augment(pipeline, [files[j] for j in idx], keys[idx], 0, device, shrink=shrink)
+        out = decode_augment(pipeline, [files[j] for j in idx], keys[idx], 0, device, shrink=shrink).images
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return len(out)
@@ -102,8 +104,11 @@ def time_decode_only(files, batch: int, device: torch.device, seconds: float, de
         if decoder == "nvjpeg":
             out = decode_cuda([files[j] for j in idx], [jpeg[j] for j in idx], device)
         else:
-            out, _ = decode_regions([files[j] for j in idx], [jpeg[j] for j in idx], [regions[j] for j in idx], device)
-            assert all(image is not None for image in out), "nvImageCodec refused a generated photo"
+            picked = ([files[j] for j in idx], [jpeg[j] for j in idx], [regions[j] for j in idx])
+            out = decode_regions(*picked, device)[0]
+            refused = sum(image is None for image in out)
+            if refused:  # the column fails, the others go on (main's `column`)
+                raise RuntimeError(f"nvImageCodec returned nothing for {refused} of {len(out)} generated photos")
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return len(out)
@@ -166,6 +171,17 @@ def time_seed(files, seconds: float) -> float:
     return n / (time.perf_counter() - start)
 
 
+def column(row: dict, name: str, rate, *args) -> None:
+    """row[name] = rate(*args) in img/s, rounded; where it fails, None and the reason in row["errors"]
+    (said on one line): one failed column never loses the others."""
+    try:
+        row[name] = round(rate(*args), 1)
+    except Exception as error:  # noqa: BLE001  (any failure of one column: the table goes on)
+        row[name] = None
+        row["errors"][name] = f"{type(error).__name__}: {error}"
+        print(f"{name}: failed ({row['errors'][name]})", flush=True)
+
+
 def decoders(device: torch.device) -> list[str]:
     """The batched decoders timed alone here: nvImageCodec's where it is installed (its CPU
     backend on the CPU), torchvision's nvjpeg on a GPU."""
@@ -193,33 +209,27 @@ def main(argv=None) -> list[dict]:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     device = torch.device(args.device)
-    rows = []
+    rows: list[dict] = []
     for kind, n in (("imagenet", args.images), ("camera", args.camera)):
         if not n:
             continue
         files = encoded_photos(kind, n)
         for batch in args.batch_sizes if kind == "imagenet" else [min(args.batch_sizes)]:
-            row = {"photos": kind, "batch": batch, "device": args.device}
-            row["decode_augment"] = round(time_decode_augment(files, batch, device, True, args.seconds), 1)
+            row = {"photos": kind, "batch": batch, "device": args.device, "errors": {}}
+            rows.append(row)
+            column(row, "decode_augment", time_decode_augment, files, batch, device, True, args.seconds)
             for decoder in decoders(device):
-                rate = time_decode_only(files, batch, device, args.seconds, decoder)
-                row[f"decode_only_{decoder.replace('-', '_')}"] = round(rate, 1)
+                name = f"decode_only_{decoder.replace('-', '_')}"
+                column(row, name, time_decode_only, files, batch, device, args.seconds, decoder)
             if device.type == "cuda":
                 for p in args.processes if kind == "imagenet" else []:
-                    try:
-                        rate = round(time_processes(files, batch, args.device, args.seconds, p), 1)
-                    except RuntimeError as error:  # the other rows still count
-                        print(error, flush=True)
-                        rate = None
-                    row[f"decode_augment_{p}_processes"] = rate
+                    name = f"decode_augment_{p}_processes"
+                    column(row, name, time_processes, files, batch, args.device, args.seconds, p)
             if device.type == "cpu":
-                row["full_size_decode"] = round(time_decode_augment(files, batch, device, False, args.seconds), 1)
-                row["seed_pil"] = round(time_seed(files, args.seconds), 1)
-            rows.append(row)
+                column(row, "full_size_decode", time_decode_augment, files, batch, device, False, args.seconds)
+                column(row, "seed_pil", time_seed, files, args.seconds)
             print(json.dumps(row), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"torch_threads": 1, "rows": rows}, f, indent=2)
+            write_json(args.json, {"torch_threads": 1, "rows": rows})  # as it goes: a later failure loses nothing
     return rows
 
 

@@ -64,7 +64,9 @@ class OpCounter(TorchDispatchMode):
 
 def one_batch(pipeline: Pipeline, files: list[bytes], device, epoch: int, decoder: str, ragged: bool) -> torch.Tensor:
     keys = torch.arange(len(files), dtype=torch.int64) * 7919 + epoch
-    out, kept, bad = decode_augment(pipeline, files, keys, epoch, device, shrink=False, decoder=decoder, ragged=ragged)
+    out, kept, bad, _ = decode_augment(
+        pipeline, files, keys, epoch, device, shrink=False, decoder=decoder, ragged=ragged
+    )
     if bad or len(kept) != len(files):
         raise RuntimeError(f"bench: {len(bad)} of the generated files did not decode: {bad[:3]}")
     return out

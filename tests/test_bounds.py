@@ -110,6 +110,37 @@ def test_a_hint_gives_the_trainers_the_cpus_they_were_measured_to_use():
     assert steady_bound(held, [row, row]).trainer_cpus == pytest.approx(0.9)  # the run's, from its epochs' rows
 
 
+def test_augment_calls_that_share_the_trainers_gpu_are_named_and_never_answered_with_more_tasks():
+    """On one GPU an epoch of 10 s whose steps took 8.5 s on their stream and whose augment calls
+    took 2.5 s on theirs: 11 s of work in 10, so they took turns; the epoch line says the GPU is
+    shared and by how much, whether the trainer waited or not, and the hint asks for less GPU
+    work, not for more augment tasks (more CUDA contexts on the same SMs)."""
+
+    def bound(wait, augment_gpu_s=2.5, slots=GPU):
+        return epoch_bound(
+            slots,
+            read_s=4,
+            augment_s=38,
+            steady_s=10,
+            steady_wait=wait,
+            augment_gpu_s=augment_gpu_s,
+            trainer_gpu_s=8.5,
+            gpus=1,
+        )
+
+    busy = bound(0.1)
+    assert busy.stage == "trainer" and busy.gpu_shared == pytest.approx(0.25)
+    assert busy.describe(GPU) == "  GPU shared: the augment calls took 25% of its time"
+    starved = bound(0.5)
+    line = starved.describe(GPU)
+    assert starved.stage == "decode + augment" and "more augment tasks" not in line and "--augment-gpus" in line
+    assert "share the trainer's GPU" in line and line.endswith("GPU shared: the augment calls took 25% of its time")
+    assert Bound.of_row(starved.to_row() | {"steady_wait_frac": 0.5}) == starved
+    assert "run more augment tasks" in bound(0.5, augment_gpu_s=1.0).describe(GPU)  # 9.5 s of 10: no turns taken
+    assert bound(0.1, slots=CPU).gpu_shared == 0  # augment calls on CPUs share no GPU
+    assert steady_bound(GPU, [busy.to_row() | {"steady_s": 10, "steady_wait_frac": 0.1}] * 2).gpu_shared == 0.25
+
+
 def test_the_run_verdict_weighs_the_steady_epochs_by_their_time_and_skips_the_first():
     def row(read, augment, wait, seconds):
         bound = epoch_bound(CPU, read_s=read, augment_s=augment, steady_s=seconds, steady_wait=wait)

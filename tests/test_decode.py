@@ -199,7 +199,7 @@ def test_full_size_decode_augment_equals_decoding_then_augmenting(encoded, specs
     preset = PRESETS["imagenet"]
     pipeline = Pipeline({"train": preset.train, "eval": preset.eval, "other": OTHER_OPS}[specs], seed=5)
     keys = torch.arange(len(encoded), dtype=torch.int64) * 7919
-    out, kept, bad = decode_augment(pipeline, encoded, keys, 3, CPU, shrink=False)
+    out, kept, bad, _ = decode_augment(pipeline, encoded, keys, 3, CPU, shrink=False)
     assert kept == list(range(7)) and sorted(r for r, _ in bad) == [7, 8]
     images = np.empty(7, dtype=object)
     images[:] = [decode_image(d) for d in encoded[:7]]
@@ -209,8 +209,8 @@ def test_full_size_decode_augment_equals_decoding_then_augmenting(encoded, specs
 def test_reduced_size_decode_stays_close_and_independent_of_the_batch(encoded):
     pipeline = Pipeline(PRESETS["imagenet"].train, seed=5)
     keys = torch.arange(len(encoded), dtype=torch.int64) * 7919
-    full, _, _ = decode_augment(pipeline, encoded, keys, 3, CPU, shrink=False)
-    small, kept, bad = decode_augment(pipeline, encoded, keys, 3, CPU, shrink=True)
+    full = decode_augment(pipeline, encoded, keys, 3, CPU, shrink=False).images
+    small, kept, bad, _ = decode_augment(pipeline, encoded, keys, 3, CPU, shrink=True)
     assert kept == list(range(7)) and len(bad) == 2
     pipe = pipeline.at_epoch(3)
     factors = pipe.decode_scales(pipe.sample(torch.tensor([read_header(d)[:2] for d in encoded[:7]]), keys[:7]))
@@ -218,7 +218,7 @@ def test_reduced_size_decode_stays_close_and_independent_of_the_batch(encoded):
     diff = (small.float() - full.float()).abs()
     assert float(diff.mean()) < 2.0  # the same crop (edges within half a small pixel), filtered differently
     for i in range(7):  # alone, or in another batch, an image gets the same view
-        alone, _, _ = decode_augment(pipeline, encoded[i : i + 1], keys[i : i + 1], 3, CPU, shrink=True)
+        alone = decode_augment(pipeline, encoded[i : i + 1], keys[i : i + 1], 3, CPU, shrink=True).images
         torch.testing.assert_close(alone[0], small[i], rtol=0, atol=0)
 
 
@@ -227,8 +227,8 @@ def test_the_gpu_paths_batched_decode_runs_the_same_code_on_cpu_tensors(encoded)
     per-file fallbacks), which torchvision also runs on the CPU: same images, same bad files."""
     pipeline = Pipeline(PRESETS["imagenet"].train, seed=5)
     keys = torch.arange(len(encoded), dtype=torch.int64) * 7919
-    cpu, kept, bad = decode_augment(pipeline, encoded, keys, 1, CPU, shrink=False)
-    gpu_path, kept_g, bad_g = decode_augment(pipeline, encoded, keys, 1, CPU, shrink=True, decoder="nvjpeg")
+    cpu, kept, bad, _ = decode_augment(pipeline, encoded, keys, 1, CPU, shrink=False)
+    gpu_path, kept_g, bad_g, _ = decode_augment(pipeline, encoded, keys, 1, CPU, shrink=True, decoder="nvjpeg")
     assert kept_g == kept and sorted(bad_g) == sorted(bad)  # shrink is a CPU-only path: ignored here
     # torchvision's and simplejpeg's decoders differ by a level here and there, which colour
     # jitter's contrast and saturation may widen to two
@@ -299,7 +299,7 @@ def test_nvjpeg_decodes_a_batch_like_the_cpu(encoded):
         assert float((image.cpu().float() - ref.float()).abs().mean()) < 2.0
     pipeline = Pipeline(PRESETS["imagenet"].train, seed=5).to("cuda")
     keys = torch.arange(len(encoded), dtype=torch.int64)
-    out, kept, bad = decode_augment(pipeline, encoded, keys, 1, torch.device("cuda"), shrink=False, decoder="nvjpeg")
+    out, kept, bad, _ = decode_augment(pipeline, encoded, keys, 1, torch.device("cuda"), shrink=False, decoder="nvjpeg")
     assert kept == list(range(7)) and len(bad) == 2 and out.device.type == "cuda"
 
 
@@ -315,17 +315,17 @@ def test_nvimgcodec_decodes_crop_regions_on_the_gpu_like_the_cpu(encoded, monkey
     decode_regions, regions = engines.decode_regions, []
 
     def spy(*args):
-        images, cropped = decode_regions(*args)
+        images, cropped, where = decode_regions(*args)
         regions.append(sum(cropped))
-        return images, cropped
+        return images, cropped, where
 
     pipeline = Pipeline(PRESETS["imagenet"].train, seed=5)
     keys = torch.arange(len(encoded), dtype=torch.int64) * 7919
-    cpu, kept, bad = decode_augment(pipeline, encoded, keys, 1, CPU, shrink=False)
+    cpu, kept, bad, _ = decode_augment(pipeline, encoded, keys, 1, CPU, shrink=False)
     pipeline.to("cuda")
     monkeypatch.setattr(batch.engines, "decode_regions", spy)
     cuda = torch.device("cuda")
-    gpu, kept_g, bad_g = decode_augment(pipeline, encoded, keys, 1, cuda, shrink=False, decoder="nvimgcodec")
+    gpu, kept_g, bad_g, _ = decode_augment(pipeline, encoded, keys, 1, cuda, shrink=False, decoder="nvimgcodec")
     assert engines.usable(), engines.FAILURES  # it ran on the GPU, not fell back to nvjpeg
     assert regions == [6], regions  # the six complete JPEGs of `encoded`, each as its crop box
     assert kept_g == kept and sorted(bad_g) == sorted(bad) and gpu.device.type == "cuda"

@@ -51,7 +51,7 @@ def jpegs() -> list[bytes]:
 
 def test_whole_images_and_regions_are_libjpeg_turbos_pixels(jpegs):
     regions = [(37, 51, 201, 173), None, (0, 0, 255, 379), (426, 640, 1, 1), (199, 0, 1, 150)]
-    images, cropped = engines.decode_regions(jpegs, [True] * len(jpegs), regions, CPU)
+    images, cropped, _ = engines.decode_regions(jpegs, [True] * len(jpegs), regions, CPU)
     assert cropped == [r is not None for r in regions]
     for data, region, image in zip(jpegs, regions, images, strict=True):
         ref = decode_image(data)
@@ -68,7 +68,7 @@ def test_what_it_does_not_take_comes_back_as_none(jpegs):
     files = [whole, whole[: len(whole) // 2], b"\xff\xd8\xff not a jpeg \xff\xd9", png, whole, whole]
     jpeg = [True, True, True, False, False, True]  # read_header's flag: the PNG and a file it refused
     regions = [None, None, None, None, None, (200, 300, 100, 100)]  # the last one past the image's edge
-    images, cropped = engines.decode_regions(files, jpeg, regions, CPU)
+    images, cropped, _ = engines.decode_regions(files, jpeg, regions, CPU)
     assert [image is not None for image in images] == [True, False, False, False, False, False]
     assert cropped == [False] * 6
 
@@ -86,15 +86,15 @@ def test_decode_augment_through_it_gives_the_full_decodes_images_and_bad_files(m
     decode_regions, regions_decoded = engines.decode_regions, []
 
     def spy(*args):
-        images, cropped = decode_regions(*args)
+        images, cropped, where = decode_regions(*args)
         regions_decoded.append(sum(cropped))
-        return images, cropped
+        return images, cropped, where
 
     monkeypatch.setattr(augment_batch_module.engines, "decode_regions", spy)
     for preset in ("imagenet", "cifar"):
         pipeline = Pipeline(PRESETS[preset].train, seed=3)
-        whole, kept, bad = decode_augment(pipeline, files, keys, 2, CPU, shrink=False, decoder="nvjpeg")
-        regions, kept_r, bad_r = decode_augment(pipeline, files, keys, 2, CPU, shrink=False, decoder="nvimgcodec")
+        whole, kept, bad, _ = decode_augment(pipeline, files, keys, 2, CPU, shrink=False, decoder="nvjpeg")
+        regions, kept_r, bad_r, _ = decode_augment(pipeline, files, keys, 2, CPU, shrink=False, decoder="nvimgcodec")
         assert kept_r == kept == [0, 1, 3, 4, 5, 7, 8, 9, 10] and bad_r == bad
         assert [row for row, _ in bad] == [2, 6]
         # the same pixels decoded (torchvision's CPU decoder is libjpeg-turbo too), the same boxes
@@ -126,7 +126,7 @@ def test_the_library_prints_nothing_when_imported_or_given_bad_files():
     code = (
         "from augment import engines; import torch\n"
         "files = [b'\\xff\\xd8 junk \\xff\\xd9', b'']\n"
-        "images, _ = engines.decode_regions(files, [True, True], None, torch.device('cpu'))\n"
+        "images, _, _ = engines.decode_regions(files, [True, True], None, torch.device('cpu'))\n"
         "assert images == [None, None]\n"
         "print('done')\n"
     )
@@ -143,15 +143,15 @@ def test_a_library_that_fails_here_is_said_once_and_the_batches_go_to_nvjpeg(mon
     def broken(device_index):
         raise RuntimeError("CUDA Runtime failure: '#35'")
 
-    monkeypatch.setattr(engines, "decoder_for", broken)
+    monkeypatch.setattr(engines, "decoders_for", broken)
     monkeypatch.setattr(engines, "FAILURES", engines.Failures())
     photos = [synthetic_photo(h, w, i) for i, (h, w) in enumerate([(300, 400), (64, 80)])]
     files = [_encode(photos[0], quality=90), b"not an image", _encode(photos[1], "PNG")]
     keys = torch.arange(len(files), dtype=torch.int64)
     pipeline = Pipeline(PRESETS["imagenet"].train, seed=1)
-    expected, kept, bad = decode_augment(pipeline, files, keys, 0, CPU, shrink=False, decoder="nvjpeg")
+    expected, kept, bad, _ = decode_augment(pipeline, files, keys, 0, CPU, shrink=False, decoder="nvjpeg")
     for _ in range(2):
-        got, kept_f, bad_f = decode_augment(pipeline, files, keys, 0, CPU, shrink=False, decoder="nvimgcodec")
+        got, kept_f, bad_f, _ = decode_augment(pipeline, files, keys, 0, CPU, shrink=False, decoder="nvimgcodec")
         assert torch.equal(got, expected) and kept_f == kept == [0, 2] and bad_f == bad
     said = capfd.readouterr().err.splitlines()
     assert said == [
@@ -176,7 +176,7 @@ def test_a_batch_it_fails_on_goes_to_nvjpeg_alone_and_three_leave_it_for_good(mo
     keys = torch.zeros(1, dtype=torch.int64)
     usable = []
     for _ in range(4):
-        out, kept, bad = decode_augment(pipeline, files, keys, 0, CPU, shrink=False, decoder="nvimgcodec")
+        out, kept, bad, _ = decode_augment(pipeline, files, keys, 0, CPU, shrink=False, decoder="nvimgcodec")
         assert out.shape == (1, 224, 224, 3) and kept == [0] and not bad
         usable.append(engines.usable())
     assert usable == [True, True, False, False] and len(engines.FAILURES.batches) == 3
@@ -199,3 +199,77 @@ def test_gpu_decoder_nvimgcodec_without_the_package_stops_before_ray(monkeypatch
     with pytest.raises(ConfigError, match=r"--gpu-decoder nvimgcodec: nvImageCodec is not installed here; .*\[gpu\]"):
         check_gpu_decoder("nvimgcodec")
     check_gpu_decoder("nvimgcodec", device="cpu")  # a CPU run decodes on the CPU whatever the flag says
+
+
+class _Decoder:
+    """A stand-in for one of the GPU's nvImageCodec decoders: the CPU backend's pixels, each call
+    logged in `log`; `refuse(data)` says which files it returns nothing for (the engines refuse
+    progressive JPEGs, say)."""
+
+    def __init__(self, name: str, log: list, refuse=lambda stream: False):
+        self.name, self.log, self.refuse = name, log, refuse
+        self.cpu = engines.decoders_for(None)[1]
+
+    def decode(self, streams, *, params, cuda_stream):
+        self.log.append(f"decode:{self.name}:{len(streams)}:stream {cuda_stream}")
+        images = self.cpu.decode(streams, params=params)
+        return [None if self.refuse(s) else image for s, image in zip(streams, images, strict=True)]
+
+
+def _on_a_fake_gpu(monkeypatch, log: list) -> torch.device:
+    """decode_batch as on a GPU: the caller's stream a fake one (id 7), the host's wait and the
+    DLPack hand-over logged instead of run."""
+
+    class Stream:
+        cuda_stream = 7
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(engines, "wait_for_queued", lambda device: log.append("wait"))
+    monkeypatch.setattr(torch, "from_dlpack", lambda image: log.append("dlpack") or torch.from_numpy(np.asarray(image)))
+    monkeypatch.setattr(engines, "FAILURES", engines.Failures())
+    return torch.device("cuda", 0)
+
+
+def test_the_host_waits_for_the_callers_stream_before_the_decoder_runs_and_each_image_says_where(jpegs, monkeypatch):
+    """On a GPU: first the wait for the work queued on the caller's stream, then the engines'
+    call, then the CUDA decoder's for what they returned nothing for (here the progressive
+    JPEG), every output taken over by DLPack after its call; each image's place recorded."""
+    from augment.decode import ENGINES, GPU_SMS
+
+    log: list = []
+    device = _on_a_fake_gpu(monkeypatch, log)
+    progressive, streams_of = jpegs[3], {}
+
+    def code_stream(nv, data, region, original=engines._code_stream):
+        stream = original(nv, data, region)
+        streams_of[id(stream)] = data
+        return stream
+
+    monkeypatch.setattr(engines, "_code_stream", code_stream)  # which file each stream is: the engines refuse one
+    hardware = _Decoder("engines", log, refuse=lambda s: streams_of[id(s)] is progressive)
+    decoders = (hardware, _Decoder("sms", log))
+    images, cropped, where = engines.decode_batch(engines.library(), decoders, jpegs, [True] * 5, None, device)
+    assert log == ["wait", "decode:engines:5:stream 7", *["dlpack"] * 4, "decode:sms:1:stream 7", "dlpack"]
+    assert where == [ENGINES, ENGINES, ENGINES, GPU_SMS, ENGINES] and cropped == [False] * 5
+    for data, image in zip(jpegs, images, strict=True):
+        assert torch.equal(image, torch.from_numpy(decode_image(data)))
+
+
+def test_a_gpu_whose_engines_take_nothing_is_said_once_and_left_to_the_sms(jpegs, monkeypatch, capfd):
+    from augment.decode import GPU_SMS
+
+    log: list = []
+    device = _on_a_fake_gpu(monkeypatch, log)
+    decoders = (_Decoder("engines", log, refuse=lambda s: True), _Decoder("sms", log))
+    files = [jpegs[0]] * 8
+    for _ in range(2):
+        images, _, where = engines.decode_batch(engines.library(), decoders, files, [True] * 8, None, device)
+        assert where == [GPU_SMS] * 8 and all(image is not None for image in images)
+    assert [entry for entry in log if entry.startswith("decode")] == [
+        "decode:engines:8:stream 7",
+        "decode:sms:8:stream 7",
+        "decode:sms:8:stream 7",  # the second batch: the engines are not asked again
+    ]
+    assert capfd.readouterr().err.splitlines() == [
+        "nvImageCodec: the hardware JPEG engines decoded none of a batch; this process decodes on the SMs"
+    ]

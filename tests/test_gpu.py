@@ -19,7 +19,6 @@ import torch
 from PIL import Image
 
 from augment.batch import augment_batch
-from augment.decode import read_header
 from augment.pipeline import Pipeline
 from augment.presets import PRESETS
 from augment.rng import KeyedRng
@@ -133,6 +132,8 @@ def jpeg_tree(tmp_path_factory):
 
 
 def test_a_cuda_bf16_run_augments_on_gpu_shares_and_covers_every_image(jpeg_tree, tmp_path):
+    from augment import engines
+
     args = [sys.executable, "-m", "jobs.train", "--data", str(jpeg_tree), "--preset", "imagenet"]
     args += ["--device", "cuda", "--amp", "bf16", "--epochs", "2", "--batch-size", "32", "--val-fraction", "0.25"]
     args += ["--storage-path", str(tmp_path), "--name", "gpu"]
@@ -144,55 +145,35 @@ def test_a_cuda_bf16_run_augments_on_gpu_shares_and_covers_every_image(jpeg_tree
     # a share of the trainer's GPU; a task given one where torch finds no CUDA fails the run
     # (training.stage.task_device), so a run that finishes augmented on the GPU
     assert "augment tasks x (0.0625 GPU + 1 CPU)" in out, out[-4000:]
-    assert "nvjpeg" in out  # the plan line's decode choice
+    (plan,) = [line for line in out.splitlines() if line.startswith("plan: ")]
+    named = "nvImageCodec" if engines.available() else "nvjpeg"  # the decoder this environment has (ingest.gpu_decoder)
+    assert named in plan, plan
     summary = json.loads((tmp_path / "gpu" / "summary.json").read_text())
     assert summary["device"] == "cuda" and summary["epochs"] == 2 and summary["bad_files"] == 1
     assert all(c["exactly_once"] for c in summary["coverage"]), summary["coverage"]
     assert summary["train_images"] + summary["val_images"] == 161  # the split counts the bad file too
     assert summary["val_acc"] > 0.25  # four tinted classes: better than chance after two epochs
-
-
-def _batched_decode(decoder: str, files, jpeg, device) -> list:
-    from augment.decode import decode_cuda
-    from augment.engines import decode_regions
-
-    if decoder == "nvjpeg":
-        return decode_cuda(files, jpeg, device)
-    regions = [(h // 4, w // 4, h // 2, w // 2) for h, w in (read_header(f)[:2] for f in files)]
-    images, cropped = decode_regions(files, jpeg, regions, device)
-    assert all(cropped), "nvImageCodec refused a region of the generated photos"
-    return images
+    # every trained image decoded on the GPU (the truncated one is a bad file, not a CPU decode)
+    decoded = summary["decoded_on"]
+    assert decoded["cpu"] == 0 and decoded["engines"] + decoded["gpu_sms"] > 0, decoded
 
 
 @pytest.mark.parametrize("decoder", ["nvjpeg", "nvimgcodec"])
 def test_the_batched_decoder_never_writes_over_memory_the_callers_queued_kernels_read(decoder):
-    """pytorch/vision#9606's reproducer, through each batched decoder (augment.decode.decode_cuda,
-    augment.engines.decode_regions): the caller's stream is held busy, then reads tensors
-    that are freed at once, so the caching allocator may hand their blocks to the decoder's
-    outputs. Unordered, the decoder writes them before those reads run (199 of 200
-    iterations corrupted on an H100). Every queued sum and every decoded image must come out
-    as computed alone."""
+    """pytorch/vision#9606's reproducer through each batched decoder (augment.decode.decode_cuda,
+    augment.engines.decode_regions), in a process of its own with the stream-ordered allocator
+    (tests/gpu_ordering.py): freed victims and the last batch's freed outputs with reads queued
+    behind a stalled stream, and checksums queued right after each decode. Unordered, the
+    decoder writes them before those reads run (199 of 200 iterations corrupted on an H100 in
+    #9606's report), or is read before it has written."""
     from augment import engines
-    from bench.decode import encoded_photos
 
     if decoder == "nvimgcodec" and not engines.available():
         pytest.skip("nvImageCodec is not installed (pip install -e '.[gpu]')")
-    device = torch.device("cuda")
-    files = encoded_photos("imagenet", 8)
-    jpeg = [read_header(f)[2] for f in files]
-    reference = [int(image.sum()) for image in _batched_decode(decoder, files, jpeg, device)]
-    sizes = [int(image.nbytes) for image in _batched_decode(decoder, files, jpeg, device)]
-    corrupted = []
-    for iteration in range(200):
-        victims = [
-            torch.full((n // 4,), float(i + 1), device=device) for i, n in enumerate(sizes)
-        ]  # the outputs' bytes
-        expected = [v.numel() * (i + 1) for i, v in enumerate(victims)]
-        torch.cuda._sleep(200_000_000)  # the caller's stream busy for a while (PyTorch's own tests' stall)
-        sums = [v.sum() for v in victims]  # queued reads of the victims
-        del victims  # freed while those reads still wait
-        decoded = _batched_decode(decoder, files, jpeg, device)
-        got = [float(s) for s in sums]
-        if got != expected or [int(image.sum()) for image in decoded] != reference:
-            corrupted.append(iteration)
-    assert not corrupted, f"{len(corrupted)} of 200 iterations corrupted (first: {corrupted[0]})"
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
+    args = [sys.executable, "-m", "tests.gpu_ordering", decoder, "--iterations", "200"]
+    done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["iterations"] == 200
+    assert result["corrupted"] == {"victims": 0, "last_outputs": 0, "checksums": 0}, result

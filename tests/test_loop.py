@@ -404,3 +404,20 @@ def test_the_feed_mixes_rows_only_where_they_come_in_fixed_groups(ray_cluster):
         assert sorted(sum(got, [])) == list(range(512)) and runs(got) == len(got) == 16, (shuffle, epoch)
     mixed = batches(True, 1)
     assert sorted(sum(mixed, [])) == list(range(512)) and runs(mixed) == 0
+
+
+def test_the_inner_rate_leaves_out_an_epochs_start_and_tail():
+    """Steps every 0.1 s of 10 images, but a first batch 5 s late and a last one 3 s late: the rate
+    between the steps at 10 % and 90 % of the images is the steady 100 img/s, where the whole
+    epoch's would be about 55."""
+    times = [5.0 + 0.1 * i for i in range(99)] + [5.0 + 9.8 + 3.0]
+    marks = [(t, 10 * (i + 1)) for i, t in enumerate(times)]
+    assert loop.inner_rate(marks) == pytest.approx(100.0)
+    assert loop.inner_rate(marks[:2]) == pytest.approx(100.0)  # too few steps between the marks: all of them
+    assert loop.inner_rate(marks[:1]) == 0.0
+
+
+def test_a_gpu_runs_share_of_images_decoded_on_the_cpu_is_counted_from_its_row():
+    row = {"decoded_engines": 950, "decoded_gpu_sms": 30, "decoded_cpu": 20}
+    assert loop.cpu_fallback(row) == pytest.approx(0.02) and loop.cpu_fallback(row) > loop.CPU_FALLBACK
+    assert loop.cpu_fallback({"decoded_cpu": 0}) == 0.0

@@ -103,7 +103,7 @@ def test_a_batch_dispatches_as_many_operations_for_32_images_as_for_8(monkeypatc
         keys = torch.arange(n, dtype=torch.int64)
         decode_augment(pipeline, batch, keys, 1, cpu, shrink=False, decoder=decoder)  # warm-up
         with OpCounter() as counter:
-            out, kept, bad = decode_augment(pipeline, batch, keys, 1, cpu, shrink=False, decoder=decoder)
+            out, kept, bad, _ = decode_augment(pipeline, batch, keys, 1, cpu, shrink=False, decoder=decoder)
         assert out.shape == (n, 224, 224, 3) and kept == list(range(n)) and not bad
         counts[n] = counter
     per_image = {"nvjpeg": 1, "nvimgcodec": 0}[decoder]

@@ -118,6 +118,10 @@ def test_run_directory_has_sane_contents(two_worker_run):
     # the CPUs a rank's process kept busy, measured: something, and no more than the machine has
     assert 0 < float(timing["trainer_cpus"]) <= os.cpu_count(), timing
     assert summary["bound"]["trainer_cpus_planned"] > 0
+    # where each trained image was decoded (on CPUs: all of them there), and the rate within the epoch
+    assert int(timing["decoded_cpu"]) == int(row["train_images"]) and int(timing["decoded_engines"]) == 0
+    assert summary["decoded_on"] == {"engines": 0, "gpu_sms": 0, "cpu": int(row["train_images"])}
+    assert float(timing["inner_images_per_s"]) > 0 and float(timing["start_s"]) >= 0
 
     assert json.loads((run_dir / "summary.json").read_text()) == summary
     assert summary["world_size"] == 2 and summary["device"] == "cpu" and summary["num_classes"] == 5

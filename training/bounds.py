@@ -18,6 +18,13 @@ for that batch is the data tasks' start-up):
   blocks and the step (Ray Data's delivery of the blocks and the batches made from them);
 - any other epoch is bound by the trainer.
 
+On a GPU the augment tasks and the trainer take turns on the same SMs (kernels of different
+processes are time-sliced), so an augment stage that keeps up can still slow the trainer without
+making it wait. Each augment call times itself on its CUDA stream (AUGMENT_GPU_COST) and the
+trainer times its steps the same way; where the two add up to more than the GPU's time, the GPU
+is shared, and `gpu_shared` is the augment calls' share of it: named on the epoch line, and the
+hint then asks for less GPU work, never for more augment tasks (they add CUDA contexts, not SMs).
+
 Light (no torch, no Ray): training/spec.py, which Ray Train's controller unpickles, holds a
 DataSlots.
 """
@@ -31,7 +38,11 @@ import time
 import numpy as np
 
 READ_COST, AUGMENT_COST = "read_s", "augment_s"  # the row columns: seconds of that stage per image
-COSTS = (READ_COST, AUGMENT_COST)
+# the augment call's time on its CUDA stream per image, first operation to last (0 off a GPU): an upper
+# bound on the SMs' time, as the stream may idle in between (the kit's profile gives the SMs' own)
+AUGMENT_GPU_COST = "augment_gpu_s"
+COSTS = (READ_COST, AUGMENT_COST, AUGMENT_GPU_COST)
+DECODED_ON = "decoded_on"  # the row column: where its image was decoded (its index in augment.decode.DECODE_PLACES)
 INPUT_BOUND = 0.3  # the trainer's share of an epoch spent waiting for data (past the first batch)
 BUSY = 0.75  # a stage whose slots were this busy is the bound of an input-bound epoch
 
@@ -94,13 +105,20 @@ class Bound:
     input_bound: bool
     trainer_cpus: float = 0.0
     wait: float = 0.0  # the trainer's share of the time waiting for input (not a timings.csv column of its own)
+    gpu_shared: float = 0.0  # the augment calls' share of the trainer GPU's time, where the two contend (0: not)
 
     @classmethod
     def of_row(cls, row: dict) -> "Bound":
         """From an epoch's timings row (to_row's fields)."""
         fields = ("bound", "read_busy", "augment_busy", "tasks_busy")
-        used, wait = (float(row.get(f) or 0.0) for f in ("trainer_cpus", "steady_wait_frac"))
-        return cls(*(row[f] for f in fields), input_bound=row["bound"] != "trainer", trainer_cpus=used, wait=wait)
+        used, wait, shared = (float(row.get(f) or 0.0) for f in ("trainer_cpus", "steady_wait_frac", "gpu_shared"))
+        return cls(
+            *(row[f] for f in fields),
+            input_bound=row["bound"] != "trainer",
+            trainer_cpus=used,
+            wait=wait,
+            gpu_shared=shared,
+        )
 
     def to_row(self) -> dict:
         """timings.csv's columns."""
@@ -110,16 +128,20 @@ class Bound:
             "augment_busy": round(self.augment_busy, 4),
             "tasks_busy": round(self.tasks_busy, 4),
             "trainer_cpus": round(self.trainer_cpus, 2),
+            "gpu_shared": round(self.gpu_shared, 4),
         }
 
     def describe(self, slots: DataSlots) -> str:
-        """The epoch line's verdict; "" when the trainer is the bound."""
+        """The epoch line's verdict; "" when the trainer is the bound and has its GPU to itself."""
+        shared = ""
+        if self.gpu_shared:
+            shared = f"  GPU shared: the augment calls took {100 * self.gpu_shared:.0f}% of its time"
         if not self.input_bound:
-            return ""
-        how = hint(self.stage, slots, self.fed_cpus())
+            return shared
+        how = hint(self.stage, slots, self.fed_cpus(), self.gpu_shared)
         if self.stage == "hand-off":
-            return f"  << input-bound by the hand-off: {how}"
-        return f"  << input-bound by {self.stage} (tasks {100 * self.tasks_busy:.0f}% busy): {how}"
+            return f"  << input-bound by the hand-off: {how}{shared}"
+        return f"  << input-bound by {self.stage} (tasks {100 * self.tasks_busy:.0f}% busy): {how}{shared}"
 
     def fed_cpus(self) -> float:
         """The CPUs a train worker would keep busy if its input kept up: what it used over the
@@ -129,16 +151,17 @@ class Bound:
     def to_dict(self, slots: DataSlots) -> dict:
         """summary.json's "bound"."""
         busy = {k: v for k, v in self.to_row().items() if k != "bound"}
-        how = hint(self.stage, slots, self.fed_cpus())
+        how = hint(self.stage, slots, self.fed_cpus(), self.gpu_shared)
         planned = {"trainer_cpus_planned": slots.trainer_cpus}
         return {"stage": self.stage, **busy, **planned, "input_bound": self.input_bound, "hint": how}
 
 
-def hint(stage: str, slots: DataSlots, fed_cpus: float = 0.0) -> str:
+def hint(stage: str, slots: DataSlots, fed_cpus: float = 0.0, gpu_shared: float = 0.0) -> str:
     """The flags that would help where `stage` bounds the run. On GPUs, where the train workers
     would keep less than half of the CPUs they hold busy even with their input keeping up
     (`fed_cpus`, from the measured use), the share to give them; not on CPUs, where a worker's
-    share also sets its torch threads."""
+    share also sets its torch threads. Where the augment calls share the trainer's GPU
+    (`gpu_shared`), more of them would only add CUDA contexts: lighter work or a GPU of their own."""
     more_cpus = "leave Ray Data more CPUs (lower --cpus-per-worker or --num-workers, or add nodes)"
     share = max(1, math.ceil(1.5 * fed_cpus))
     if slots.on_gpu and 0 < fed_cpus < slots.trainer_cpus / 2 and share < slots.trainer_cpus:
@@ -149,6 +172,11 @@ def hint(stage: str, slots: DataSlots, fed_cpus: float = 0.0) -> str:
     if stage in ("read", "read + decode"):
         return more_cpus + "; for many small files or object storage, pack the tree with jobs.prepare"
     if stage == "decode + augment":
+        if slots.on_gpu and gpu_shared:
+            return (
+                "the augment calls already share the trainer's GPU, so more of them add CUDA contexts, not SMs: "
+                "a lighter preset, or augment actors on GPUs of their own (--augment-actors N --augment-gpus 1)"
+            )
         if slots.on_gpu:
             return "run more augment tasks beside each trainer (a smaller --augment-gpus) or --augment-actors N"
         return more_cpus + ", or augment on GPUs (--device cuda)"
@@ -163,15 +191,34 @@ def busy(seconds: float, slots: float, window_s: float) -> float:
 
 
 def epoch_bound(
-    slots: DataSlots, *, read_s: float, augment_s: float, steady_s: float, steady_wait: float, trainer_cpus: float = 0.0
+    slots: DataSlots,
+    *,
+    read_s: float,
+    augment_s: float,
+    steady_s: float,
+    steady_wait: float,
+    trainer_cpus: float = 0.0,
+    augment_gpu_s: float = 0.0,
+    trainer_gpu_s: float = 0.0,
+    gpus: int = 1,
 ) -> Bound:
     """The bound of one epoch's steady part, from its first batch on (the wait for that batch is
     the data tasks' start-up): the stages' seconds on the rows trained on over all ranks, its
-    seconds, the trainer's share of them waiting for input, and the CPUs a train worker kept busy."""
+    seconds, the trainer's share of them waiting for input, the CPUs a train worker kept busy,
+    and the augment calls' and the steps' seconds on CUDA streams over all ranks (`gpus` of them)."""
     read_busy = busy(read_s, slots.read, steady_s)
     augment_busy = busy(augment_s, slots.read if slots.fused else slots.augment, steady_s)
     tasks_busy = read_busy + augment_busy if slots.fused else max(read_busy, augment_busy)
-    return judge(slots, read_busy, augment_busy, tasks_busy, steady_wait, trainer_cpus)
+    shared = gpu_shared(slots, augment_gpu_s, trainer_gpu_s, steady_s * gpus)
+    return judge(slots, read_busy, augment_busy, tasks_busy, steady_wait, trainer_cpus, shared)
+
+
+def gpu_shared(slots: DataSlots, augment_gpu_s: float, trainer_gpu_s: float, gpu_s: float) -> float:
+    """The augment calls' share of the trainer GPUs' `gpu_s` seconds, where they run on those GPUs
+    and the two together took more than there was (they took turns); else 0."""
+    if not slots.on_gpu or gpu_s <= 0 or augment_gpu_s + trainer_gpu_s <= gpu_s:
+        return 0.0
+    return augment_gpu_s / gpu_s
 
 
 def judge(
@@ -181,6 +228,7 @@ def judge(
     tasks_busy: float,
     steady_wait: float,
     trainer_cpus: float = 0.0,
+    shared: float = 0.0,
 ) -> Bound:
     """The stage named for these busy fractions and this wait (the module's docstring)."""
     if steady_wait < INPUT_BOUND:
@@ -191,7 +239,8 @@ def judge(
         stage = "read + decode" if slots.decode_in_read else "read"
     else:
         stage = "decode + augment"
-    return Bound(stage, read_busy, augment_busy, tasks_busy, steady_wait >= INPUT_BOUND, trainer_cpus, steady_wait)
+    input_bound = steady_wait >= INPUT_BOUND
+    return Bound(stage, read_busy, augment_busy, tasks_busy, input_bound, trainer_cpus, steady_wait, shared)
 
 
 def steady_bound(slots: DataSlots, timings: list[dict]) -> Bound | None:
@@ -205,7 +254,7 @@ def steady_bound(slots: DataSlots, timings: list[dict]) -> Bound | None:
     def mean(field):  # trainer_cpus: 0 in the rows of older checkpoints
         return sum(float(t.get(field) or 0.0) * t["steady_s"] for t in rows) / total
 
-    fields = ("read_busy", "augment_busy", "tasks_busy", "steady_wait_frac", "trainer_cpus")
+    fields = ("read_busy", "augment_busy", "tasks_busy", "steady_wait_frac", "trainer_cpus", "gpu_shared")
     return judge(slots, *(mean(f) for f in fields))
 
 

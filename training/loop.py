@@ -29,11 +29,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from augment.decode import DECODE_PLACES
 from augment.mix import MixUpCutMix, mix_generator
 from augment.ops import Normalize
 from training import artifacts
 from training.audit import KEY_MOD, shard_record, view_digest
-from training.bounds import AUGMENT_COST, COSTS, READ_COST, Bound, DataSlots, epoch_bound
+from training.bounds import AUGMENT_COST, AUGMENT_GPU_COST, COSTS, DECODED_ON, READ_COST, Bound, DataSlots, epoch_bound
 from training.config import TrainConfig
 from training.console import EpochProgress, quiet_worker_logs
 from training.feed import EpochData, IngestWatch
@@ -43,7 +44,11 @@ from training.stamp import check_stamp, refuse_stale, stale_rows
 
 CHECKPOINT_FILE = "checkpoint.pt"
 # wall-clock, never deterministic: timings.csv's, not metrics.csv's
-TIMING_COLUMNS = ("epoch_s", "images_per_s", "data_wait_frac", "steady_s", "steady_wait_frac", "trainer_cpus", *COSTS)
+TIMING_COLUMNS = (
+    *("epoch_s", "images_per_s", "data_wait_frac", "steady_s", "steady_wait_frac", "trainer_cpus", *COSTS),
+    *("inner_images_per_s", "start_s", "trainer_gpu_s", *(f"decoded_{d}" for d in DECODE_PLACES)),
+)
+INNER = (0.1, 0.9)  # the part of an epoch its inner rate is measured over: past its start, before its tail
 
 
 class CheckpointMismatch(RuntimeError):
@@ -304,6 +309,15 @@ class EpochMeter:
         self.wait_s, self.start, self.first_step_at, self.side = 0.0, time.perf_counter(), None, None
         self.cpu_start = time.process_time()  # the process's CPU, every thread (the feed, Ray Data's executor)
         self.first_wait_s = 0.0  # the wait for the first batch: the data tasks' start-up
+        self.decoded = torch.zeros(len(DECODE_PLACES), device=device, dtype=torch.int64)  # rows by where decoded
+        self.marks: list[tuple[float, int]] = []  # (time, images) after each step: the inner rate
+        self.step_events: list = []  # CUDA events around each steady step: the trainer's GPU time
+
+    def begin_step(self) -> None:
+        """A steady step starts (past the first): its start on the device's stream, on a GPU."""
+        if self.device.type == "cuda" and self.steps:
+            self.step_events.append([torch.cuda.Event(enable_timing=True)])
+            self.step_events[-1][0].record()
 
     def timed(self, batches):
         """The batches, with the time blocked on each (the model waiting for input) counted."""
@@ -326,9 +340,15 @@ class EpochMeter:
         # (rows from the augment stage: a test's batches may have none)
         if self.steps and all(c in batch for c in COSTS):
             self.costs += torch.stack([batch[c].sum(dtype=torch.float64) for c in COSTS])
+        if DECODED_ON in batch:
+            self.decoded += torch.bincount(batch[DECODED_ON].long(), minlength=len(DECODE_PLACES))
+        if self.step_events and len(self.step_events[-1]) == 1:  # begin_step's: the step's end
+            self.step_events[-1].append(torch.cuda.Event(enable_timing=True))
+            self.step_events[-1][1].record()
         self.views = (self.views + view_digest(batch["image"], batch["key"])) % KEY_MOD
         self.keys.append(batch["key"])
         self.count += y.shape[0]
+        self.marks.append((time.perf_counter(), self.count))
         self.steps += 1
         self.side = batch["image"].shape[1]  # the height trained at (progressive resizing changes it)
         if self.first_step_at is None:  # once per epoch: when the first step finished (start-up ends there)
@@ -341,9 +361,14 @@ class EpochMeter:
         batch was augmented for another epoch."""
         elapsed, cpu_s = time.perf_counter() - self.start, time.process_time() - self.cpu_start
         seen = _all_gather(shard_record(self.keys, self.count, int(self.views), self.rng))
-        loss_sum, correct, stale, count, cpu_s, *costs = _all_reduce(
-            torch.cat([self.sums, self.sums.new_tensor([self.count, cpu_s]), self.costs])
+        if self.step_events:
+            torch.cuda.synchronize(self.device)
+        gpu_s = sum(a.elapsed_time(b) for a, b in self.step_events) / 1000
+        mine = [self.count, cpu_s, inner_rate(self.marks), self.first_wait_s, gpu_s]
+        loss_sum, correct, stale, count, cpu_s, inner, start_s, gpu_s, *rest = _all_reduce(
+            torch.cat([self.sums, self.sums.new_tensor(mine), self.costs, self.decoded.double()])
         ).tolist()
+        costs, decoded = rest[: len(COSTS)], rest[len(COSTS) :]
         refuse_stale(stale, self.epoch)
         steady_s = elapsed - self.first_wait_s
         return {
@@ -357,11 +382,29 @@ class EpochMeter:
             "steady_s": steady_s,
             "steady_wait_frac": (self.wait_s - self.first_wait_s) / max(steady_s, 1e-9),
             **dict(zip(COSTS, costs, strict=True)),
+            "trainer_gpu_s": gpu_s,  # every rank's steady steps on its CUDA stream
+            "inner_images_per_s": inner,  # the ranks' rates summed, each between INNER's marks of its epoch
+            "start_s": start_s / len(seen),  # the wait for an epoch's first batch, the ranks' mean
+            **{f"decoded_{d}": int(n) for d, n in zip(DECODE_PLACES, decoded, strict=True)},
             "trainer_cpus": cpu_s / len(seen) / max(elapsed, 1e-9),  # CPUs a rank's process kept busy
             "seen": seen,
             "first_step_at": self.first_step_at,
             "image_size": self.side,
         }
+
+
+def inner_rate(marks: list[tuple[float, int]]) -> float:
+    """Images per second between the steps that reached INNER's shares of the epoch's images (its
+    start and its tail left out); over the whole list where too few steps lie between."""
+    if len(marks) < 2:
+        return 0.0
+    total = marks[-1][1]
+    lo = next(i for i, (_, n) in enumerate(marks) if n >= INNER[0] * total)
+    hi = next(i for i, (_, n) in enumerate(marks) if n >= INNER[1] * total)
+    if hi - lo < 2:
+        lo, hi = 0, len(marks) - 1
+    (t0, n0), (t1, n1) = marks[lo], marks[hi]
+    return (n1 - n0) / max(t1 - t0, 1e-9)
 
 
 def train_epoch(learner: Learner, batches, *, epoch: int, rank: int, bar=None) -> dict:
@@ -372,6 +415,7 @@ def train_epoch(learner: Learner, batches, *, epoch: int, rank: int, bar=None) -
     for batch in meter.timed(batches):
         if meter.steps == 0:
             check_stamp(batch["epoch"], epoch)
+        meter.begin_step()
         loss, logits = train_step(learner, batch, epoch=epoch, step=meter.steps, rank=rank)
         meter.update(batch, loss, logits)
         if bar is not None:
@@ -517,6 +561,9 @@ def record_epoch(state: dict, epoch: int, stats: dict, *, lr: float, first: bool
         "data_wait_frac": round(stats["data_wait_frac"], 4),
         "steady_s": round(stats["steady_s"], 3),
         "steady_wait_frac": round(stats["steady_wait_frac"], 4),
+        "inner_images_per_s": round(stats["inner_images_per_s"], 1),
+        "start_s": round(stats["start_s"], 3),
+        **{k: stats[k] for k in TIMING_COLUMNS if k.startswith("decoded_")},
     }
     bound = epoch_bound(
         slots,
@@ -525,6 +572,9 @@ def record_epoch(state: dict, epoch: int, stats: dict, *, lr: float, first: bool
         steady_s=stats["steady_s"],
         steady_wait=stats["steady_wait_frac"],
         trainer_cpus=stats["trainer_cpus"],
+        augment_gpu_s=stats[AUGMENT_GPU_COST],
+        trainer_gpu_s=stats["trainer_gpu_s"],
+        gpus=len(state["ranks"]) if slots.on_gpu else 1,
     )
     timing |= bound.to_row()
     state["slots"] = dataclasses.asdict(slots)  # summary.json's steady bound and its hint
@@ -541,6 +591,24 @@ def write_records(spec: WorkerSpec, state: dict, row: dict) -> None:
     artifacts.write_csv(artifacts.join(run_dir, "timings.csv"), state["timings"])
     verdict = Bound.of_row(row).describe(spec.slots)
     _say(spec, format_row(row, cfg.epochs, spec.sizes is not None) + verdict, row["epoch"] - 1)
+    fell_back = cpu_fallback(row) if spec.slots.on_gpu else 0.0
+    if fell_back > CPU_FALLBACK and not state.get("said_fallback"):  # once a run
+        state["said_fallback"] = True
+        _say(
+            spec,
+            f"note: {100 * fell_back:.1f}% of epoch {row['epoch']}'s images were decoded on the CPU, not the GPU "
+            "(files its decoders refuse: other formats, CMYK, progressive JPEGs the engines refuse; or a batch they "
+            "failed on); timings.csv's decoded_* columns count them per epoch",
+        )
+
+
+CPU_FALLBACK = 0.01  # a GPU run's share of images decoded on the CPU past which the console says so
+
+
+def cpu_fallback(row: dict) -> float:
+    """An epoch's share of images decoded on the CPU (its timings row's decoded_* counts)."""
+    counts = {p: int(row.get(f"decoded_{p}") or 0) for p in DECODE_PLACES}
+    return counts["cpu"] / max(sum(counts.values()), 1)
 
 
 def report(metrics: dict, state: dict | None, epoch: int) -> None:

@@ -10,6 +10,7 @@ import time
 import ray
 import torch
 
+from augment.decode import DECODE_PLACES
 from augment.presets import Preset
 from training import artifacts, plots
 from training.audit import coverage, fingerprints, good_images
@@ -107,6 +108,12 @@ def summarize(state: dict, start: float, plan: ResourcePlan, tree: ImageTree, ba
         "data_wait_frac": round(
             sum(t["data_wait_frac"] * t["epoch_s"] for t in steady) / sum(t["epoch_s"] for t in steady), 4
         ),
+        "train_images_per_s_inner": round(  # within epochs, their start and tail left out (timings.csv)
+            sum(float(t.get("inner_images_per_s") or 0) * t["epoch_s"] for t in steady)
+            / sum(t["epoch_s"] for t in steady),
+            1,
+        ),
+        "decoded_on": {p: sum(int(t.get(f"decoded_{p}") or 0) for t in timings) for p in DECODE_PLACES},
         "wall_s": round(time.time() - start, 1),
         "bound": steady_verdict(state.get("slots"), timings),  # what bounded the steady epochs
         # launch to the end of this invocation's first training step: imports, Ray, the trainer

@@ -31,7 +31,7 @@ import ray
 import ray.data
 
 from augment.presets import Preset, preset_from_dict
-from training.bounds import AUGMENT_COST, READ_COST, seconds_per_row
+from training.bounds import AUGMENT_COST, AUGMENT_GPU_COST, DECODED_ON, READ_COST, seconds_per_row
 from training.stamp import current_epoch, stamp
 
 
@@ -83,22 +83,25 @@ class AugmentStage:
         import torch
 
         from augment.batch import augment_batch, decode_augment, default_decoder
+        from augment.decode import ON_CPU
 
         started = time.perf_counter()
         if self.device.index is not None:  # a task's cuda:N: what lands on "the" GPU lands on ours
             torch.cuda.set_device(self.device)
+        clock = StreamClock(self.device)
         epoch = current_epoch(self.clock)
         keys = torch.as_tensor(np.array(batch["key"]))
         if "bytes" in batch:
             decoder = default_decoder(self.device, self.gpu_decoder)
-            out, kept, bad = decode_augment(
+            out, kept, bad, where = decode_augment(
                 self.pipeline, batch["bytes"], keys, epoch, self.device, shrink=self.shrink, decoder=decoder
             )
             if bad and self.bad_log is not None:  # fire and forget: the driver reads the log later
                 self.bad_log.add.remote([(str(batch["path"][i]), reason) for i, reason in bad])
         else:
             out = augment_batch(self.pipeline, batch["image"], keys, epoch, self.device)
-            kept = slice(None)
+            kept, where = slice(None), [ON_CPU] * len(out)
+        clock.stop()
         image = out.cpu().numpy()  # .cpu() is a sync point on GPU
         rows = len(image)
         # key travels on so the trainer can count which images each rank saw; epoch is the stamp;
@@ -111,7 +114,32 @@ class AugmentStage:
             "epoch": stamp(rows, epoch),
             READ_COST: read,
             AUGMENT_COST: seconds_per_row(started, rows),
+            AUGMENT_GPU_COST: np.full(rows, clock.seconds() / max(rows, 1), dtype=np.float32),
+            DECODED_ON: np.asarray(where, dtype=np.int8),
         }
+
+
+class StreamClock:
+    """CUDA events around an augment call on its device's current stream (nothing off a GPU):
+    seconds() is the time from its first queued operation to its last, read after a sync."""
+
+    def __init__(self, device):
+        import torch
+
+        self.events = None
+        if device.type == "cuda":
+            self.events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.events[0].record()
+
+    def stop(self) -> None:
+        if self.events:
+            self.events[1].record()
+
+    def seconds(self) -> float:
+        if not self.events:
+            return 0.0
+        self.events[1].synchronize()
+        return self.events[0].elapsed_time(self.events[1]) / 1000
 
 
 STAGES: dict[tuple[StageArgs, str], AugmentStage] = {}  # per worker process: (args, device) -> its stage
