@@ -76,3 +76,22 @@ def test_help_lists_config_and_every_field():
     assert "--config FILE" in text
     for field in TrainConfig.__dataclass_fields__:
         assert "--" + field.replace("_", "-") in text
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--lr", "nan"], "--lr must be a finite number, got nan"),
+        (["--lr", "inf"], "--lr must be a finite number, got inf"),
+        (["--weight-decay", "nan"], "--weight-decay must be a finite number, got nan"),
+        (["--momentum", "nan"], "--momentum must be a finite number, got nan"),
+        (["--warmup-epochs", "inf"], "--warmup-epochs must be a finite number, got inf"),
+        (["--weight-decay", "-0.1"], "--weight-decay must be 0 or more, got -0.1"),
+        (["--momentum", "1.5"], "--momentum must be in [0, 1], got 1.5"),
+    ],
+)
+def test_non_finite_and_out_of_range_numbers_exit_2_before_ray(flags, message, tree, no_ray, capsys):
+    """nan fails no comparison (`lr <= 0` is False for it): a run trained on nan weights and said done."""
+    from tests.conftest import exits_2
+
+    assert exits_2(["--data", str(tree), *flags], capsys) == f"error: {message}\n"

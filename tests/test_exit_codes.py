@@ -84,3 +84,13 @@ def test_a_checkpoint_that_does_not_fit_exits_1_with_one_line(ray_cluster, small
     ), line
     assert line.endswith("rerun with --fresh to start over, or with the settings it was written with"), line
     assert (tmp_path / "old" / "summary.json").read_text() == summary  # the failed run wrote no results
+
+
+def test_a_loss_that_turns_non_finite_exits_1_with_one_line_and_no_model(ray_cluster, small_tree, tmp_path, capsys):
+    """--lr 1e30: before this check the run trained its epochs on nan weights and exited 0 "done"."""
+    argv = ["--data", str(small_tree), "--epochs", "1", "--batch-size", "4", "--lr", "1e30", "--warmup-epochs", "0"]
+    code, err = _main([*argv, "--storage-path", str(tmp_path), "--name", "nan", "--quiet"], capsys)
+    line = _one_error_line(err)
+    assert code == 1, err[-3000:]
+    assert line.startswith("error: training failed: the training loss became non-finite (nan or inf) at step "), line
+    assert "lower --lr" in line and not (tmp_path / "nan" / "model.pt").exists()

@@ -421,3 +421,19 @@ def test_a_gpu_runs_share_of_images_decoded_on_the_cpu_is_counted_from_its_row()
     row = {"decoded_engines": 950, "decoded_gpu_sms": 30, "decoded_cpu": 20}
     assert loop.cpu_fallback(row) == pytest.approx(0.02) and loop.cpu_fallback(row) > loop.CPU_FALLBACK
     assert loop.cpu_fallback({"decoded_cpu": 0}) == 0.0
+
+
+def test_a_loss_that_turns_non_finite_stops_the_run_naming_the_epoch_and_step():
+    """A learning rate far too high sends the weights to inf within a few steps: the epoch ends in
+    RunStopped, one line naming the step and the flag, and nothing of it is returned to record."""
+    learner = _learner(TrainConfig(batch_size=8, lr=1e30, warmup_epochs=0.0), _tiny_model(), steps_per_epoch=4)
+    with pytest.raises(loop.RunStopped, match=r"non-finite \(nan or inf\) at step [2-4] of epoch 1; .*lower --lr"):
+        train_epoch(learner, _batches(4, epoch=0), epoch=0, rank=0)
+    fine = _learner(TrainConfig(batch_size=8), _tiny_model(), steps_per_epoch=4)
+    assert math.isfinite(train_epoch(fine, _batches(4, epoch=0), epoch=0, rank=0)["train_loss"])
+
+
+def test_an_epoch_that_trained_no_image_stops_the_run():
+    learner = _learner(TrainConfig(batch_size=8), _tiny_model())
+    with pytest.raises(loop.RunStopped, match="epoch 3 trained no image: every file of the training split"):
+        train_epoch(learner, [], epoch=2, rank=0)

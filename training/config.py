@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import os
 import re
 import time
@@ -202,6 +203,10 @@ class TrainConfig:
     )
 
     def __post_init__(self):
+        for field in dataclasses.fields(self):  # nan passes every comparison below, inf most
+            value = getattr(self, field.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"--{field.name.replace('_', '-')} must be a finite number, got {value}")
         positive = ["epochs", "batch_size"]
         for field in positive:
             if getattr(self, field) <= 0:
@@ -214,6 +219,10 @@ class TrainConfig:
                 )
         if self.lr <= 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"--weight-decay must be 0 or more, got {self.weight_decay}")
+        if not 0 <= self.momentum <= 1:
+            raise ConfigError(f"--momentum must be in [0, 1], got {self.momentum}")
         if not 0 <= self.label_smoothing < 1:
             raise ConfigError(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
         if self.max_failures < -1:

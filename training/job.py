@@ -34,7 +34,7 @@ from training.faults import CheckpointNotice, FaultLog, alive_nodes, describe, d
 from training.feed import IngestStalled
 from training.ingest import DecodePlan, SplitValUnequally, augment_rows, build_datasets, choose_decode
 from training.inputs import auto_preset, data_place, few_steps_warning, sized_preset
-from training.loop import CHECKPOINT_FILE, CheckpointMismatch, train_loop
+from training.loop import CHECKPOINT_FILE, CheckpointMismatch, RunStopped, train_loop
 from training.planning import ResourcePlan, check_storage, cluster_capacity, plan_resources, wait_for_a_plan
 from training.results import report_bad_files, write_bad_files, write_results
 from training.spec import IngestNeeds, StallLimits, WorkerSpec
@@ -360,11 +360,11 @@ def _after_fault(attempt: Attempt, plan: ResourcePlan, error, nodes: dict, fault
 
 def worker_error(error: BaseException, *, own_only: bool = False) -> str:
     """One line for a failed run: the train loop's own error (a stalled or stale input, a
-    checkpoint that does not fit) where Ray Train wraps one, else Ray's message (`own_only`:
-    "" instead)."""
+    checkpoint that does not fit, a non-finite loss, an epoch with no image) where Ray Train
+    wraps one, else Ray's message (`own_only`: "" instead)."""
     for failure in (getattr(error, "worker_failures", None) or {}).values():
         cause = ray_private.worker_exception(failure)
-        if isinstance(cause, (IngestStalled, StaleBatch, CheckpointMismatch)):
+        if isinstance(cause, (IngestStalled, StaleBatch, CheckpointMismatch, RunStopped)):
             return str(cause)
     return "" if own_only else f"{type(error).__name__}: {error}"
 

@@ -55,6 +55,11 @@ class CheckpointMismatch(RuntimeError):
     """The run's last checkpoint does not fit this version or these settings."""
 
 
+class RunStopped(RuntimeError):
+    """The train loop's own verdict that the run cannot go on (a non-finite loss, an epoch that
+    trained no image); the message is the one line the user sees. Nothing of the epoch is kept."""
+
+
 # --------------------------------------------------------------------------- building blocks
 
 
@@ -312,6 +317,7 @@ class EpochMeter:
         self.decoded = torch.zeros(len(DECODE_PLACES), device=device, dtype=torch.int64)  # rows by where decoded
         self.marks: list[tuple[float, int]] = []  # (time, images) after each step: the inner rate
         self.step_events: list = []  # CUDA events around each steady step: the trainer's GPU time
+        self.first_bad = torch.full((), -1, device=device, dtype=torch.int64)  # the first non-finite loss's step
 
     def begin_step(self) -> None:
         """A steady step starts (past the first): its start on the device's stream, on a GPU."""
@@ -334,6 +340,8 @@ class EpochMeter:
 
     def update(self, batch: dict, loss: torch.Tensor, logits: torch.Tensor) -> None:
         y = batch["label"]
+        finite = torch.isfinite(loss.detach())  # on the device: no step waits for the host
+        self.first_bad = torch.where(~finite & (self.first_bad < 0), self.steps, self.first_bad)
         stale = stale_rows(batch["epoch"], self.epoch).double()
         self.sums += torch.stack([loss.detach().double() * y.shape[0], (logits.argmax(1) == y).sum().double(), stale])
         # past the first batch (the epoch's steady part), the stages' seconds on the rows trained on
@@ -365,11 +373,15 @@ class EpochMeter:
             torch.cuda.synchronize(self.device)
         gpu_s = sum(a.elapsed_time(b) for a, b in self.step_events) / 1000
         mine = [self.count, cpu_s, inner_rate(self.marks), self.first_wait_s, gpu_s]
-        loss_sum, correct, stale, count, cpu_s, inner, start_s, gpu_s, *rest = _all_reduce(
-            torch.cat([self.sums, self.sums.new_tensor(mine), self.costs, self.decoded.double()])
+        bad_ranks = (self.first_bad >= 0).double()[None]
+        loss_sum, correct, stale, count, cpu_s, inner, start_s, gpu_s, bad_ranks, *rest = _all_reduce(
+            torch.cat([self.sums, self.sums.new_tensor(mine), bad_ranks, self.costs, self.decoded.double()])
         ).tolist()
         costs, decoded = rest[: len(COSTS)], rest[len(COSTS) :]
         refuse_stale(stale, self.epoch)
+        self.refuse_no_images(int(count))
+        if bad_ranks:  # every rank stops alike: one whose loss stayed finite would wait for the others
+            self.refuse_non_finite(int(self.first_bad))
         steady_s = elapsed - self.first_wait_s
         return {
             "train_loss": loss_sum / max(count, 1),
@@ -391,6 +403,22 @@ class EpochMeter:
             "first_step_at": self.first_step_at,
             "image_size": self.side,
         }
+
+
+    def refuse_no_images(self, count: int) -> None:
+        if not count:
+            raise RunStopped(
+                f"epoch {self.epoch + 1} trained no image: every file of the training split that reached the "
+                "trainers failed to decode (the skipped-files line names where they are listed); no model was written"
+            )
+
+    def refuse_non_finite(self, step: int) -> None:
+        where = f"at step {step + 1} of epoch {self.epoch + 1}" if step >= 0 else f"in epoch {self.epoch + 1}"
+        raise RunStopped(
+            f"the training loss became non-finite (nan or inf) {where}; nothing of that epoch was kept. "
+            "Usually the learning rate is too high for the model and batch size: lower --lr (it scales with "
+            "--batch-size), give --warmup-epochs, or train with --amp bf16 or off instead of fp16"
+        )
 
 
 def inner_rate(marks: list[tuple[float, int]]) -> float:
