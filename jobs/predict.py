@@ -51,7 +51,7 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    from training import inference, storage
+    from training import artifacts, inference, storage
     from training.data import DataError
     from training.session import connect
 
@@ -62,6 +62,9 @@ def main(argv=None) -> int:
         info = inference.load_model_file(args.model)
         splits = inference.input_splits(args.data, info)
         storage.check_writable(storage.parent(args.out), "--out")
+        if artifacts.is_dir(args.out):  # else found only after the whole inference, a temporary file left behind
+            out = args.out.rstrip("/")
+            raise storage.StorageError(f"--out {out}: a folder; give a file to write, e.g. {out}/predictions.csv")
     except (inference.ModelFileError, DataError, storage.StorageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import io
+import os
 import re
 
 import pytest
@@ -162,3 +163,53 @@ def test_bad_input_is_one_line_and_exit_2(module, model_and_tree, tmp_path, caps
         assert main(args) == 2
         err = capsys.readouterr().err.strip()
         assert "\n" not in err and err.startswith(start) and reason in err, err
+
+
+def _edited(model_path, tmp_path, name, change) -> str:
+    info = torch.load(model_path, weights_only=True)
+    change(info)
+    torch.save(info, tmp_path / name)
+    return str(tmp_path / name)
+
+
+@pytest.mark.parametrize("module", ["jobs.predict", "jobs.evaluate"])
+def test_a_model_file_with_the_right_keys_and_bad_values_is_one_line_before_ray(
+    module, model_and_tree, tmp_path, capsys, monkeypatch
+):
+    """Before this check such a file was found only by the inference actor, after Ray started,
+    as a traceback. Each is one line naming what is wrong, exit 2, and Ray never starts."""
+    import importlib
+
+    from training import session
+
+    monkeypatch.setattr(session, "connect", lambda *a, **k: pytest.fail("Ray was started"))
+    main = importlib.import_module(module).main
+    model, data = model_and_tree
+    cases = {
+        "names.pt": (lambda i: i.update(class_names="cat"), "class_names is not a list of names"),
+        "size.pt": (lambda i: i.update(image_size="32"), "image_size is not a positive integer"),
+        "stem.pt": (lambda i: i.update(small_stem=None), "small_stem is not true or false"),
+        "weights.pt": (lambda i: i["state_dict"].pop("fc.weight"), "its weights or eval transform do not build"),
+        "shapes.pt": (lambda i: i.update(class_names=["a", "b"]), "its weights or eval transform do not build"),
+        "ops.pt": (lambda i: i["eval_transform"].update(ops=[{"warp": {}}]), "its weights or eval transform do not"),
+        "transform.pt": (lambda i: i.update(eval_transform=[]), "eval_transform has no ops, mean and std"),
+    }
+    for name, (change, reason) in cases.items():
+        path = _edited(model, tmp_path, name, change)
+        assert main(["--model", path, "--data", str(data)]) == 2, name
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"error: --model {path}: ") and reason in err, err
+
+
+def test_predict_out_naming_a_folder_is_one_line_before_ray(model_and_tree, tmp_path, capsys, monkeypatch):
+    from jobs.predict import main
+    from training import session
+
+    monkeypatch.setattr(session, "connect", lambda *a, **k: pytest.fail("Ray was started"))
+    model, data = model_and_tree
+    (tmp_path / "results").mkdir()
+    assert main(["--model", str(model), "--data", str(data), "--out", str(tmp_path / "results")]) == 2
+    err = capsys.readouterr().err
+    out = tmp_path / "results"
+    assert err == f"error: --out {out}: a folder; give a file to write, e.g. {out}/predictions.csv\n"
+    assert os.listdir(out) == []

@@ -45,6 +45,13 @@ def exists(uri: str) -> bool:
     return fs.get_file_info(path).type != pafs.FileType.NotFound
 
 
+def is_dir(uri: str) -> bool:
+    import pyarrow.fs as pafs
+
+    fs, path = _fs(uri)
+    return fs.get_file_info(path).type == pafs.FileType.Directory
+
+
 def remove_tree(uri: str) -> None:
     fs, path = _fs(uri)
     fs.delete_dir(path)

@@ -66,7 +66,38 @@ def load_model_file(path: str) -> dict:
             f"--model {path}: architecture {info['arch']!r}, which this torchvision does not have; run it with the "
             "torchvision that trained it"
         )
+    check_model_values(info, path)
     return info | {"path": path}
+
+
+def check_model_values(info: dict, path: str) -> None:
+    """ModelFileError where a value of a model.pt is not what jobs.train writes, or where its weights
+    and eval transform do not build (the inference actors would fail on them only after Ray starts)."""
+    names, t = info["class_names"], info["eval_transform"]
+    problems = [
+        "arch is not a name" if not isinstance(info["arch"], str) else "",
+        "class_names is not a list of names"
+        if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) for n in names)
+        else "",
+        "image_size is not a positive integer"
+        if not isinstance(info["image_size"], int) or isinstance(info["image_size"], bool) or info["image_size"] <= 0
+        else "",
+        "small_stem is not true or false" if not isinstance(info["small_stem"], bool) else "",
+        "state_dict is not a mapping of tensors"
+        if not isinstance(info["state_dict"], dict)
+        or not all(isinstance(v, torch.Tensor) for v in info["state_dict"].values())
+        else "",
+        "eval_transform has no ops, mean and std" if not isinstance(t, dict) or {"ops", "mean", "std"} - set(t) else "",
+    ]
+    problems = [p for p in problems if p]
+    if not problems:
+        try:
+            Predictor(info)
+        except Exception as e:  # noqa: BLE001 - whatever its values break: one line, before Ray
+            why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+            problems = [f"its weights or eval transform do not build ({why})"]
+    if problems:
+        raise ModelFileError(f"--model {path}: {'; '.join(problems)}; give the model.pt of a run directory unchanged")
 
 
 def list_inputs(root: str, class_names, split: str = "all", val_fraction: float = 0.2) -> Split:
