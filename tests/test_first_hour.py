@@ -210,6 +210,15 @@ def test_an_epoch_of_too_few_steps_is_warned_of_with_a_batch_size_that_gives_eno
         "warm-up; --batch-size 16 gives 5"
     )
     assert few_steps_warning(TrainConfig(batch_size=16), tree) is None
+    # 24 images at --batch-size 8: 3 steps, and no batch size of 8 or more gives 4; it used to say "--batch-size 8"
+    small = write_tree(tmp_path / "small", {"a": 12, "b": 12})
+    cfg, tree = check_inputs(TrainConfig(data=str(small), val_fraction=0.0, batch_size=8))
+    line = few_steps_warning(cfg, tree)
+    assert (
+        line.startswith("warning: 24 training images at --batch-size 8 are 3 step(s) an epoch")
+        and "--batch-size 8 " not in line[50:]
+    )
+    assert line.endswith("more training images would help")
 
 
 def _guide_block_after(heading: str) -> list[str]:

@@ -180,10 +180,13 @@ def few_steps_warning(cfg: TrainConfig, tree: ImageTree) -> str | None:
     if steps >= MIN_STEPS_PER_EPOCH:
         return None
     fits = max(8, len(tree.train) // MIN_STEPS_PER_EPOCH // 8 * 8)
-    return (
+    said = (
         f"warning: {len(tree.train)} training images at --batch-size {cfg.batch_size} are {steps or 1} step(s) an "
-        f"epoch, too few for batch norm and the warm-up; --batch-size {fits} gives {len(tree.train) // fits}"
+        "epoch, too few for batch norm and the warm-up"
     )
+    if fits < cfg.batch_size:
+        return f"{said}; --batch-size {fits} gives {len(tree.train) // fits}"
+    return f"{said}; a batch smaller than 8 is too few for batch norm itself: more training images would help"
 
 
 def preset_name(cfg: TrainConfig, tree: ImageTree) -> str:
