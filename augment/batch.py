@@ -8,15 +8,24 @@ from typing import NamedTuple
 
 import torch
 
-from augment import engines
+from augment import engines, fused
 from augment.decode import GPU_SMS, ON_CPU, BadImage, decode_cuda, decode_image, read_header
-from augment.pipeline import Pipeline, to_canvas
-from augment.ragged import CHW, HWC, RaggedImages
+from augment.pipeline import Pipeline
 
 
 def augment_batch(pipeline: Pipeline, images, keys: torch.Tensor, epoch: int, device: torch.device) -> torch.Tensor:
-    """Decoded images (a uint8 (B, H, W, 3) array or a ragged object array) -> uint8 (B, S, S, 3)."""
-    return pipeline.at_epoch(epoch).augment_images(images, keys, device)
+    """Decoded images (a uint8 (B, H, W, 3) array or a ragged object array) -> uint8 (B, S, S, 3).
+    On the CPU a chunk at a time (the pipeline's CPU_CHUNK_PIXELS); a GPU takes the batch whole."""
+    device = torch.device(device)
+    pipe = pipeline.at_epoch(epoch)
+    sizes = torch.tensor([im.shape[:2] for im in images], dtype=torch.int64).view(-1, 2).to(device)
+    request = pipe.request(sizes, keys.to(device))
+    if device.type != "cpu":
+        return pipe.finish(request, images, path=gpu_path(pipe, device))
+    out = torch.empty((len(images), *pipe.out_hw, 3), dtype=torch.uint8)
+    for c in pipe.chunks(len(images)):
+        pipe.finish(request.take(c), images[c], path="cpu", out=out[c])
+    return out
 
 
 DECODERS = ("cpu", "nvjpeg", "nvimgcodec", "nvimgcodec-whole")
@@ -44,6 +53,14 @@ def default_decoder(device: torch.device, gpu: str = "auto") -> str:
     return "nvimgcodec" if engines.usable() else "nvjpeg"
 
 
+def gpu_path(pipe, device) -> str:
+    """The GPU's way to the first op (augment.pipeline.PATHS): on a GPU the fused kernel where Triton
+    runs it and it covers the pipeline's first op, else the ragged buffer and the torch ops (the
+    kernel runs on a CPU only when asked for: Triton's interpreter is slow)."""
+    usable = torch.device(device).type == "cuda" and fused.available(device) and fused.fused_prefix(pipe.ops)
+    return "fused" if usable else "ragged"
+
+
 def decode_augment(
     pipeline: Pipeline,
     encoded,
@@ -53,33 +70,30 @@ def decode_augment(
     *,
     shrink: bool,
     decoder: str | None = None,
-    ragged: bool = True,
-):
+    path: str | None = None,
+) -> Decoded:
     """Encoded files -> Decoded: uint8 (B', S, S, 3), the indices of the B' rows kept, [(row, reason)]
     of the rest, and where each kept image was decoded.
 
-    Each image's parameters are drawn from its header's size before it is decoded, so its
-    augmentation is the same whatever batch it lands in and however it is decoded.
-    `decoder` (DECODERS; default_decoder(device) if None):
+    Each image's parameters are drawn from its header's size before it is decoded (the pipeline's
+    DecodeRequest), so its augmentation is the same whatever batch it lands in and however it is
+    decoded. `decoder` (DECODERS; default_decoder(device) if None):
     * "cpu": libjpeg-turbo a chunk of images at a time, so that the decoded pixels of a chunk
       are augmented while in the caches. With `shrink` (the CPU train path), a JPEG whose crop
-      still covers the output at 1/2, 1/4 or 1/8 scale is decoded at that scale and its draws
-      fitted to it (the epoch pipeline's decode_scales and fit_to_decoded).
+      still covers the output at 1/2, 1/4 or 1/8 scale is decoded at that scale.
     * "nvjpeg": the whole batch at full size in one batched torchvision call.
     * "nvimgcodec": the whole batch in one batched nvImageCodec call, each image only in the
-      region the first op reads (augment/engines.py), the draws moved into it;
-      "nvimgcodec-whole" the same call on whole images (for bench/gpu_path.py to compare).
-    The batched decoders run on CPU tensors too: the tests take the GPU path through them on
-    a machine without one. Their images go to the first op as one ragged buffer
-    (augment/ragged.py), with no canvas and nothing launched per image; everything after the
-    first op is the same code on every device. `ragged=False` gives them the canvas of
-    earlier versions (a padded batch, the matmul resampler), for bench/gpu_path.py to compare.
+      region the first op reads (augment/engines.py); "nvimgcodec-whole" the same call on whole
+      images (for bench/gpu_path.py to compare).
+    The batched decoders run on CPU tensors too: the tests take the GPU path through them on a
+    machine without one. `path` (augment.pipeline.PATHS; default: gpu_path's for the batched
+    decoders) is how their images reach the first op.
     """
     decoder = decoder or default_decoder(device)
     if decoder not in DECODERS:
         raise ValueError(f"decoder must be one of {', '.join(DECODERS)}, got {decoder!r}")
-    batched = decoder != "cpu"
     pipe = pipeline.at_epoch(epoch)
+    path = "cpu" if decoder == "cpu" else path or gpu_path(pipe, device)
     headers, bad = [], []
     for i, data in enumerate(encoded):
         try:
@@ -88,37 +102,22 @@ def decode_augment(
             bad.append((i, str(e)))
     if not headers:
         return Decoded(pipe.empty(device), [], bad, [])
-    n = len(headers)
-    all_rows = torch.tensor([h[0] for h in headers], dtype=torch.int64)
-    all_sizes = torch.tensor([h[1:3] for h in headers], dtype=torch.int64, device=device).view(-1, 2)
-    draws = pipe.sample(all_sizes, keys[all_rows].to(device))  # every image's, once for the batch
-    if shrink and not batched:
-        factors = pipe.decode_scales(draws)
-    else:
-        factors = torch.ones(n, dtype=torch.int64, device=device)
-    regions = pipe.read_regions(draws) if decoder == "nvimgcodec" else None
-    # on the CPU each chunk's pixels are written straight into the batch's rows
-    out = torch.empty((n, *pipe.out_hw, 3), dtype=torch.uint8) if device.type == "cpu" else None
+    sizes = torch.tensor([h[1:3] for h in headers], dtype=torch.int64, device=device).view(-1, 2)
+    rows = torch.tensor([h[0] for h in headers], dtype=torch.int64)
+    shrink = shrink and path == "cpu"
+    request = pipe.request(sizes, keys[rows].to(device), shrink=shrink, regions=decoder == "nvimgcodec")
+    # on the CPU's path each chunk's pixels are written straight into the batch's rows
+    out = torch.empty((len(headers), *pipe.out_hw, 3), dtype=torch.uint8) if path == "cpu" else None
     outs, kept, where = [], [], []
     try:
-        for c in pipe.chunks(n) if not batched else [slice(0, n)]:
-            chunk_regions = None if regions is None else regions[c].tolist()
-            images, good, cropped, on = _decode_chunk(
-                encoded, headers[c], factors[c], chunk_regions, device, bad, decoder
-            )
+        for c in pipe.chunks(len(headers)) if path == "cpu" else [slice(0, len(headers))]:
+            part = request.take(c)
+            images, good, cropped, on = _decode_chunk(encoded, headers[c], part, device, bad, decoder)
             if not good:
                 continue
-            sel = torch.tensor(good, dtype=torch.int64, device=device) + c.start  # the decoded images' rows
-            chunk, sizes = draws.take(sel), all_sizes[sel]
-            if regions is not None:  # the images decoded as their regions: draws and sizes in the region's terms
-                inside = torch.tensor(cropped, dtype=torch.bool, device=device)
-                chunk = pipe.in_regions(chunk, regions[sel], inside)
-                sizes = torch.where(inside[:, None], regions[sel][:, 2:], sizes)
-            canvas, decoded = _to_first_op(pipe, images, device, decoder, ragged)
-            chunk = pipe.fit_to_decoded(chunk, sizes, decoded, factors[sel])
-            rows = None if out is None else out[len(kept) : len(kept) + len(good)]
-            outs.append(pipe.apply(canvas, decoded, chunk, rows))
-            kept += all_rows[sel.cpu()].tolist()
+            into = None if out is None else out[len(kept) : len(kept) + len(good)]
+            outs.append(pipe.finish(part.take(good), images, path=path, cropped=cropped, out=into))
+            kept += rows[c][good].tolist()
             where += on
     finally:
         if decoder.startswith("nvimgcodec") and device.type == "cuda":
@@ -129,31 +128,17 @@ def decode_augment(
     return Decoded(images, kept, bad, where if device.type == "cuda" else [ON_CPU] * len(kept))
 
 
-def _to_first_op(pipe, images: list, device, decoder: str, ragged: bool):
-    """The decoded images as the first op takes them, and their (h, w)."""
-    layout = CHW if decoder == "nvjpeg" else HWC  # torchvision's decoders give (3, H, W)
-    if decoder != "cpu" and ragged:  # every image to the first op as it was decoded, in one buffer: no canvas
-        canvas = RaggedImages.from_images(images, device, layout)
-        return canvas, canvas.sizes
-    if decoder != "cpu":
-        hwc = [a.permute(1, 2, 0) if isinstance(a, torch.Tensor) and layout == CHW else a for a in images]
-        canvas, decoded = to_canvas(hwc)
-        return canvas.to(device), decoded.to(device)
-    if pipe.takes_image_list:
-        return [torch.from_numpy(a) for a in images], torch.tensor([a.shape[:2] for a in images], dtype=torch.int64)
-    return to_canvas(images)
-
-
-def _decode_chunk(encoded, chunk, factors, regions, device, bad, decoder: str):
-    """The chunk's images (HWC uint8 arrays or device tensors), their positions in the chunk,
-    whether each is its region (`regions`, nvImageCodec only) and where each was decoded; a file
-    that fails to decode is added to `bad` as (row, reason)."""
+def _decode_chunk(encoded, chunk, request, device, bad, decoder: str):
+    """The chunk's images ((H, W, 3)-shaped uint8 arrays or device tensors), their positions in the
+    chunk, whether each is its request's region and where each was decoded; a file that fails to
+    decode is added to `bad` as (row, reason)."""
     datas, jpeg = [encoded[h[0]] for h in chunk], [h[3] for h in chunk]
     cropped, where = [False] * len(chunk), [ON_CPU] * len(chunk)
     if decoder == "nvjpeg":
-        results = decode_cuda(datas, jpeg, device)
+        results = [_hwc(r) for r in decode_cuda(datas, jpeg, device)]
         where = [GPU_SMS if isinstance(r, torch.Tensor) else ON_CPU for r in results]
     elif decoder.startswith("nvimgcodec"):
+        regions = None if request.regions is None else request.regions.tolist()  # host sync, once a batch
         try:
             results, cropped, where = engines.decode_regions(datas, jpeg, regions, device)
         except engines.EngineFailure:  # said once: this batch and the next go to nvjpeg, as (H, W, 3) views
@@ -162,17 +147,11 @@ def _decode_chunk(encoded, chunk, factors, regions, device, bad, decoder: str):
         else:
             results = [_decoded(data, 1) if r is None else r for data, r in zip(datas, results, strict=True)]
     else:
+        factors = [1] * len(chunk) if request.scales is None else request.scales.tolist()
         results = [_decoded(data, int(f)) for data, f in zip(datas, factors, strict=True)]
-    images, good, kept_cropped, kept_where = [], [], [], []
-    for j, result in enumerate(results):
-        if isinstance(result, BadImage):
-            bad.append((chunk[j][0], str(result)))
-        else:
-            images.append(result)
-            good.append(j)
-            kept_cropped.append(cropped[j])
-            kept_where.append(where[j])
-    return images, good, kept_cropped, kept_where
+    good = [j for j, r in enumerate(results) if not isinstance(r, BadImage)]
+    bad += [(chunk[j][0], str(r)) for j, r in enumerate(results) if isinstance(r, BadImage)]
+    return [results[j] for j in good], good, [cropped[j] for j in good], [where[j] for j in good]
 
 
 def _hwc(image):

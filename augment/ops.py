@@ -58,6 +58,7 @@ class Op(torch.nn.Module):
     # True: on the CPU, `apply` also takes a list of (H, W, 3) uint8 images in place of the
     # canvas (each image is resampled on its own there), sparing the copy into a canvas
     takes_image_list = False
+    uniforms = 0  # uniforms sample draws per image, where it is known (KeyedRng.prefetch draws them at once)
     scalable: tuple[str, ...] = ()  # parameters that a strength schedule may scale
     # geometry ops: lengths in px besides `size` that scale with it (--image-size, progressive resizing)
     lengths: tuple[str, ...] = ()
@@ -110,6 +111,13 @@ class Op(torch.nn.Module):
         return self.apply(x, self.sample(rng, sizes), sizes)
 
 
+@functools.cache
+def constant(values, device) -> torch.Tensor:
+    """A small constant tensor on `device`, made once (a fresh one would be an upload on a GPU at
+    every batch). Never written to: hand out expanded views, or compute from it."""
+    return torch.tensor(values, device=device)
+
+
 def _as_pair(size) -> tuple[int, int]:
     return (int(size), int(size)) if isinstance(size, (int, float)) else (int(size[0]), int(size[1]))
 
@@ -145,6 +153,7 @@ class RandomCrop(Op):
     """torchvision.transforms.RandomCrop(size, padding, pad_if_needed=True, fill) on a batch."""
 
     name = "random_crop"
+    uniforms = 2  # what sample draws per image (KeyedRng.prefetch)
     geometry = True
     lengths = ("padding",)
 
@@ -200,6 +209,7 @@ class HorizontalFlip(Op):
     """torchvision.transforms.RandomHorizontalFlip(p)."""
 
     name = "horizontal_flip"
+    uniforms = 1  # what sample draws per image (KeyedRng.prefetch)
 
     def __init__(self, *, p: float = 0.5):
         super().__init__()
@@ -240,6 +250,7 @@ class ColorJitter(Op):
     """
 
     name = "color_jitter"
+    uniforms = 9  # what sample draws per image (KeyedRng.prefetch)
     scalable = ("brightness", "contrast", "saturation", "hue")
 
     def __init__(
@@ -267,8 +278,7 @@ class ColorJitter(Op):
 
     def sample(self, rng, sizes):
         u = rng.uniform(self.stream, 9)  # 4 factors, 4 order keys, 1 apply draw
-        lo = torch.tensor([r[0] for r in self._ranges()], device=u.device)
-        hi = torch.tensor([r[1] for r in self._ranges()], device=u.device)
+        lo, hi = constant(tuple(self._ranges()), u.device).unbind(1)
         factors = lo + u[:, :4] * (hi - lo)  # (B, 4): brightness, contrast, saturation, hue
         n = 4 if self.hue > 0 else 3  # without hue, only the order of the first three matters
         order = torch.argsort(u[:, 4 : 4 + n], dim=1)  # a uniformly random permutation per image
@@ -277,7 +287,7 @@ class ColorJitter(Op):
     def apply(self, x, params, sizes=None):
         if self._compiled(x):
             return self.apply_(x.clone(), params)
-        factors, order = self._factors(params), params["order"]
+        factors, order = self.factors_or_identity(params), params["order"]
         w = _GRAY.tolist()
         for step in range(order.shape[1]):
             op = order[:, step].view(-1, 1, 1, 1)  # which adjustment each image makes now
@@ -297,11 +307,11 @@ class ColorJitter(Op):
     def apply_(self, x, params, sizes=None):
         if not self._compiled(x):
             return self.apply(x, params)
-        return compiled_loops().color_jitter_(x, self._factors(params), params["order"])
+        return compiled_loops().color_jitter_(x, self.factors_or_identity(params), params["order"])
 
-    def _factors(self, params) -> torch.Tensor:
+    def factors_or_identity(self, params) -> torch.Tensor:
         """(B, 4) factors, the identity's for the images that do not jitter."""
-        identity = torch.tensor([1.0, 1.0, 1.0, 0.0], device=params["factors"].device)
+        identity = constant((1.0, 1.0, 1.0, 0.0), params["factors"].device)
         return torch.where(params["apply"][:, None], params["factors"], identity)
 
     def _compiled(self, x) -> bool:
@@ -406,10 +416,10 @@ def resample_boxes(canvas, box, resized, offset, out_hw, method: str = "auto", d
 
 
 def _first_valid(ok: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """values[b, first index where ok[b]] (any index if none is ok): torchvision's
-    'try 10 times, keep the first that fits', for the whole batch at once."""
+    """values[..., b, first index where ok[b]] (any index if none is ok) for (..., B, tries)
+    values: torchvision's 'try 10 times, keep the first that fits', for the whole batch at once."""
     first = ok.to(torch.uint8).argmax(1, keepdim=True)
-    return values.gather(1, first)[:, 0]
+    return values.gather(-1, first.expand(*values.shape[:-1], 1))[..., 0]
 
 
 @register
@@ -422,6 +432,7 @@ class RandomResizedCrop(Op):
     """
 
     name = "random_resized_crop"
+    uniforms = 22  # what sample draws per image (KeyedRng.prefetch)
     geometry = True
     takes_image_list = True
     scalable = ("scale", "ratio")
@@ -454,9 +465,10 @@ class RandomResizedCrop(Op):
         area = (h * w)[:, None] * (self.scale[0] + u[:, :10] * (self.scale[1] - self.scale[0]))
         lr = (math.log(self.ratio[0]), math.log(self.ratio[1]))
         ar = torch.exp(lr[0] + u[:, 10:20] * (lr[1] - lr[0]))
-        cw, ch = torch.round(torch.sqrt(area * ar)), torch.round(torch.sqrt(area / ar))
-        ok = (cw > 0) & (cw <= w[:, None]) & (ch > 0) & (ch <= h[:, None])
-        cw, ch, found = _first_valid(ok, cw), _first_valid(ok, ch), ok.any(1)
+        sides = torch.round(torch.sqrt(torch.stack([area * ar, area / ar])))  # (2, B, 10): widths, heights
+        ok = (sides > 0).all(0) & (sides[0] <= w[:, None]) & (sides[1] <= h[:, None])
+        cw, ch = _first_valid(ok, sides).unbind(0)
+        found = ok.any(1)
         # fallback: the whole image, clamped to the ratio range, centred
         in_ratio = w / h
         fw = torch.where(in_ratio > self.ratio[1], torch.round(h * self.ratio[1]), w)
@@ -465,8 +477,8 @@ class RandomResizedCrop(Op):
         top = torch.where(found, torch.floor(u[:, 20] * (h - ch + 1)), torch.div(h - ch, 2, rounding_mode="floor"))
         left = torch.where(found, torch.floor(u[:, 21] * (w - cw + 1)), torch.div(w - cw, 2, rounding_mode="floor"))
         box = torch.stack([top, left, ch, cw], 1).long()
-        out = torch.tensor(self.size, device=sizes.device).expand(len(sizes), 2)
-        return {"box": box, "resized": out, "offset": torch.zeros_like(out)}
+        out = constant(self.size, sizes.device).expand(len(sizes), 2)
+        return {"box": box, "resized": out, "offset": constant((0, 0), sizes.device).expand(len(sizes), 2)}
 
     def apply(self, canvas, params, sizes=None):
         return resample_boxes(canvas, params["box"], params["resized"], params["offset"], self.size, self.method)
@@ -549,6 +561,7 @@ class RandomErasing(Op):
     """
 
     name = "random_erasing"
+    uniforms = 23  # what sample draws per image (KeyedRng.prefetch)
     scalable = ("scale",)
 
     def __init__(self, *, p: float = 0.5, scale=(0.02, 0.33), ratio=(0.3, 3.3), value=0.0):

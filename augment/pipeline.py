@@ -1,13 +1,17 @@
 """A list of op specs as one module, in two phases as Kornia's ops have them:
 
-    pipe = pipeline.at_epoch(epoch)        # the ops at that epoch's size and strength
-    draws = pipe.sample(sizes, keys)        # every op's parameters for the batch, drawn once
-    out = pipe.apply(canvas, sizes, draws)  # uint8 (B, S, S, 3); CPU chunks inside
+    pipe = pipeline.at_epoch(epoch)                  # the ops at that epoch's size and strength
+    request = pipe.request(sizes, keys, ...)         # every op's draws for the batch, drawn once, and
+                                                     # what they ask of a decoder (scales, regions)
+    out = pipe.finish(request, images, path=...)     # the images as decoded -> uint8 (B, S, S, 3)
 
-The same on the CPU (a chunk of images at a time, which keeps the float intermediates in
-the caches) and on a GPU (the whole batch). Each image's parameters come from its own key
-(augment/rng.py), so the result of an image depends only on the seed, the epoch, its key
-and its size: drawn for a whole batch or for a chunk of it, they are the same.
+A decoder (augment/batch.py) asks one question per batch, the DecodeRequest, and hands back
+what it decoded; the pipeline fits the draws to it and runs the ops: on the CPU a chunk of
+images at a time (the caller's chunks, which keep the float intermediates in the caches), on a
+GPU the whole batch, through the fused kernel (augment/fused.py) where it covers the first ops,
+else the ragged buffer (augment/ragged.py) and the torch ops. Each image's parameters come
+from its own key (augment/rng.py), so the result of an image depends only on the seed, the
+epoch, its key and its size: drawn for a whole batch or for a chunk of it, they are the same.
 
 The runtime half of a preset (augment/presets.py holds presets as data and loads them).
 """
@@ -21,6 +25,7 @@ import numpy as np
 import torch
 
 from augment.errors import PresetError
+from augment.fused import FusedPlan, augment_first_ops, fused_prefix, on_device
 from augment.kornia_ops import is_kornia
 from augment.ops import OPS, KorniaOp, Op, compiled_loops
 from augment.presets import scale_geometry, spec_side
@@ -80,13 +85,6 @@ class EpochPipeline(torch.nn.Module):
         """The CPU's chunks of a batch of n images (see CPU_CHUNK_PIXELS)."""
         return [slice(i, min(n, i + self.cpu_chunk)) for i in range(0, n, self.cpu_chunk)]
 
-    @property
-    def takes_image_list(self) -> bool:
-        """On the CPU, `apply` may take a list of (H, W, 3) uint8 images in place of a canvas:
-        the first op resamples each image on its own, so no copy into a canvas is needed."""
-        first = self.ops[0]
-        return first.takes_image_list and getattr(first, "method", "auto") != "matmul"
-
     def empty(self, device) -> torch.Tensor:
         return torch.empty((0, *self.out_hw, 3), dtype=torch.uint8, device=device)
 
@@ -94,32 +92,51 @@ class EpochPipeline(torch.nn.Module):
     def sample(self, sizes: torch.Tensor, keys: torch.Tensor) -> Draws:
         """Every op's parameters for images of `sizes` (full size, e.g. from the file headers)."""
         rng = KeyedRng(keys, self.seed, self.epoch)
+        rng.prefetch({op.stream: op.uniforms for op in self.ops})
         rest = tuple(op.sample(rng, None) if type(op).forward is Op.forward else None for op in self.ops[1:])
         return Draws(keys, self.ops[0].sample(rng, sizes), rest)
 
-    def decode_scales(self, draws: Draws) -> torch.Tensor:
-        """Per image, the factor (augment.decode.SHRINK_FACTORS) by which a decoder may shrink it
-        and lose nothing of the output's resolution: 1 where the first op needs it whole."""
-        factors = self.ops[0].max_shrink(draws.first)
-        return torch.ones(len(draws.keys), dtype=torch.int64, device=draws.keys.device) if factors is None else factors
+    @torch.no_grad()
+    def request(self, sizes: torch.Tensor, keys: torch.Tensor, *, shrink: bool = False, regions: bool = False):
+        """The batch's DecodeRequest: every op's draws for images of `sizes` (full size, from the
+        headers), and from them, where asked, the factor each JPEG may be decoded smaller by and
+        the region of each image the first op reads."""
+        draws = self.sample(sizes, keys)
+        scales = self.ops[0].max_shrink(draws.first) if shrink else None
+        return DecodeRequest(draws, sizes, scales, self.ops[0].region(draws.first) if regions else None)
 
-    def read_regions(self, draws: Draws) -> torch.Tensor | None:
-        """Per image, the box (top, left, h, w) of the full-size image that the first op reads
-        (a decoder may decode just that: augment/engines.py); None: it reads whole images."""
-        return self.ops[0].region(draws.first)
+    @torch.no_grad()
+    def finish(self, request: "DecodeRequest", images, *, path: str, cropped=None, out=None) -> torch.Tensor:
+        """The request's images as decoded (uint8 (H, W, 3)-shaped: numpy arrays, or tensors of any
+        strides, or one (B, H, W, 3) array) -> uint8 (B, S, S, 3), in `out` if given. `cropped`:
+        per image whether it was decoded as its request's region. `path` (PATHS): the CPU's
+        per-image first op; the GPU's ragged buffer; the fused kernel (augment/fused.py); the
+        padded canvas of earlier versions (bench/gpu_path.py compares them)."""
+        device = request.sizes.device
+        decoded = torch.tensor([im.shape[:2] for im in images], dtype=torch.int64).view(-1, 2).to(device)
+        draws = self._as_decoded(request, decoded, cropped)
+        if path == "fused":
+            return self._fused(images, decoded, draws, out)
+        return self.apply(self._first_input(images, path, device), decoded, draws, out)
 
-    def in_regions(self, draws: Draws, regions: torch.Tensor, inside: torch.Tensor) -> Draws:
-        """The draws for images of which only `regions` were decoded, where `inside`."""
-        return draws.with_first(self.ops[0].in_region(draws.first, regions, inside))
-
-    def fit_to_decoded(self, draws: Draws, sizes, decoded, factors) -> Draws:
-        """The draws for the images as they were decoded (`sizes` the headers', `decoded` the
-        decoded ones'). An image that came back at 1/f of its size gets its box rescaled; one at
-        full size (a format without reduced decoding) keeps its parameters; one whose size
-        matches neither (a header that lied) gets parameters drawn for the size it has, so no
+    def _as_decoded(self, request: "DecodeRequest", decoded: torch.Tensor, cropped) -> Draws:
+        """The request's draws for its images as decoded (`decoded` their sizes): moved into the
+        regions decoded alone, the boxes rescaled for JPEGs decoded smaller, and drawn afresh for
+        an image whose size matches neither its header nor its scale (a header that lied), so no
         crop ever reaches outside an image."""
-        scaled = -torch.div(-sizes, factors[:, None], rounding_mode="floor")  # ceil(size / f)
+        draws, sizes = request.draws, request.sizes
+        if request.regions is not None and cropped is not None:
+            inside = torch.tensor(list(cropped), dtype=torch.bool, device=sizes.device)
+            draws = draws.with_first(self.ops[0].in_region(draws.first, request.regions, inside))
+            sizes = torch.where(inside[:, None], request.regions[:, 2:], sizes)
         full = (decoded == sizes).all(1)
+        if request.scales is None:  # decoded at full size (the GPU's decoders): one check, one host sync
+            if bool(full.all()):
+                return draws
+            factors = torch.ones_like(sizes[:, 0])
+        else:
+            factors = request.scales
+        scaled = -torch.div(-sizes, factors[:, None], rounding_mode="floor")  # ceil(size / f)
         shrunk = (decoded == scaled).all(1) & (factors > 1)
         first = draws.first
         if not bool((full | shrunk).all()):  # host sync, once a chunk
@@ -129,55 +146,85 @@ class EpochPipeline(torch.nn.Module):
             first = self.ops[0].shrink_params(first, torch.where(shrunk, factors, 1))
         return draws.with_first(first)
 
-    @torch.no_grad()
-    def apply(self, canvas, sizes: torch.Tensor, draws: Draws, out: torch.Tensor | None = None) -> torch.Tensor:
-        """canvas: uint8 (B, Hmax, Wmax, 3), a RaggedImages (augment/ragged.py: the GPU's), or
-        a list of HWC images where takes_image_list;
-        sizes: int64 (B, 2) of the images in it -> uint8 (B, S, S, 3), in `out` if given (a
-        contiguous uint8 (B, S, S, 3) on the CPU: the rows of a larger batch). A canvas on the
-        CPU goes through a chunk of images at a time."""
-        b = len(canvas)
-        if not isinstance(canvas, torch.Tensor) or canvas.device.type != "cpu" or b <= self.cpu_chunk:
-            return self._apply(canvas, sizes, draws, out).contiguous()
-        out = torch.empty((b, *self.out_hw, 3), dtype=torch.uint8) if out is None else out
-        for c in self.chunks(b):
-            self._apply(canvas[c], sizes[c], draws.take(torch.arange(c.start, c.stop)), out[c])
-        return out
+    def _first_input(self, images, path: str, device):
+        """The decoded images as the first op takes them on `path` (see finish)."""
+        if path == "ragged":  # every image as it was decoded, in one buffer: no canvas (augment/ragged.py)
+            return RaggedImages.from_images(list(images), device)
+        if path == "cpu" and self.ops[0].takes_image_list and getattr(self.ops[0], "method", "auto") != "matmul":
+            return [torch.as_tensor(a) for a in images]  # the first op resamples each image on its own: no canvas
+        canvas, _ = to_canvas(images)
+        return canvas.to(device)
 
-    def _apply(self, canvas, sizes, draws: Draws, out: torch.Tensor | None) -> torch.Tensor:
-        rng = KeyedRng(draws.keys, self.seed, self.epoch)
-        x = self.ops[0].apply(canvas, draws.first, sizes)  # float (B, 3, S, S)
+    def _fused(self, images, decoded: torch.Tensor, draws: Draws, out) -> torch.Tensor:
+        """The fused kernel for the first op and the flip and jitter after it, then the ops it does
+        not cover on its float output as apply runs them."""
+        n = fused_prefix(self.ops)
+        plan = FusedPlan.of(self.ops[:n], draws.first, draws.rest[: n - 1], decoded)
+        views = on_device(images, decoded.device)
+        later = list(zip(self.ops[n:], draws.rest[n - 1 :], strict=True))
+        x = augment_first_ops(views, plan.meta, plan.factors, *self.out_hw, plan.fill, bool(later))
+        if later:
+            x = self._later(x, draws, later)
+            return to_uint8_nhwc(x, out)
+        return x if out is None else out.copy_(x)
+
+    @torch.no_grad()
+    def apply(self, first_input, sizes: torch.Tensor, draws: Draws, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The ops on the first op's input (a uint8 (B, Hmax, Wmax, 3) canvas, a RaggedImages, or
+        on the CPU a list of (H, W, 3) images); sizes int64 (B, 2) of the images in it -> uint8
+        (B, S, S, 3), in `out` if given (a contiguous uint8 (B, S, S, 3) on the CPU: the rows of a
+        larger batch). Whole batches: the CPU's callers hand it a chunk at a time (batch.py)."""
+        x = self.ops[0].apply(first_input, draws.first, sizes)  # float (B, 3, S, S)
         # planar on the CPU: the pixel ops' loops are faster on it there (docs/design.md,
         # "Choices and where they were measured"); the GPU's ragged path stays as on a GPU
-        if x.device.type == "cpu" and not isinstance(canvas, RaggedImages):
+        if x.device.type == "cpu" and not isinstance(first_input, RaggedImages):
             x = x.contiguous()
-        for op, params in zip(self.ops[1:], draws.rest, strict=True):
+        x = self._later(x, draws, list(zip(self.ops[1:], draws.rest, strict=True)))
+        return to_uint8_nhwc(x, out).contiguous()
+
+    def _later(self, x: torch.Tensor, draws: Draws, ops) -> torch.Tensor:
+        """The ops after the first on the float batch, each with its draws (None: it draws itself)."""
+        rng = KeyedRng(draws.keys, self.seed, self.epoch)
+        for op, params in ops:
             # x is the pipeline's own: each op may overwrite it (apply_)
             x = op(x, rng) if params is None else op.apply_(x, params)
-        return to_uint8_nhwc(x, out)
-
-    @torch.no_grad()
-    def augment_images(self, images, keys: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """Decoded images (a uint8 (B, H, W, 3) array or a ragged object array) -> uint8
-        (B, S, S, 3) on `device`. On the CPU a ragged batch goes to canvases a chunk at a time:
-        one canvas for a whole batch of photos holds Hmax x Wmax per image, and touching that
-        much fresh memory cost more than augmenting it (docs/design.md, "Choices and where
-        they were measured"). A GPU gets a ragged batch in one buffer and one copy, without a
-        canvas (augment/ragged.py)."""
-        fixed = isinstance(images, np.ndarray) and images.dtype == np.uint8 and images.ndim == 4
-        if device.type == "cpu" and not fixed:
-            return torch.cat([self(*to_canvas(images[c]), keys[c]) for c in self.chunks(len(images))])
-        if fixed or device.type == "cpu":
-            canvas, sizes = to_canvas(images)
-            if device.type == "cuda":  # uint8 over PCIe: a quarter of the bytes of float32
-                canvas = canvas.pin_memory().to(device, non_blocking=True)
-            return self(canvas, sizes.to(device), keys.to(device))
-        batch = RaggedImages.from_images(list(images), device)  # one upload, no canvas (augment/ragged.py)
-        return self(batch, batch.sizes, keys.to(device))
+        return x
 
     def forward(self, canvas: torch.Tensor, sizes: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """sample, then apply: canvas uint8 (B, Hmax, Wmax, 3); sizes int64 (B, 2); keys int64 (B,)."""
         return self.apply(canvas, sizes, self.sample(sizes, keys))
+
+
+PATHS = ("cpu", "ragged", "fused", "canvas")  # EpochPipeline.finish's ways to the first op
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeRequest:
+    """The one question a batch's decoder asks the pipeline, answered from the draws: per image its
+    header's (h, w), the factor its JPEG may be decoded smaller by (`scales`, the CPU's scaled
+    IDCT; None: full size) and the box of it the first op reads (`regions`, top, left, h, w, which
+    nvImageCodec decodes alone; None: whole images)."""
+
+    draws: Draws
+    sizes: torch.Tensor
+    scales: torch.Tensor | None = None
+    regions: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def take(self, sel) -> "DecodeRequest":
+        """The request for the rows `sel` (a slice, a list or an index tensor: a chunk, or the
+        images that decoded)."""
+        if isinstance(sel, slice):
+            if (sel.start or 0) == 0 and sel.stop >= len(self):
+                return self  # the whole batch: nothing to index (a GPU's batch, whole)
+            sel = torch.arange(sel.start or 0, sel.stop, device=self.sizes.device)
+        elif list(sel) == list(range(len(self))):
+            return self  # every image decoded
+        sel = torch.as_tensor(sel, dtype=torch.int64, device=self.sizes.device)
+        pick = [None if v is None else v[sel] for v in (self.scales, self.regions)]
+        return DecodeRequest(self.draws.take(sel), self.sizes[sel], *pick)
 
 
 class Pipeline:
@@ -233,6 +280,23 @@ class Pipeline:
     def __call__(self, canvas: torch.Tensor, sizes: torch.Tensor, keys: torch.Tensor, epoch: int) -> torch.Tensor:
         """at_epoch(epoch), then sample and apply."""
         return self.at_epoch(epoch)(canvas, sizes, keys)
+
+
+def check_sides(preset, train_sides) -> None:
+    """Builds a preset's pipelines at every side a run uses (each of `train_sides`, and the eval
+    size), so that an op that does not fit one of them (a Kornia kernel larger than the image) is
+    a PresetError now, not a failed task later."""
+    full = preset.train_size
+    for side in sorted(set(train_sides)):
+        first = preset.train[0] if side == full else scale_geometry(preset.train[0], side, full)
+        try:
+            Pipeline((first, *preset.train[1:]), seed=0)
+        except PresetError as e:
+            raise PresetError(f"its train ops at {side} px: {e}") from None
+    try:
+        Pipeline(preset.eval, seed=0)
+    except PresetError as e:
+        raise PresetError(f"its eval ops at {preset.image_size} px: {e}") from None
 
 
 def _build(stream: int, spec: dict, size=None) -> Op:

@@ -82,24 +82,6 @@ class Preset:
         (augment/schedule.py; "none": the train size every epoch)."""
         return [resize_side(resize, e, epochs, self.train_size) for e in range(epochs)]
 
-    def check_sides(self, train_sides) -> None:
-        """Builds the pipelines at every side a run uses (each of `train_sides`, and the eval
-        size), so that an op that does not fit one of them (a Kornia kernel larger than the
-        image) is a PresetError now, not a failed task later."""
-        from augment.pipeline import Pipeline
-
-        full = self.train_size
-        for side in sorted(set(train_sides)):
-            first = self.train[0] if side == full else scale_geometry(self.train[0], side, full)
-            try:
-                Pipeline((first, *self.train[1:]), seed=0)
-            except PresetError as e:
-                raise PresetError(f"its train ops at {side} px: {e}") from None
-        try:
-            Pipeline(self.eval, seed=0)
-        except PresetError as e:
-            raise PresetError(f"its eval ops at {self.image_size} px: {e}") from None
-
     def to_dict(self) -> dict:
         out = {
             "name": self.name,

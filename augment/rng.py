@@ -61,8 +61,25 @@ class KeyedRng:
         self.keys = keys.to(torch.int64)
         self.seed = seed
         self.epoch = epoch
+        self.drawn: dict[int, torch.Tensor] = {}  # stream -> its draws, from prefetch
+
+    def prefetch(self, counts: dict[int, int]) -> None:
+        """Draw `counts[stream]` uniforms of every stream at once, in one pass of the mixer over
+        the batch (the same numbers as uniform's, stream by stream): a handful of operations for
+        a whole pipeline's draws instead of as many for each of its ops."""
+        counts = {s: n for s, n in counts.items() if n > 0}
+        if not counts:
+            return
+        offsets = [_signed(salt(self.seed, self.epoch, s) + i * _GOLDEN) for s, n in counts.items() for i in range(n)]
+        z = _mix(self.keys[:, None] + torch.tensor(offsets, dtype=torch.int64, device=self.keys.device)[None, :])
+        u = _srl(z, 40).to(torch.float32) * (1.0 / (1 << 24))
+        start = 0
+        for s, n in counts.items():
+            self.drawn[s], start = u[:, start : start + n], start + n
 
     def uniform(self, stream: int, n: int = 1) -> torch.Tensor:
+        if stream in self.drawn and self.drawn[stream].shape[1] >= n:
+            return self.drawn[stream][:, :n]
         base = _signed(salt(self.seed, self.epoch, stream))
         counters = torch.arange(n, device=self.keys.device, dtype=torch.int64) * _signed(_GOLDEN)
         z = _mix(self.keys[:, None] + base + counters[None, :])

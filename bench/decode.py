@@ -96,8 +96,8 @@ def time_decode_only(files, batch: int, device: torch.device, seconds: float, de
         from augment.presets import PRESETS
 
         pipe = Pipeline(PRESETS["imagenet"].train, seed=0).at_epoch(0)
-        draws = pipe.sample(torch.tensor([h[:2] for h in headers]), torch.arange(len(files)))
-        regions = pipe.read_regions(draws).tolist()
+        sizes = torch.tensor([h[:2] for h in headers])
+        regions = pipe.request(sizes, torch.arange(len(files)), regions=True).regions.tolist()
 
     def one(i: int) -> int:
         idx = [(i * batch + j) % len(files) for j in range(batch)]

@@ -38,7 +38,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from augment import engines
+from augment import engines, fused
 from augment.batch import decode_augment
 from augment.pipeline import Pipeline
 from augment.presets import PRESETS
@@ -47,64 +47,97 @@ from bench.decode import encoded_photos
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts dispatched torch operations by kind (see the module's docstring)."""
+    """Counts dispatched torch operations by kind (see the module's docstring), and the bytes the
+    operations that are not views read and write: the tensors they are given (in lists too) and
+    return. `run_kernel=False` leaves the fused kernel's launch out and returns its output's
+    shape unfilled: its bytes are the same, and Triton's interpreter on a CPU takes minutes for
+    a batch of 1,024 photos."""
 
-    def __init__(self):
+    def __init__(self, run_kernel: bool = True):
         super().__init__()
         self.kinds: collections.Counter = collections.Counter()
         self.names: collections.Counter = collections.Counter()
+        self.bytes: collections.Counter = collections.Counter()  # operation -> bytes read and written
+        self.run_kernel = run_kernel
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         namespace = func.namespace
         kind = "decoder" if namespace == "image" else "views" if func.is_view else "ops"
         self.kinds[kind] += 1
         self.names[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if str(func.overloadpacket) == "rga.augment_first_ops" and not self.run_kernel:
+            out = fused.output_like(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
+        if kind != "views":
+            self.bytes[str(func.overloadpacket)] += tensor_bytes(args) + tensor_bytes(kwargs) + tensor_bytes(out)
+        return out
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
 
 
-def one_batch(pipeline: Pipeline, files: list[bytes], device, epoch: int, decoder: str, ragged: bool) -> torch.Tensor:
+def tensor_bytes(value) -> int:
+    """The bytes of every tensor in `value` (a tensor, or lists, tuples and dicts of them)."""
+    if isinstance(value, torch.Tensor):
+        return value.nbytes
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(tensor_bytes(v) for v in value.values())
+    return 0
+
+
+def one_batch(pipeline: Pipeline, files: list[bytes], device, epoch: int, decoder: str, path: str) -> torch.Tensor:
     keys = torch.arange(len(files), dtype=torch.int64) * 7919 + epoch
     out, kept, bad, _ = decode_augment(
-        pipeline, files, keys, epoch, device, shrink=False, decoder=decoder, ragged=ragged
+        pipeline, files, keys, epoch, device, shrink=False, decoder=decoder, path=path
     )
     if bad or len(kept) != len(files):
         raise RuntimeError(f"bench: {len(bad)} of the generated files did not decode: {bad[:3]}")
     return out
 
 
-def count(pipeline: Pipeline, files: list[bytes], device, decoder: str, ragged: bool) -> OpCounter:
-    one_batch(pipeline, files, device, 0, decoder, ragged)  # warm-up: lazy imports, the allocator
-    with OpCounter() as counter:
-        one_batch(pipeline, files, device, 1, decoder, ragged)
+def count(pipeline: Pipeline, files: list[bytes], device, decoder: str, path: str, run_kernel: bool) -> OpCounter:
+    with OpCounter(run_kernel):  # warm-up: lazy imports, the allocator
+        one_batch(pipeline, files, device, 0, decoder, path)
+    with OpCounter(run_kernel) as counter:
+        one_batch(pipeline, files, device, 1, decoder, path)
     return counter
 
 
-def images_per_s(pipeline: Pipeline, files: list[bytes], device, seconds: float, decoder: str, ragged: bool) -> float:
+def images_per_s(pipeline: Pipeline, files: list[bytes], device, seconds: float, decoder: str, path: str) -> float:
     start, n, epoch = time.perf_counter(), 0, 2
     while time.perf_counter() - start < seconds or n == 0:
-        one_batch(pipeline, files, device, epoch, decoder, ragged)
+        one_batch(pipeline, files, device, epoch, decoder, path)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         n, epoch = n + len(files), epoch + 1
     return n / (time.perf_counter() - start)
 
 
+FIGURES = ("ops_per_batch", "views_per_batch", "decoder_calls_per_batch", "bytes_per_image", "images_per_s")
+
+
 def measure(pipeline, distinct, device, batch_sizes, seconds: float, decoder: str, path: str) -> dict:
-    """One decoder and path's counts and img/s for each batch size, printed as they come."""
-    figures = {"ops_per_batch": {}, "views_per_batch": {}, "decoder_calls_per_batch": {}, "images_per_s": {}}
+    """One decoder and path's counts, bytes and img/s for each batch size, printed as they come.
+    The fused kernel on a CPU (Triton's interpreter) is counted, not run or timed."""
+    figures = {name: {} for name in FIGURES}
+    run_kernel = not (path == "fused" and device.type == "cpu")
     for batch in batch_sizes:
         files = [distinct[i % len(distinct)] for i in range(batch)]
-        kinds = count(pipeline, files, device, decoder, path == "ragged").kinds
-        rate = images_per_s(pipeline, files, device, seconds, decoder, path == "ragged")
-        for name, value in (
-            ("ops_per_batch", kinds["ops"]),
-            ("views_per_batch", kinds["views"]),
-            ("decoder_calls_per_batch", kinds["decoder"]),
-            ("images_per_s", round(rate, 1)),
-        ):
+        counter = count(pipeline, files, device, decoder, path, run_kernel)
+        kinds = counter.kinds
+        rate = images_per_s(pipeline, files, device, seconds, decoder, path) if run_kernel else None
+        per_image = counter.total_bytes / batch
+        values = (kinds["ops"], kinds["views"], kinds["decoder"], round(per_image), rate and round(rate, 1))
+        for name, value in zip(FIGURES, values, strict=True):
             figures[name][str(batch)] = value
-        counts = f"{kinds['ops']:>6} {kinds['views']:>6} {kinds['decoder']:>8}"
-        print(f"{decoder:<11} {path:<7} {batch:>6} {counts} {rate:>9.1f}")
+        figures["bytes_by_operation"] = {k: round(v / batch) for k, v in counter.bytes.most_common(8)}
+        counts = f"{kinds['ops']:>6} {kinds['views']:>6} {kinds['decoder']:>8} {per_image / 1e6:>9.2f}"
+        print(f"{decoder:<11} {path:<7} {batch:>6} {counts} {'-' if rate is None else f'{rate:.1f}':>9}")
     figures["nothing_per_image"] = len(set(figures["ops_per_batch"].values())) == 1
     return figures
 
@@ -116,7 +149,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--images", type=int, default=256, help="distinct JPEGs, cycled to fill a batch")
     ap.add_argument("--seconds", type=float, default=10.0, help="timing per batch size")
     ap.add_argument(
-        "--paths", nargs="+", default=["ragged"], choices=("ragged", "canvas"), help="canvas: the padded batch before"
+        "--paths",
+        nargs="+",
+        default=["fused" if fused.triton_found() else "ragged"],
+        choices=("ragged", "fused", "canvas"),
+        help="fused: augment/fused.py's kernel (a CPU: TRITON_INTERPRET=1 only); canvas: the padded batch before",
     )
     ap.add_argument(
         "--decoders",
@@ -132,14 +169,15 @@ def main(argv=None) -> dict:
     distinct = encoded_photos("imagenet", args.images)
     pipeline = Pipeline(PRESETS["imagenet"].train, seed=0).to(device)
     result = {"device": str(device), "preset": "imagenet", "torch_threads": 1, "decoder": args.decoders[0]}
-    print(f"{'decoder':<11} {'path':<7} {'batch':>6} {'ops':>6} {'views':>6} {'decoder':>8} {'img/s':>9}")
+    head = f"{'decoder':<11} {'path':<7} {'batch':>6} {'ops':>6} {'views':>6} {'decoder':>8}"
+    print(f"{head} {'MB/image':>9} {'img/s':>9}")
     for decoder in args.decoders:
         for path in args.paths:
             figures = measure(pipeline, distinct, device, args.batch_sizes, args.seconds, decoder, path)
-            top = decoder == args.decoders[0] and path == "ragged"
+            top = decoder == args.decoders[0] and path == args.paths[0]
             result |= figures if top else {f"{decoder}_{path}": figures}  # the job's path at the top level
-    if "ragged" in args.paths:
-        print(f"{args.decoders[0]} ragged: ops per batch the same for every batch size: {result['nothing_per_image']}")
+    same = result["nothing_per_image"]
+    print(f"{args.decoders[0]} {args.paths[0]}: operations a batch the same for every batch size: {same}")
     return write_json(args.json, result)
 
 

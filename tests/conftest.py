@@ -14,6 +14,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
+# Where there is no GPU, Triton's kernels run on the CPU under its interpreter (augment/fused.py's
+# tests). It reads the variable when it is imported, which torchvision and Kornia do: set it first.
+if not os.path.isdir("/proc/driver/nvidia/gpus"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def write_tree(root: Path, classes: dict[str, int], *, size=(32, 32), seed: int = 0, sizes=None) -> Path:
     """root/<class>/<i>.png with `classes[name]` images each. Each class has its own colour

@@ -245,3 +245,80 @@ def test_resampling_ops_upsample_small_images_like_torchvision(method):
         assert (got - ref).abs().max() <= 1 / 255 + 1e-6
         ref = TF.resized_crop(t, *box, [48, 48], antialias=True).float() / 255
         assert (cropped - ref).abs().max() <= 1 / 255 + 1e-6
+
+
+# --------------------------------------------------------------------------- through the fused kernel
+
+
+def _fused_run(specs, images, *, first=None, seed=0):
+    """The fused kernel's uint8 output (augment/fused.py: the GPU's path), run here through Triton's
+    interpreter; `first`: the first op's draws to use instead of its own."""
+    from augment.pipeline import DecodeRequest
+
+    pipe = Pipeline(specs, seed=seed).at_epoch(0)
+    sizes = torch.tensor([im.shape[:2] for im in images])
+    draws = pipe.sample(sizes, torch.arange(len(images)))
+    draws = draws if first is None else draws.with_first(draws.first | first)
+    return pipe.finish(DecodeRequest(draws, sizes), images, path="fused")
+
+
+def _kernel_runs() -> bool:
+    from augment import fused
+
+    return fused.available(torch.device("cpu"))
+
+
+needs_kernel = pytest.mark.skipif(not _kernel_runs(), reason="needs Triton and TRITON_INTERPRET=1 (tests/conftest.py)")
+
+
+@needs_kernel
+def test_the_fused_kernels_eval_is_torchvisions_in_uint8(photos):
+    """Three of the photos at full size (the interpreter is slow): within a level, as on the CPU."""
+    out = _fused_run(PRESETS["imagenet"].eval, photos[:3])
+    ref = torch.stack([_tv_eval(p) for p in photos[:3]]).mul(255).round().permute(0, 2, 3, 1)
+    assert out.dtype == torch.uint8 and (out.float() - ref).abs().max() <= 1
+
+
+@needs_kernel
+def test_the_fused_kernels_resized_crop_is_torchvisions_of_its_box(photos):
+    import torchvision.transforms.v2.functional as TF
+
+    images = photos[:3]
+    op = OPS["random_resized_crop"](size=224)
+    op.stream = 1
+    params = op.sample(KeyedRng(torch.arange(3), 1, 2), torch.tensor([im.shape[:2] for im in images]))
+    out = _fused_run([{"random_resized_crop": {"size": 224}}], images, first=params)
+    for img, (top, left, h, w), got in zip(images, params["box"].tolist(), out, strict=True):
+        ref = TF.resized_crop(torch.from_numpy(img).permute(2, 0, 1), top, left, h, w, [224, 224], antialias=True)
+        assert (got.permute(2, 0, 1).int() - ref.int()).abs().max() <= 1
+
+
+@needs_kernel
+def test_the_fused_kernel_upsamples_small_images_like_torchvision():
+    import torchvision.transforms.v2.functional as TF
+
+    images = [_small(20, 30, 1), _small(17, 13, 2), _small(9, 40, 3)]
+    out = _fused_run([{"resize_center_crop": {"resize": 64, "size": 56}}], images)
+    for img, got in zip(images, out, strict=True):
+        ref = TF.center_crop(TF.resize(torch.from_numpy(img).permute(2, 0, 1), [64], antialias=True), [56, 56])
+        assert (got.permute(2, 0, 1).int() - ref.int()).abs().max() <= 1
+
+
+@needs_kernel
+def test_the_fused_kernels_color_jitter_is_torchvisions_for_given_factors(photos):
+    """Brightness, contrast and saturation in each image's own order, on 64 px crops taken at scale
+    1 (the kernel copies them): torchvision's functionals of the same factors, to a level."""
+    import torchvision.transforms.v2.functional as TF
+
+    images = [p[:64, :64] for p in photos[:6]]
+    specs = [{"center_crop": {"size": 64}}, {"color_jitter": {"brightness": 0.4, "contrast": 0.4, "saturation": 0.4}}]
+    pipe = Pipeline(specs, seed=0).at_epoch(0)
+    draws = pipe.sample(torch.tensor([im.shape[:2] for im in images]), torch.arange(6))
+    out = _fused_run(specs, images)
+    fns = [TF.adjust_brightness, TF.adjust_contrast, TF.adjust_saturation]
+    jitter = draws.rest[0]
+    for img, f, order, ok, got in zip(images, jitter["factors"], jitter["order"], jitter["apply"], out, strict=True):
+        ref = torch.from_numpy(img).permute(2, 0, 1).float() / 255
+        for k in order.tolist() if ok else []:
+            ref = fns[k](ref, float(f[k]))
+        assert (got.permute(2, 0, 1).int() - ref.mul(255).round().int()).abs().max() <= 1

@@ -213,7 +213,7 @@ def test_reduced_size_decode_stays_close_and_independent_of_the_batch(encoded):
     small, kept, bad, _ = decode_augment(pipeline, encoded, keys, 3, CPU, shrink=True)
     assert kept == list(range(7)) and len(bad) == 2
     pipe = pipeline.at_epoch(3)
-    factors = pipe.decode_scales(pipe.sample(torch.tensor([read_header(d)[:2] for d in encoded[:7]]), keys[:7]))
+    factors = pipe.request(torch.tensor([read_header(d)[:2] for d in encoded[:7]]), keys[:7], shrink=True).scales
     assert int(factors.max()) > 1  # some images were decoded at a reduced size
     diff = (small.float() - full.float()).abs()
     assert float(diff.mean()) < 2.0  # the same crop (edges within half a small pixel), filtered differently

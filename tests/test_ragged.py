@@ -11,7 +11,7 @@ import torch
 import augment.batch
 import augment.pipeline
 from augment import engines
-from augment.batch import decode_augment
+from augment.batch import augment_batch, decode_augment
 from augment.ops import gather_crop, resample_boxes
 from augment.pipeline import Pipeline, to_canvas
 from augment.presets import PRESETS
@@ -93,7 +93,6 @@ def test_a_batch_dispatches_as_many_operations_for_32_images_as_for_8(monkeypatc
     def no_canvas(images):
         raise AssertionError("the GPU path made a canvas")
 
-    monkeypatch.setattr(augment.batch, "to_canvas", no_canvas)
     monkeypatch.setattr(augment.pipeline, "to_canvas", no_canvas)
     files = encoded_photos("imagenet", 8)
     pipeline = Pipeline(PRESETS["imagenet"].train, seed=0)
@@ -113,7 +112,7 @@ def test_a_batch_dispatches_as_many_operations_for_32_images_as_for_8(monkeypatc
 
 def test_the_ragged_path_takes_the_same_images_as_the_cpu_path():
     """The whole GPU path on CPU tensors against the CPU's own path, from the same decoded
-    images (a ragged batch through augment_images on both), every op of the preset."""
+    images (a ragged batch through augment_batch on the CPU), every op of the preset."""
     files = encoded_photos("imagenet", 6)
     from augment.decode import decode_image
 
@@ -121,7 +120,7 @@ def test_the_ragged_path_takes_the_same_images_as_the_cpu_path():
     decoded[:] = [decode_image(f) for f in files]
     keys = torch.arange(len(files), dtype=torch.int64) * 7
     pipe = Pipeline(PRESETS["imagenet"].train, seed=1).at_epoch(4)
-    cpu = pipe.augment_images(decoded, keys, torch.device("cpu"))
+    cpu = augment_batch(Pipeline(PRESETS["imagenet"].train, seed=1), decoded, keys, 4, torch.device("cpu"))
     batch = RaggedImages.from_images(list(decoded), "cpu")
     ragged = pipe(batch, batch.sizes, keys)
     diff = (ragged.int() - cpu.int()).abs()  # the CPU resamples uint8 per image (rounded), this in float

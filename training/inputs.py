@@ -127,8 +127,10 @@ def sized_preset(cfg: TrainConfig, preset):
     if cfg.image_size:
         preset = preset.at_size(cfg.image_size)
     check_resize_start(cfg, preset.train_size)
+    from augment.pipeline import check_sides  # torch: loaded with the preset file or the job already
+
     try:
-        preset.check_sides(preset.train_sides(cfg.progressive_resize, cfg.epochs))
+        check_sides(preset, preset.train_sides(cfg.progressive_resize, cfg.epochs))
     except PresetError as e:
         raise ConfigError(f"preset {preset.name!r}: {e}") from None
     return preset

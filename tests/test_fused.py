@@ -1,0 +1,142 @@
+"""The fused kernel (augment/fused.py) against the torch path it replaces on a GPU, run on the CPU
+through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 where there is no GPU):
+the same draws, the same pixels (eval within a level of torchvision), every geometry op and edge
+case it takes, the ops it does not cover on its float output, and one operation a batch that a
+dispatch mode sees with the tensors it reads and writes. Small images: the interpreter is slow."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from augment import fused
+from augment.pipeline import Pipeline
+from augment.presets import PRESETS
+from bench.augment import synthetic_photo
+
+CPU = torch.device("cpu")
+
+pytestmark = pytest.mark.skipif(
+    not fused.available(CPU), reason="needs Triton and TRITON_INTERPRET=1 (tests/conftest.py sets it without a GPU)"
+)
+
+
+def _images(sizes, seed: int = 0, gray: int | None = None, chw: int | None = None) -> list:
+    """Photo-like images of `sizes`: HWC numpy arrays, image `gray` with three equal channels (a
+    grayscale JPEG decoded), image `chw` an (H, W, 3) view of a planar tensor (nvjpeg's layout)."""
+    out = [synthetic_photo(h, w, seed + i) for i, (h, w) in enumerate(sizes)]
+    if gray is not None:
+        out[gray] = np.repeat(out[gray][:, :, :1], 3, axis=2)
+    if chw is not None:
+        out[chw] = torch.from_numpy(out[chw]).permute(2, 0, 1).contiguous().permute(1, 2, 0)
+    return out
+
+
+def _small(specs, side: int, resize: int | None = None) -> list:
+    """The preset's ops with the first at `side` px (and its eval resize at `resize`)."""
+    ((name, params),) = specs[0].items()
+    params = dict(params, size=side) | ({"resize": resize} if resize else {})
+    return [{name: params}, *specs[1:]]
+
+
+def _both(specs, images, seed: int = 3, epoch: int = 1, request=None):
+    """(the kernel's output, the torch path's) for the same draws."""
+    pipe = Pipeline(specs, seed=seed).at_epoch(epoch)
+    sizes = torch.tensor([im.shape[:2] for im in images], dtype=torch.int64)
+    request = request or pipe.request(sizes, torch.arange(len(images)) * 7919)
+    return pipe.finish(request, images, path="fused"), pipe.finish(request, images, path="ragged")
+
+
+CASES = {
+    "imagenet train": (_small(PRESETS["imagenet"].train, 40), [(90, 130), (61, 47), (40, 40), (123, 77)]),
+    "imagenet eval": (_small(PRESETS["imagenet"].eval, 40, resize=46), [(90, 130), (61, 47), (50, 50), (47, 93)]),
+    "cifar train (padded crops)": (PRESETS["cifar"].train, [(32, 32), (28, 36), (32, 32)]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_kernel_gives_the_torch_paths_pixels(case):
+    """Odd sizes, a grayscale image, one in nvjpeg's planar layout: the kernel computes in float32
+    as the torch path does on a CPU, so the bytes agree but for a rounding tie."""
+    specs, sizes = CASES[case]
+    got, expected = _both(specs, _images(sizes, gray=1, chw=2))
+    diff = (got.int() - expected.int()).abs()
+    assert got.shape == expected.shape and got.dtype == torch.uint8
+    assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 1e-3, case
+
+
+def test_crops_touching_every_edge_and_the_scales_extremes():
+    """Boxes in each corner and along each edge, the whole image, one pixel (the resize enlarges
+    it 40 times), a 2-pixel sliver, a box 9 times the output (a wide filter)."""
+    from augment.pipeline import DecodeRequest
+
+    specs = _small(PRESETS["imagenet"].train, 40)
+    images = _images([(360, 60), (97, 83), (97, 83), (97, 83), (97, 83), (50, 51)])
+    boxes = [[0, 0, 360, 60], [0, 0, 1, 1], [96, 82, 1, 1], [0, 81, 97, 2], [95, 0, 2, 83], [10, 20, 40, 31]]
+    pipe = Pipeline(specs, seed=0).at_epoch(0)
+    sizes = torch.tensor([im.shape[:2] for im in images])
+    draws = pipe.sample(sizes, torch.arange(len(images)))
+    first = draws.first | {"box": torch.tensor(boxes)}
+    request = DecodeRequest(draws.with_first(first), sizes)
+    got, expected = _both(specs, images, request=request)
+    assert int((got.int() - expected.int()).abs().max()) <= 1
+
+
+def test_eval_through_the_kernel_is_within_a_level_of_torchvision():
+    import torchvision.transforms.v2.functional as TF
+
+    from augment.batch import augment_batch
+
+    images = _images([(75, 100), (100, 66), (64, 64)])
+    specs = _small(PRESETS["imagenet"].eval, 56, resize=64)
+    pipe = Pipeline(specs, seed=0)
+    sizes = torch.tensor([im.shape[:2] for im in images])
+    got = pipe.at_epoch(0).finish(pipe.at_epoch(0).request(sizes, torch.arange(3)), images, path="fused")
+    for image, out in zip(images, got, strict=True):
+        t = torch.from_numpy(image).permute(2, 0, 1)
+        ref = TF.center_crop(TF.resize(t, [64], antialias=True), [56, 56]).permute(1, 2, 0)
+        assert int((out.int() - ref.int()).abs().max()) <= 1
+    cpu_path = augment_batch(pipe, images, torch.arange(3), 0, CPU)  # per-image F.interpolate, uint8
+    assert int((got.int() - cpu_path.int()).abs().max()) <= 1
+
+
+def test_ops_the_kernel_does_not_cover_run_after_it_on_its_float_output():
+    """Random erasing and a Kornia op after the jitter: the kernel hands them float32, and the
+    whole pipeline's bytes agree with the torch path's."""
+    specs = [
+        *_small(PRESETS["imagenet"].train, 32),
+        {"random_erasing": {"p": 1.0}},
+        {"kornia.RandomGrayscale": {"p": 0.5}},
+    ]
+    pipe = Pipeline(specs, seed=0).at_epoch(0)
+    assert fused.fused_prefix(pipe.ops) == 3
+    got, expected = _both(specs, _images([(70, 90), (64, 40)]))
+    assert int((got.int() - expected.int()).abs().max()) <= 1
+
+
+def test_the_kernel_takes_the_first_op_and_the_flip_and_jitter_after_it_only():
+    def prefix(specs):
+        return fused.fused_prefix(Pipeline(specs, seed=0).at_epoch(0).ops)
+
+    rrc = {"random_resized_crop": {"size": 32}}
+    flip, jitter = {"horizontal_flip": {}}, {"color_jitter": {"brightness": 0.2}}
+    assert prefix([rrc, flip, jitter]) == 3 and prefix([rrc, jitter, flip]) == 3
+    assert prefix([rrc, {"color_jitter": {"hue": 0.1}}, flip]) == 1  # hue: the torch path (Kornia's)
+    assert prefix([rrc, flip, flip]) == 2 and prefix([rrc, {"random_erasing": {}}, flip]) == 1
+    assert prefix([{"center_crop": {"size": 32}}]) == 1
+
+
+def test_a_dispatch_mode_sees_one_operation_with_the_images_it_reads():
+    """As a torch custom op the kernel is one operation to a TorchDispatchMode (bench/gpu_path.py
+    counts operations and bytes so), its inputs the decoded images, its output the batch."""
+    from bench.gpu_path import OpCounter
+
+    specs = _small(PRESETS["imagenet"].train, 24)
+    pipe = Pipeline(specs, seed=0).at_epoch(0)
+    images = [torch.from_numpy(im) for im in _images([(50, 60), (40, 30)])]
+    sizes = torch.tensor([im.shape[:2] for im in images])
+    request = pipe.request(sizes, torch.arange(2))
+    with OpCounter() as counter:
+        pipe.finish(request, images, path="fused")
+    assert counter.names["rga.augment_first_ops"] == 1, counter.names
