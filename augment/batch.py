@@ -124,7 +124,7 @@ def decode_augment(
             torch.cuda.current_stream(device).synchronize()  # before the decoder's buffers (in `images`) go
     if not outs:
         return Decoded(pipe.empty(device), [], bad, [])
-    images = torch.cat(outs) if out is None else out[: len(kept)]
+    images = (outs[0] if len(outs) == 1 else torch.cat(outs)) if out is None else out[: len(kept)]
     return Decoded(images, kept, bad, where if device.type == "cuda" else [ON_CPU] * len(kept))
 
 
