@@ -2,7 +2,9 @@
 
 One contract for every way in: uint8 (H, W, 3) RGB out; grayscale, RGBA (over white),
 palette, CMYK and 16-bit images become RGB; an animated image gives its first frame;
-anything that is not a whole, sane image raises `BadImage` with the reason.
+anything that is not a whole, sane image raises `BadImage` with the reason, whatever the
+decoder raised on it. This module opens every image a user gives (decoding, header sampling
+for --preset auto, jobs.prepare's sizes, the preview, prediction).
 
 * `decode_image(data)`: the whole image. Evaluation always decodes this way, so it stays
   within 1/255 of torchvision's pipeline.
@@ -70,6 +72,9 @@ def _opened(data: bytes):
         if isinstance(e, BadImage):
             raise
         raise BadImage(f"corrupt image: {e}") from None
+    except Exception as e:  # anything else Pillow's plugins raise on odd bytes (TypeError, struct.error, ...)
+        # is about this file too; an interrupt (BaseException) is not, and goes through
+        raise BadImage(f"corrupt image: {type(e).__name__}" + (f": {e}" if str(e) else "")) from None
 
 
 def _jpeg_header(data: bytes) -> tuple[int, int] | None:
@@ -80,8 +85,8 @@ def _jpeg_header(data: bytes) -> tuple[int, int] | None:
 
     try:
         h, w, colorspace, _ = simplejpeg.decode_jpeg_header(data)
-    except ValueError:
-        return None  # Pillow reads it, or names what is wrong
+    except Exception:  # its ValueError, or anything else: Pillow reads the file, or names what is wrong
+        return None
     if colorspace not in ("YCbCr", "Gray"):
         return None  # CMYK, YCCK: Pillow converts them
     from PIL import Image
@@ -111,7 +116,7 @@ def decode_image(data: bytes, shrink: int = 1) -> np.ndarray:
         try:  # min_factor: libjpeg-turbo's 1/s scale exactly (k/8 scales have no SIMD IDCT)
             h, w = -(-size[0] // shrink), -(-size[1] // shrink)
             return simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=h, min_width=w, min_factor=shrink)
-        except ValueError:  # a truncated or corrupt stream: Pillow decides, and says why
+        except Exception:  # a truncated or corrupt stream (ValueError), or anything else: Pillow decides, and says why
             pass
     with _opened(data) as img:
         if shrink > 1:

@@ -14,26 +14,31 @@ from augment.pipeline import Pipeline, to_canvas
 from augment.presets import Preset
 
 
-def read_examples(split, *, classes: int, per_class: int) -> tuple[list[np.ndarray], list[int], list[int]]:
-    """The first `per_class` files (in path order) of each of the first `classes` labels:
-    decoded images, labels and keys, read the way training reads them (any pyarrow filesystem)."""
+def read_examples(
+    split, *, classes: int, per_class: int, skipped: list | None = None
+) -> tuple[list[np.ndarray], list[int], list[int]]:
+    """The first `per_class` files (in path order) of each of the first `classes` labels that read
+    and decode: decoded images, labels and keys, read the way training reads them (any pyarrow
+    filesystem). A file that does not is passed over, and added to `skipped` as (path, reason)."""
     import pyarrow.fs as pafs
 
-    from augment.decode import decode_image
+    from augment.decode import BadImage, decode_image
 
-    chosen: dict[int, list[int]] = {}
+    chosen: dict[int, list[tuple[int, np.ndarray]]] = {}
     paths = split.paths
     for i in sorted(range(len(split)), key=lambda i: paths[i]):
         label = int(split.labels[i])
-        if label < classes and len(chosen.setdefault(label, [])) < per_class:
-            chosen[label].append(i)
-    picks = [i for label in sorted(chosen) for i in chosen[label]]
-    images = []
-    for i in picks:
+        if label >= classes or len(chosen.setdefault(label, [])) >= per_class:
+            continue
         fs, path = pafs.FileSystem.from_uri(paths[i]) if "://" in paths[i] else (pafs.LocalFileSystem(), paths[i])
-        with fs.open_input_file(path) as f:
-            images.append(decode_image(f.read()))
-    return images, [int(split.labels[i]) for i in picks], [int(split.keys[i]) for i in picks]
+        try:
+            with fs.open_input_file(path) as f:
+                chosen[label].append((i, decode_image(f.read())))
+        except (OSError, BadImage) as e:
+            if skipped is not None:
+                skipped.append((paths[i], str(e) if isinstance(e, BadImage) else f"cannot read it: {e}"))
+    picks = [pick for label in sorted(chosen) for pick in chosen[label]]
+    return [im for _, im in picks], [int(split.labels[i]) for i, _ in picks], [int(split.keys[i]) for i, _ in picks]
 
 
 def augment_views(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 from jobs.predict import add_inference_arguments
-from training.config import FlagParser
+from training.config import FlagParser, error_line
 
 
 def parse(argv=None):
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
             )
         storage.check_writable(out, "--out")
     except (inference.ModelFileError, DataError, storage.StorageError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         return 2
     connect()
     rows, unread = inference.predict(info, splits, batch_size=args.batch_size, actors=args.actors, device=args.device)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from training.config import FlagParser
+from training.config import FlagParser, error_line
 
 
 def add_inference_arguments(ap: argparse.ArgumentParser) -> None:
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
             out = args.out.rstrip("/")
             raise storage.StorageError(f"--out {out}: a folder; give a file to write, e.g. {out}/predictions.csv")
     except (inference.ModelFileError, DataError, storage.StorageError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         return 2
     connect()
     rows, unread = inference.predict(info, splits, batch_size=args.batch_size, actors=args.actors, device=args.device)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from training.config import FlagParser
+from training.config import FlagParser, error_line
 
 
 def parse(argv=None):
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
             threads=args.threads,
         )
     except (DataError, StorageError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         return 2
     splits = manifest["splits"]
     print(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from training.config import FlagParser
+from training.config import FlagParser, error_line
 
 
 def parse(argv=None):
@@ -53,10 +53,10 @@ def main(argv=None) -> int:
             name, why = auto_preset(dataclasses.replace(tree, typical_size=typical_size(tree.train)))
             chosen = f" (--preset auto: {why})"
         preset = load_preset(name if args.preset == "auto" else args.preset)
-        examples = shard_examples if tree.train.grouped else read_examples
-        images, labels, keys = examples(tree.train, classes=args.classes, per_class=args.per_class)
+        examples, skipped = shard_examples if tree.train.grouped else read_examples, []
+        images, labels, keys = examples(tree.train, classes=args.classes, per_class=args.per_class, skipped=skipped)
     except (PresetError, DataError, StorageError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         return 2
     out = render_grid(
         images,
@@ -70,6 +70,8 @@ def main(argv=None) -> int:
         dpi=args.dpi,
     )
     print(f"wrote {out}: {len(images)} images x {args.augmentations} augmentations, preset {preset.name!r}{chosen}")
+    if skipped:  # as jobs.predict says it
+        print(f"skipped {len(skipped)} unreadable file(s), e.g. {skipped[0][0]} ({skipped[0][1]})")
     return 0
 
 

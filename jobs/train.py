@@ -18,7 +18,7 @@ import threading
 
 from augment.errors import PresetError
 from training import console
-from training.config import ConfigError, FlagParser, add_arguments, parse_config
+from training.config import ConfigError, FlagParser, add_arguments, error_line, parse_config
 from training.data import DataError
 from training.inputs import prepare
 from training.session import connect, quiet_ray_env
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
         cfg, sources = parse_config(parser(), argv)
         cfg, tree, name, preset = prepare(cfg)  # light but for a preset file: no Ray, no torch yet
     except (DataError, ConfigError, PresetError, StorageError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         return 2
     # Two threads import at once below. Safe: the preload thread's torch imports no Ray module
     # (a preset file, and Kornia if it uses it, loaded above), and Ray Data (main thread,
@@ -101,14 +101,14 @@ def main(argv=None) -> int:
             bar_stream=bar,
         )
     except (ConfigError, DataError, StorageError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         return 2
     except job.Interrupted as e:
         again = "to resume" if e.checkpoint else "to start it again"
         print(f"stopped: {e}; {again}: {rerun_command(argv, cfg)}", file=sys.stderr)
         return 130
     except job.TrainingFailed as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         return 1
     print(console.summary_table(summary))
     print(f"done: {cfg.run_dir} (summary.json has every figure)")

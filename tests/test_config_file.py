@@ -95,3 +95,11 @@ def test_non_finite_and_out_of_range_numbers_exit_2_before_ray(flags, message, t
     from tests.conftest import exits_2
 
     assert exits_2(["--data", str(tree), *flags], capsys) == f"error: {message}\n"
+
+
+def test_an_error_is_one_line_with_one_prefix_whatever_its_message_holds():
+    from training.config import error_line
+
+    assert error_line(ValueError("error: --data x\nthe rest")) == "error: --data x\\nthe rest"
+    assert error_line("error: error: a\tb") == "error: a\\tb"
+    assert error_line(ConfigError("--lr must be positive")) == "error: --lr must be positive"

@@ -36,13 +36,19 @@ def _one_error_line(err: str) -> str:
 def test_strict_on_a_tree_with_a_bad_file_exits_2_with_one_line(ray_cluster, small_tree, tmp_path, capsys):
     tree = tmp_path / "tree"
     write_tree(tree, {"a": 4, "b": 4})
-    (tree / "a" / "broken.png").write_bytes(b"no image in here\n")
+    (tree / "a" / "bro\nken.png").write_bytes(b"no image in here\n")  # a newline in its name, as Linux allows
     argv = ["--data", str(tree), "--strict", "--epochs", "1", "--batch-size", "4", "--storage-path", str(tmp_path)]
     code, err = _main([*argv, "--name", "strict", "--quiet"], capsys)
     line = _one_error_line(err)
     assert code == 2, err[-3000:]
-    assert line.startswith("error: 1 unreadable image(s), e.g. ") and "broken.png" in line and "drop --strict" in line
+    assert line.startswith("error: 1 unreadable image(s), e.g. ") and "drop --strict" in line
+    assert "bro\\nken.png" in line
+    assert err.count("\n") == 1, err  # the name's newline is written as \n: the error stays one line
     assert not (tmp_path / "strict" / "metrics.csv").exists()  # nothing was trained
+    # the folder that bad_files.csv went to is the run's: a --fresh rerun may remove it
+    from training import artifacts
+
+    assert artifacts.is_run_dir(str(tmp_path / "strict"))
 
 
 def test_a_plan_the_cluster_cannot_hold_exits_2_with_one_line(ray_cluster, small_tree, tmp_path, capsys):

@@ -29,9 +29,13 @@ def coverage(seen_per_epoch: list[list[dict]], tree: ImageTree, bad: dict[str, s
     aside). An equal split may drop up to world_size - 1 rows: `as_expected` is True when
     the epoch was exactly once or lost only such rows (a single one is checked to be an
     image of the split by its key), None when several were dropped (the sum cannot tell
-    which), False otherwise (a restarted augment actor can redeliver a batch).
+    which), False otherwise (a restarted augment actor can redeliver a batch). `lost`: the
+    training images of the data that could not be used, all listed in bad_files.csv: the
+    split's files that did not read or decode, and the samples a damaged shard lost
+    (ImageTree.lost_train, which the split does not hold).
     """
     good = good_images(tree.train, bad) % KEY_MOD
+    lost = len(tree.train) - len(good) + tree.lost_train
     expected_sum = int(good.sum() % KEY_MOD)
     out = []
     for epoch, ranks in enumerate(seen_per_epoch, start=1):
@@ -47,6 +51,7 @@ def coverage(seen_per_epoch: list[list[dict]], tree: ImageTree, bad: dict[str, s
             {
                 "epoch": epoch,
                 "expected": len(good),
+                "lost": lost,
                 "seen": rows,
                 "distinct": distinct,
                 "exactly_once": every_image and rows == distinct,

@@ -69,7 +69,8 @@ class TrainConfig:
     label_key: str = _f(
         "label",
         "where the label is: WebDataset, the field of a sample's .json member (used without a .cls member); Hugging "
-        "Face Parquet, the column (default: a `label` column, else the first ClassLabel)",
+        "Face Parquet, the column (default: a `label` column, else the first ClassLabel); a manifest, the column or "
+        "JSON key (default: label, class, target, ...)",
     )
     preset: str = _f(
         "auto",
@@ -269,6 +270,17 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+def error_line(error) -> str:
+    """The one line an entry point prints for `error` (an exception or a message): "error: " once
+    (a message that quotes another's keeps one), and a newline or other control character (a
+    file's name may hold one) written as an escape, so the line stays one line."""
+    text = str(error)
+    while text.startswith("error: "):
+        text = text[len("error: ") :]
+    text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+    return f"error: {text}"
+
+
 class FlagParser(argparse.ArgumentParser):
     """The entry points' parser: no abbreviations (argparse takes `--epoch 1` for `--epochs`, and
     the abbreviation breaks when a flag that shares the prefix is added), and a mistake is one
@@ -332,9 +344,16 @@ def load_config_file(path: str) -> dict:
         raise ConfigError(
             f"--config {path}: no such file; give a YAML file of settings such as configs/cifar-local.yaml"
         )
+    from training.storage import decode_text
+
+    with open(path, "rb") as f:
+        raw = f.read()
     try:
-        with open(path) as f:
-            data = yaml.safe_load(f)  # JSON is YAML too
+        text = decode_text(raw)
+    except ValueError as e:  # not UTF-8, nor UTF-16 with its byte order mark
+        raise ConfigError(f"--config {path}: {e}; save it as UTF-8") from None
+    try:
+        data = yaml.safe_load(text)  # JSON is YAML too
     except yaml.YAMLError as e:
         raise ConfigError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if data is None:

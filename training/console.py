@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 import time
 import warnings
@@ -54,6 +55,25 @@ def quiet_worker_logs(verbose: bool = False) -> None:
 
 
 RAY_DATA_LOGGING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ray_data_logging.yaml")
+
+
+def data_gone(text: str) -> str | None:
+    """The line of a read task's training.ingest.DataGone (the data's folder or bucket went) in the
+    text of an error that Ray passed on from the task (Ray hands it on as text); None if none."""
+    found = re.search(r"\bDataGone: ([^\n]+)", text)
+    return found[1].strip() if found else None
+
+
+class QuietDataGone(logging.Filter):
+    """Ray Data's console records of a read task's DataGone (the task's traceback, and the notice it
+    logs while handling the error), dropped: the driver says it in one line (training/job.py
+    worker_error); Ray Data's log file keeps them. ray_data_logging.yaml names it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        import sys
+
+        error = record.exc_info[1] if record.exc_info else sys.exc_info()[1]
+        return error is None or data_gone(f"{record.getMessage()}\n{error}") is None
 
 
 def quiet_worker_process() -> None:

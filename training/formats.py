@@ -28,9 +28,11 @@ WALK_DEPTH, WALK_WIDTH = 2, 4  # folder levels below the top, sub-folders looked
 READERS = {"prepared": read_prepared_units, "huggingface": read_export_units, "webdataset": read_tar_units}
 
 
-def read_units(units, root: str, shards, form):
-    """The rows of a sharded split's `units` as an Arrow table {bytes, path (below root), label, key}."""
-    return READERS[form.kind](units, root, shards, form)
+def read_units(units, root: str, shards, form, bad: list | None = None):
+    """The rows of a sharded split's `units` as an Arrow table {bytes, path (below root), label, key}.
+    What cannot be read of them (a shard gone, a row group or a run of tar members that does not
+    parse) goes to `bad` as (path, reason), with the rows it held; without `bad`, it raises."""
+    return READERS[form.kind](units, root, shards, form, bad)
 
 
 def data_kind(root: str) -> tuple[str, list[str] | None]:
@@ -72,20 +74,23 @@ def _parquet_files(fs, base: str) -> list[str]:
     return [str(PurePosixPath(p).relative_to(base)) for p, _ in list_images(fs, base, (".parquet",))]
 
 
-def shard_examples(split, *, classes: int, per_class: int) -> tuple[list, list[int], list[int]]:
+def shard_examples(split, *, classes: int, per_class: int, skipped: list | None = None) -> tuple[list, list, list]:
     """augment.preview.read_examples for a sharded split: the first `per_class` images of each of
-    the first `classes` labels, in the order of its units, decoded (images that fail are passed over)."""
+    the first `classes` labels, in the order of its units, decoded; what fails to read or decode
+    is passed over, and added to `skipped` as (path, reason)."""
     from augment.decode import BadImage, decode_image
 
     chosen: dict[int, list] = {}
+    skipped = [] if skipped is None else skipped
     for unit in split.units:
-        table = read_units(unit[None], split.root, split.shards, split.form)
-        for data, label, key in zip(*(table.column(c).to_pylist() for c in ("bytes", "label", "key")), strict=True):
+        table = read_units(unit[None], split.root, split.shards, split.form, skipped)
+        columns = (table.column(c).to_pylist() for c in ("bytes", "label", "key", "path"))
+        for data, label, key, path in zip(*columns, strict=True):
             if on_side(key, split.side) and label < classes and len(chosen.setdefault(label, [])) < per_class:
                 try:
                     chosen[label].append((decode_image(data), label, key))
-                except BadImage:
-                    continue
+                except BadImage as e:
+                    skipped.append((f"{split.root}/{path}", str(e)))
         if len(chosen) == classes and all(len(v) == per_class for v in chosen.values()):
             break
     picks = [p for label in sorted(chosen) for p in chosen[label]]

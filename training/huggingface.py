@@ -27,6 +27,7 @@ from training.data import (
     DataError,
     ImageTree,
     ShardFormat,
+    check_classes,
     concat,
     make_split,
     on_side,
@@ -34,7 +35,7 @@ from training.data import (
     split_names,
     stable_hash,
 )
-from training.parquet import read_row_groups
+from training.parquet import empty_rows, parse_errors, read_row_groups
 
 METADATA_KEY = b"huggingface"
 DEFAULT_LABEL = "label"  # --label-key's default: a column of that name, else the first ClassLabel
@@ -102,7 +103,7 @@ def scan_export(root: str, files: list[str], val_fraction: float, label_key: str
     else:
         train, val = split(sides["train"], (val_fraction, False)), split(sides["train"], (val_fraction, True))
         layout = f"hash by val_fraction {val_fraction}"
-    if not len(train):
+    if not len(train) and not len(val):
         raise DataError(
             f"{root}: no rows in the training files {sides['train'][:3]}; export the dataset with its images"
         )
@@ -113,13 +114,9 @@ def scan_export(root: str, files: list[str], val_fraction: float, label_key: str
                 f"{root}/{part.rel_paths[bad[0]]}: label {int(part.labels[bad[0]])} is not one of the {len(names)} "
                 "classes; leave unlabelled files (a test split) out of --data"
             )
-    return ImageTree(
-        root=root,
-        layout=f"Hugging Face Parquet, {layout}",
-        class_names=names,
-        train=train,
-        val=val,
-    )
+    tree = ImageTree(root=root, layout=f"Hugging Face Parquet, {layout}", class_names=names, train=train, val=val)
+    declared = _columns(next(iter(found.values())).features, root, label_key)[2] is not None  # a ClassLabel's names
+    return check_classes(tree, None if sides["val"] else val_fraction, declared=declared)
 
 
 def scan_for_scoring(root: str, files: list[str], class_names, label_key: str = DEFAULT_LABEL):
@@ -179,15 +176,29 @@ def _read_file(fs, path: str, shown: str, name: str, label_key: str) -> ExportFi
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    with fs.open_input_file(path) as f:
-        pf = pq.ParquetFile(f)
+    with parse_errors(fs, path, shown, "remove it from --data or write it again"), fs.open_input_file(path) as f:
+        try:
+            pf = pq.ParquetFile(f)
+        except pa.ArrowInvalid as e:  # an empty file, or text named .parquet
+            raise DataError(f"{shown}: not a Parquet file ({e}); remove it from --data or write it again") from None
         feats = features(pf.schema_arrow)
         if feats is None:
             raise DataError(
                 f"{shown}: no `huggingface` schema metadata; write it with the datasets library's to_parquet, or "
                 "give --data a folder of images or a manifest"
             )
-        _, label, _ = _columns(feats, shown, label_key)
+        if not isinstance(feats, dict):
+            raise DataError(
+                f"{shown}: the `huggingface` metadata's features are a {type(feats).__name__}, not a mapping of "
+                "column to feature; write the file with the datasets library's to_parquet"
+            )
+        image, label, _ = _columns(feats, shown, label_key)
+        absent = [c for c in (image, label) if c not in pf.schema_arrow.names]
+        if absent:
+            raise DataError(
+                f"{shown}: the `huggingface` metadata names columns the file lacks: {absent}; write the file with "
+                "the datasets library's to_parquet"
+            )
         kind = pf.schema_arrow.field(label).type
         if not pa.types.is_integer(kind):
             raise DataError(
@@ -209,15 +220,26 @@ def _read_file(fs, path: str, shown: str, name: str, label_key: str) -> ExportFi
     return ExportFile(feats, labels, keys, image_bytes)
 
 
-def read_export_units(units, root: str, shards, form: ShardFormat):
+def read_export_units(units, root: str, shards, form: ShardFormat, bad: list | None = None):
     """A read task's row groups of an export: {bytes, path, label, key}; `units` rows are
     (shard index, row group, first row, rows). A row without embedded bytes reads as empty
-    (and is listed as a bad file)."""
+    (and is listed as a bad file); a row group that cannot be read goes to `bad`, its rows
+    by name where its footer gives their number, else the row group itself."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     tables, top = [], storage.filesystem(root)[1]
-    for (_, _, first, _), path, t in read_row_groups(units, shards, [form.image, form.label]):
+
+    def failed(unit, path, pf, error):
+        (_, group, first, _), name = (int(v) for v in unit), str(PurePosixPath(path).relative_to(top))
+        why = f"cannot read its row group {group}: {storage.first_line(error)}"
+        rows = None if pf is None else pf.metadata.row_group(group).num_rows
+        whole = [(f"{root}/{name}#row-group-{group}", why)]
+        bad.extend([(f"{root}/{name}:{first + r}", why) for r in range(rows)] if rows else whole)
+
+    for (_, _, first, _), path, t in read_row_groups(
+        units, shards, [form.image, form.label], None if bad is None else failed
+    ):
         image = t.column(form.image)
         data = pc.struct_field(image, "bytes") if pa.types.is_struct(image.type) else image
         name = str(PurePosixPath(path).relative_to(top))
@@ -232,4 +254,4 @@ def read_export_units(units, root: str, shards, form: ShardFormat):
                 }
             )
         )
-    return pa.concat_tables(tables)
+    return pa.concat_tables(tables) if tables else empty_rows()

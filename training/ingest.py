@@ -41,9 +41,10 @@ from ray.data.block import BlockAccessor, BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
 from augment.decode import BadImage, decode_image, stack_images
-from training import ray_private
+from training import ray_private, storage
 from training.bounds import READ_COST, seconds_per_row
-from training.data import Split, on_side
+from training.console import data_gone
+from training.data import DataError, Split, below, on_side
 from training.formats import read_units
 from training.stage import StageArgs, add_augment
 from training.stamp import current_epoch
@@ -230,33 +231,77 @@ def read_plan(split: Split, rows_per_task: int) -> tuple[int, int]:
     return per_task, max(1, math.ceil(units / per_task))
 
 
+class DataGone(RuntimeError):
+    """The data's folder, prefix or bucket cannot be read any more: no one file's fault, so the
+    run stops with this one line. Ray hands a read task's exception on as text, in which
+    training/job.py worker_error finds it by its name (training.console.data_gone)."""
+
+
+def _check_there(where: str, failed: str, reason: str) -> None:
+    """DataGone where `where` (a split's root, a shard's folder) cannot be listed any more: then
+    reading `failed` went wrong for a reason that is not the file's, and so would every read."""
+    import pyarrow.fs as pafs
+
+    try:
+        fs, base, prefix = filesystem(where)
+        missing = fs.get_file_info(base).type == pafs.FileType.NotFound
+        why = f"{where}: no such {'prefix' if prefix else 'directory'} any more" if missing else None
+    except storage.StorageError as e:
+        why = str(e)
+    except OSError as e:
+        why = storage.explain(where, e) if storage.is_uri(where) else f"{where}: {e.strerror or e}"
+    if why:
+        raise DataGone(
+            f"{why}; reading {failed} failed ({reason}), as every image there would; rerun the same command once "
+            "the data is back, to resume from the last checkpoint"
+        )
+
+
+def _read_all(fs, paths: list[str], *, threads: bool) -> list:
+    """Each file's bytes, or the OSError that reading it raised. Object storage is latency-bound,
+    so threads there; and input files: one ranged request for a whole file, a stream one per 256 KiB."""
+
+    def read(path):
+        try:
+            if threads:
+                with fs.open_input_file(path) as f:
+                    return f.read()
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as e:  # a bad sector, a stale NFS handle, a file gone: this file's; _read_files sorts it out
+            return e
+
+    if not threads:
+        return [read(p) for p in paths]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        return list(pool.map(read, paths))
+
+
 def _read_files(rows, *, root, decode, bad_log, relative_paths):
-    """A read task: its files' bytes, path, label and key (`rows`: their Arrow table)."""
+    """A read task: its files' bytes, path, label and key (`rows`: their Arrow table). A file whose
+    read fails is left out and reported as a bad file with the error; DataGone where the split's
+    root itself went (_check_there)."""
     started = time.perf_counter()
     rel = rows.column("path").to_pylist()
     fs, base, prefix = filesystem(root)
-    full = [f"{base}/{r}" for r in rel]
-    if prefix:  # object storage: latency-bound, so threads
-        from concurrent.futures import ThreadPoolExecutor
-
-        def read(path):  # an input file: one ranged request for the whole file, a stream one per 256 KiB
-            with fs.open_input_file(path) as f:
-                return f.read()
-
-        with ThreadPoolExecutor(max_workers=16) as pool:
-            datas = list(pool.map(read, full))
-    else:
-        datas = []
-        for path in full:
-            with open(path, "rb") as f:
-                datas.append(f.read())
+    full = [below(base, r) for r in rel]
+    datas = _read_all(fs, full, threads=bool(prefix))
+    shown = rel if relative_paths else [prefix + p for p in full]
+    failed = [i for i, d in enumerate(datas) if isinstance(d, OSError)]
+    unread = [(shown[i], f"cannot read it: {storage.first_line(datas[i])}") for i in failed]
+    if failed:
+        _check_there(root, prefix + full[failed[0]], unread[0][1])
+        keep = np.setdiff1d(np.arange(len(rel)), failed)
+        rows, datas, shown = rows.take(keep), [datas[i] for i in keep], [shown[i] for i in keep]
     columns = {
         "bytes": datas,
-        "path": rel if relative_paths else [prefix + p for p in full],
+        "path": shown,
         "label": rows.column("label").to_numpy().astype(np.int64),
         "key": rows.column("key").to_numpy(),
     }
-    yield from _blocks(columns, decode, bad_log, started)
+    yield from _blocks(columns, decode, bad_log, started, unread)
 
 
 def _read_units(units, shuffle, order_seed, *, root, shards, form, side, decode, bad_log, relative_paths):
@@ -264,7 +309,10 @@ def _read_units(units, shuffle, order_seed, *, root, shards, form, side, decode,
     (those of its side of a hash split) in an order drawn from (seed, epoch, task) so that
     consecutive epochs pair different neighbours."""
     started = time.perf_counter()
-    table = read_units(units, root, shards, form)  # {bytes, path (below root), label, key}
+    unread: list = []  # what could not be read of the units: (path, reason)
+    table = read_units(units, root, shards, form, unread)  # {bytes, path (below root), label, key}
+    if unread:
+        _check_there(storage.parent(shards[0]), unread[0][0], unread[0][1])
     if side is not None:
         table = table.filter(on_side(table.column("key").to_numpy(), side))
     if shuffle:
@@ -272,29 +320,32 @@ def _read_units(units, shuffle, order_seed, *, root, shards, form, side, decode,
     rel = table.column("path").to_pylist()
     columns = {
         "bytes": table.column("bytes"),  # stays Arrow unless this task decodes (_block)
-        "path": rel if relative_paths else [f"{root}/{r}" for r in rel],
+        "path": rel if relative_paths else [below(root, r) for r in rel],
         "label": table.column("label").to_numpy(),
         "key": table.column("key").to_numpy(),
     }
-    yield from _blocks(columns, decode, bad_log, started)
+    yield from _blocks(columns, decode, bad_log, started, unread)
 
 
-def _blocks(columns: dict, decode: bool | str, bad_log, started: float):
+def _blocks(columns: dict, decode: bool | str, bad_log, started: float, unread=()):
     """The Arrow blocks of a read task: the encoded files, or (decode) the decoded images of
     those that decode, a block per DECODED_BLOCK_BYTES of pixels at most, the rest reported to
-    the bad-file log; decode="check" yields only the bad files, {path, reason}, for the caller
-    to record. Each block's rows carry their share of the task's time since `started`
-    (READ_COST; training/bounds.py), the time a fused augment call took in between left out."""
+    the bad-file log with `unread` (path, reason: what the task could not read); decode="check"
+    yields only the bad files, {path, reason}, for the caller to record. Each block's rows carry
+    their share of the task's time since `started` (READ_COST; training/bounds.py), the time a
+    fused augment call took in between left out."""
     import pyarrow as pa
 
     datas = columns["bytes"]  # a list of bytes (files), or a prepared shard's Arrow column
     if not decode:
         if not isinstance(datas, pa.ChunkedArray):
             datas = pa.array(datas, type=pa.binary())
+        if unread and bad_log is not None:
+            bad_log.add.remote(list(unread))  # fire and forget, as below
         cost = seconds_per_row(started, len(datas))
         yield pa.table({"bytes": datas} | {k: columns[k] for k in ("path", "label", "key")} | {READ_COST: cost})
         return
-    images, keep, bad, held, blocks = [], [], [], 0, 0
+    images, keep, bad, held, blocks = [], [], list(unread), 0, 0
     for i, data in enumerate(datas.to_pylist() if isinstance(datas, pa.ChunkedArray) else datas):
         try:
             image = decode_image(data)
@@ -358,8 +409,14 @@ def check_decodes(split: Split, *, num_cpus: float) -> dict[str, str]:
     """--strict: decode every file of the split once, now; {path: reason} of those that fail."""
     ds = read_split(split, decode="check", num_cpus=num_cpus)
     bad = {}
-    for b in ds.iter_batches(batch_size=None, batch_format="numpy"):
-        bad.update(zip(b["path"].tolist(), b["reason"].tolist(), strict=True))
+    try:
+        for b in ds.iter_batches(batch_size=None, batch_format="numpy"):
+            bad.update(zip(b["path"].tolist(), b["reason"].tolist(), strict=True))
+    except Exception as e:  # Ray's error of a read task: DataGone's one line, where it is that
+        gone = data_gone(str(e))
+        if gone:
+            raise DataError(gone) from None
+        raise
     return bad
 
 

@@ -36,7 +36,7 @@ def scan_data(root: str, val_fraction: float = 0.2, label_key: str = "label") ->
         if kind == "prepared":
             return scan_prepared(root)
         if kind == "manifest":
-            return scan_manifest(root, val_fraction)
+            return scan_manifest(root, val_fraction, label_key)
         if kind == "webdataset":
             return scan_webdataset(root, val_fraction, label_key)
         if kind == "huggingface":
@@ -67,15 +67,17 @@ def typical_size(split) -> tuple[int, int] | None:
 
 
 def _header_size(fs, path: str) -> tuple[int, int] | None:
-    import io
-
-    from PIL import Image, UnidentifiedImageError
+    """(width, height) from a file's first 256 KiB, read as decoding reads headers (augment/decode.py
+    read_header); None for a file that cannot be read or whose header is bad (a decompression bomb
+    among them): such a file is listed when training meets it, and the sample goes on without it."""
+    from augment.decode import BadImage, read_header
 
     try:
         with fs.open_input_file(path) as f:
-            return Image.open(io.BytesIO(f.read(256 * 1024))).size
-    except (OSError, UnidentifiedImageError, ValueError):
+            height, width, _ = read_header(f.read(256 * 1024))
+    except (OSError, BadImage):
         return None
+    return width, height
 
 
 def auto_preset(tree: ImageTree) -> tuple[str, str]:

@@ -28,7 +28,7 @@ from augment.schedule import parse_resize
 from training import artifacts, ray_private
 from training.bounds import DataSlots
 from training.config import ConfigError, TrainConfig
-from training.console import ConsoleFollower, ProgressBoard
+from training.console import ConsoleFollower, ProgressBoard, data_gone
 from training.data import BadFileLog, DataError, ImageTree
 from training.faults import CheckpointNotice, FaultLog, alive_nodes, describe, driver_actor, lost_nodes
 from training.feed import IngestStalled
@@ -259,6 +259,7 @@ class Attempt:
         )
         bad = ray.get(bad_log.get.remote()) if strict else {}
         if bad:
+            artifacts.mark_run_dir(run_dir, self.cfg.name)  # the run directory is this job's (--fresh may remove it)
             write_bad_files(run_dir, bad)
             first = next(iter(sorted(bad.items())))
             raise DataError(
@@ -340,7 +341,7 @@ def _after_fault(attempt: Attempt, plan: ResourcePlan, error, nodes: dict, fault
     fault = describe(error, lost, progress, checkpoint, cfg.batch_size // plan.num_workers)
     faults.add(fault, error, lost)
     own = worker_error(error, own_only=True)
-    if own:  # the train loop's own verdict (a stall, a stale batch, a checkpoint that does not fit)
+    if own:  # the train loop's own verdict (a stall, a stale batch, a checkpoint that does not fit), or the data gone
         raise TrainingFailed(f"training failed: {own}")
     stop = faults.give_up(fault)
     if stop:
@@ -361,11 +362,15 @@ def _after_fault(attempt: Attempt, plan: ResourcePlan, error, nodes: dict, fault
 def worker_error(error: BaseException, *, own_only: bool = False) -> str:
     """One line for a failed run: the train loop's own error (a stalled or stale input, a
     checkpoint that does not fit, a non-finite loss, an epoch with no image) where Ray Train
-    wraps one, else Ray's message (`own_only`: "" instead)."""
+    wraps one, or a read task's DataGone (the data's folder or bucket went), else Ray's message
+    (`own_only`: "" instead)."""
     for failure in (getattr(error, "worker_failures", None) or {}).values():
         cause = ray_private.worker_exception(failure)
         if isinstance(cause, (IngestStalled, StaleBatch, CheckpointMismatch, RunStopped)):
             return str(cause)
+        gone = data_gone(f"{cause}\n{ray_private.worker_traceback(failure) or ''}")  # a read task's, as text
+        if gone:
+            return gone
     return "" if own_only else f"{type(error).__name__}: {error}"
 
 

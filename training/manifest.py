@@ -5,11 +5,16 @@
     --data DIR/train.jsonl    {"path": "cat/001.jpg", "label": "cat"}
 
 Paths are relative to the manifest's folder (`..` allowed, on object storage too). Labels are
-class names, or class indices (then the names are "0".."N-1"). The split: a sibling manifest
+class names, or class indices (then the names are "0".."N-1"), one kind for the whole source
+(training.data.index_labels); --label-key names another label column. The datasets library's
+imagefolder `metadata.csv` (a `file_name` column) is a manifest too. UTF-8, or UTF-16 with its
+byte order mark (Excel's "Unicode text", tab-separated). The split: a sibling manifest
 named as this one with `val`, `validation` or `valid` for its last word `train` (train.csv ->
-val.csv, imagenet_train.jsonl -> imagenet_validation.jsonl) is the validation split; without
+val.csv, imagenet_train.jsonl -> imagenet_validation.jsonl), or in a folder so named beside its
+folder `train` (train/metadata.csv -> validation/metadata.csv), is the validation split; without
 one, the stable hash split of each path. A file's key is the stable hash of its path as the
-manifest writes it, normalised. Every listed file must exist: the driver looks each one up
+manifest writes it, normalised (a validation manifest in another folder: relative to the training
+one's folder, so that the two splits' keys differ). Every listed file must exist: the driver looks each one up
 (up to LOOKUP_PATHS files), or lists the folder they share once (one request per 1,000 files
 on object storage), and names the first line whose file it does not find.
 """
@@ -25,12 +30,22 @@ import re
 import pyarrow.fs as pafs
 
 from training import storage
-from training.data import DataError, ImageTree, held_out, index_labels, label_text, make_split, stable_hash
+from training.data import (
+    DataError,
+    ImageTree,
+    check_classes,
+    held_out,
+    index_labels,
+    label_text,
+    make_split,
+    stable_hash,
+)
 
 SUFFIXES = (".csv", ".jsonl")
-PATH_COLUMNS = ("path", "file", "filename", "filepath", "file_path", "image", "image_path", "image_id")
+PATH_COLUMNS = ("path", "file", "filename", "file_name", "filepath", "file_path", "image", "image_path", "image_id")
 LABEL_COLUMNS = ("label", "class", "class_name", "class_id", "label_id", "category", "target")
 VAL_NAMES = ("val", "validation", "valid")
+DEFAULT_LABEL = "label"  # --label-key's default: then any of LABEL_COLUMNS
 LOOKUP_PATHS = 2_000  # a manifest of at most this many files looks each one up instead of listing their folder
 
 
@@ -38,34 +53,19 @@ def is_manifest(root: str) -> bool:
     return root.lower().endswith(SUFFIXES)
 
 
-def read_rows(text: str, where: str) -> list[tuple[int, str, str]]:
-    """(line number, path, label) of every entry of a manifest's text; DataError naming the
-    first line that has no path or no label."""
-    rows = []
+def read_rows(text: str, where: str, label_key: str = DEFAULT_LABEL) -> list[tuple[int, str, str]]:
+    """(line number, path, label) of every entry of a manifest's text; the label is the `label_key`
+    column (--label-key) where it is not the default. DataError naming the first line that has no
+    path or no label, or a header without the label's column."""
     if where.lower().endswith(".jsonl"):
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                entry = json.loads(line)
-                path, label = str(entry["path"]), entry["label"]
-            except (ValueError, KeyError, TypeError):
-                raise DataError(f'{where}:{n}: not a JSON object with "path" and "label"; write one per line') from None
-            if not label_text(label):
-                raise DataError(f"{where}:{n}: no label; give each file a class name or index, or drop the line")
-            rows.append((n, path, label))
-        return rows
-    lines = list(csv.reader(io.StringIO(text, newline="")))  # \n, \r\n and a lone \r alike
-    header = [c.strip().lower() for c in lines[0]] if lines else []
-    cols = (0, 1)
-    if any(c in PATH_COLUMNS for c in header) and any(c in LABEL_COLUMNS for c in header):
-        cols = (
-            next(i for i, c in enumerate(header) if c in PATH_COLUMNS),
-            next(i for i, c in enumerate(header) if c in LABEL_COLUMNS),
-        )
-        lines = [None, *lines[1:]]
-    for n, line in enumerate(lines, 1):
-        if line is None or not any(c.strip() for c in line or [""]):
+        return _jsonl_rows(text, where, label_key)
+    first = text.splitlines()[0] if text else ""
+    separator = "\t" if "\t" in first and "," not in first else ","  # Excel's "Unicode text" is tab-separated
+    lines = list(csv.reader(io.StringIO(text, newline=""), delimiter=separator))  # \n, \r\n and a lone \r alike
+    cols, skip = _columns(lines[0] if lines else [], where, label_key)
+    rows = []
+    for n, line in enumerate(lines[skip:], skip + 1):
+        if not any(c.strip() for c in line):
             continue
         if len(line) <= max(cols) or not line[cols[0]].strip() or not line[cols[1]].strip():
             raise DataError(f"{where}:{n}: no path and label; write each line as path,label")
@@ -73,50 +73,112 @@ def read_rows(text: str, where: str) -> list[tuple[int, str, str]]:
     return rows
 
 
+def _columns(header: list[str], where: str, label_key: str) -> tuple[tuple[int, int], int]:
+    """((path column, label column), header lines) of a CSV manifest by its first line: a header names
+    a path column (PATH_COLUMNS: the datasets library's imagefolder writes `file_name`); without one
+    the first two columns are path and label."""
+    names = [c.strip().lower() for c in header]
+    wanted = LABEL_COLUMNS if label_key == DEFAULT_LABEL else (label_key.lower(),)
+    path = next((i for i, c in enumerate(names) if c in PATH_COLUMNS), None)
+    label = next((i for i, c in enumerate(names) if c in wanted), None)
+    if path is not None and label is not None:
+        return (path, label), 1
+    if path is not None and label_key != DEFAULT_LABEL:
+        raise DataError(f"{where}:1: --label-key {label_key}: no such column in the header {header}; name one of them")
+    if path is not None:
+        raise DataError(
+            f"{where}:1: the header names no label column ({', '.join(LABEL_COLUMNS)}); name the column that holds "
+            "the labels with --label-key"
+        )
+    if label_key != DEFAULT_LABEL:
+        raise DataError(
+            f"{where}: --label-key {label_key}: no header line names the columns; add one (path,{label_key})"
+        )
+    return (0, 1), 0
+
+
+def _jsonl_rows(text: str, where: str, label_key: str) -> list[tuple[int, str, str]]:
+    rows = []
+    labels = LABEL_COLUMNS if label_key == DEFAULT_LABEL else (label_key,)
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+            path = next(str(entry[c]) for c in PATH_COLUMNS if c in entry)
+            label = next((entry[c] for c in labels if c in entry), None)
+        except (ValueError, TypeError, StopIteration):
+            raise DataError(f'{where}:{n}: not a JSON object with "path" and "label"; write one per line') from None
+        if not label_text(label):
+            raise DataError(f"{where}:{n}: no label; give each file a class name or index, or drop the line")
+        rows.append((n, path, label))
+    return rows
+
+
 def sibling(root: str) -> str | None:
-    """The validation manifest beside a training one: `train` in its file name -> val, validation."""
+    """The validation manifest beside a training one: `train` in its file name -> val, validation
+    (train.csv -> val.csv); else, in a folder named train, the same name in a folder val, validation
+    (the datasets library's imagefolder: train/metadata.csv -> validation/metadata.csv)."""
     folder, _, name = root.rpartition("/")
     words = list(re.finditer(r"(?<![a-z])train(?![a-z])", name, flags=re.IGNORECASE))
-    if not words:
+    if words:
+        at = words[-1]  # the last: imagenet_train.csv, constrained_train.csv
+        candidates = [f"{folder}/{name[: at.start()]}{v}{name[at.end() :]}" for v in VAL_NAMES]
+    elif folder.rpartition("/")[2].lower() == "train":
+        candidates = [f"{folder.rpartition('/')[0]}/{v}/{name}" for v in VAL_NAMES]
+    else:
         return None
-    at = words[-1]  # the last: imagenet_train.csv, constrained_train.csv
     fs, _, _ = storage.filesystem(root)
-    for candidate in (f"{folder}/{name[: at.start()]}{v}{name[at.end() :]}" for v in VAL_NAMES):
+    for candidate in candidates:
         if fs.get_file_info(storage.filesystem(candidate)[1]).type == pafs.FileType.File:
             return candidate
     return None
 
 
-def _load(path: str) -> list[tuple[int, str, str]]:
+def _load(path: str, label_key: str) -> list[tuple[int, str, str]]:
     fs, inner, _ = storage.filesystem(path)
     info = fs.get_file_info(inner)
     if info.type != pafs.FileType.File:
         raise DataError(f"{path}: no such manifest; give --data a .csv or .jsonl of path,label")
     with fs.open_input_file(inner) as f:
-        text = f.read().decode("utf-8-sig")
-    rows = read_rows(text, path)
+        raw = f.read()
+    try:
+        text = storage.decode_text(raw)
+    except ValueError as e:
+        raise DataError(f"{path}: {e}; save it as UTF-8 (in Excel: CSV UTF-8)") from None
+    rows = read_rows(text, path, label_key)
     if not rows:
         raise DataError(f"{path}: no entries; write one path,label per line")
     return rows
 
 
-def scan_manifest(root: str, val_fraction: float) -> ImageTree:
+def scan_manifest(root: str, val_fraction: float, label_key: str = DEFAULT_LABEL) -> ImageTree:
     """The ImageTree of a manifest (and its validation sibling). DataError for a manifest or a
-    listed file that does not exist, a file listed twice, or a validation label training lacks."""
+    listed file that does not exist, a file listed twice, labels that are not one kind (index_labels),
+    or a split that leaves a class without training images."""
     with storage.errors(root):
         val_path = sibling(root)
         _, inner, prefix = storage.filesystem(root)
         folder = posixpath.dirname(inner)
-        listed = {"train": _load(root), "val": _load(val_path) if val_path else []}
-        resolved = {  # (line, the path inside the filesystem, label)
-            side: [(n, posixpath.normpath(posixpath.join(folder, p)), lab) for n, p, lab in rows]
-            for side, rows in listed.items()
+        manifests = {"train": root, "val": val_path}
+        resolved = {  # (line, the path inside the filesystem, label); paths relative to their manifest's folder
+            side: _resolve(path, label_key) if path else [] for side, path in manifests.items()
         }
         top = _common_folder([p for rows in resolved.values() for _, p, _ in rows])
         sizes = _sizes(root, top, prefix, [p for rows in resolved.values() for _, p, _ in rows])
-    _check_listed(resolved, sizes, {"train": root, "val": val_path}, prefix)
+    _check_listed(resolved, sizes, manifests, prefix)
+    shown = {
+        "train": posixpath.basename(root),
+        "val": val_path and posixpath.relpath(val_path, posixpath.dirname(root)),
+    }
+    entries = len(resolved["train"])
+
+    def line(i: int) -> str:  # FILE:LINE of the i-th label, train then val: only a refusal asks
+        side, i = ("train", i) if i < entries else ("val", i - entries)
+        return f"{shown[side]}:{resolved[side][i][0]}"
+
     train_labels, val_labels = ([lab for _, _, lab in resolved[side]] for side in ("train", "val"))
-    names, *labels = index_labels(train_labels, val_labels, root)
+    names, *labels = index_labels(train_labels, val_labels, root, line)
     train, val = (
         make_split(
             prefix + top,
@@ -128,7 +190,7 @@ def scan_manifest(root: str, val_fraction: float) -> ImageTree:
         for side, side_labels in zip(("train", "val"), labels, strict=True)
     )
     if val_path:
-        layout = f"{posixpath.basename(root)} + {posixpath.basename(val_path)}: the manifests' own"
+        layout = f"{shown['train']} + {shown['val']}: the manifests' own"
     else:
         in_val = held_out(train.keys, val_fraction)
         layout, train, val = (
@@ -136,7 +198,14 @@ def scan_manifest(root: str, val_fraction: float) -> ImageTree:
             train.subset(~in_val),
             train.subset(in_val),
         )
-    return ImageTree(root=root, layout=layout, class_names=names, train=train, val=val)
+    tree = ImageTree(root=root, layout=layout, class_names=names, train=train, val=val)
+    return check_classes(tree, None if val_path else val_fraction)
+
+
+def _resolve(path: str, label_key: str) -> list[tuple[int, str, str]]:
+    """(line, the listed file's path inside the filesystem, label) of each entry of a manifest."""
+    folder = posixpath.dirname(storage.filesystem(path)[1])
+    return [(n, posixpath.normpath(posixpath.join(folder, p)), lab) for n, p, lab in _load(path, label_key)]
 
 
 def _common_folder(paths: list[str]) -> str:

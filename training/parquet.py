@@ -17,7 +17,7 @@ of 256 images: the unit that training reads in a new order every epoch (training
 
 from __future__ import annotations
 
-import io
+import contextlib
 import json
 import math
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +26,7 @@ from pathlib import PurePosixPath
 import numpy as np
 
 from training import storage
-from training.data import DataError, ImageTree, ShardFormat, concat, make_split, scan_tree, sharded
+from training.data import DataError, ImageTree, ShardFormat, check_classes, concat, make_split, scan_tree, sharded
 
 MANIFEST = "_prepared.json"
 FORMAT = "ray-gpu-augment/prepared/1"
@@ -47,14 +47,14 @@ def is_prepared(root: str) -> bool:
 
 
 def _image_size(data: bytes) -> tuple[int | None, int | None]:
-    """(height, width) from the image header; (None, None) when Pillow cannot read it
-    (training then drops and reports the file, as it does for a bad file in a tree)."""
-    from PIL import Image
+    """(height, width) from the image header, read as decoding reads it (augment/decode.py
+    read_header); (None, None) for a bad header (training then drops and reports the file, as it
+    does for a bad file in a tree)."""
+    from augment.decode import BadImage, read_header
 
     try:
-        with Image.open(io.BytesIO(data)) as img:
-            return img.height, img.width
-    except Exception:  # noqa: BLE001 - any unreadable file: decided again when decoding
+        return read_header(data)[:2]
+    except BadImage:
         return None, None
 
 
@@ -151,11 +151,14 @@ def prepare_tree(
 def read_manifest(root: str) -> dict:
     fs, base, _ = storage.filesystem(root)
     with fs.open_input_file(f"{base}/{MANIFEST}") as f:
-        manifest = json.loads(f.read())
-    if manifest.get("format") != FORMAT:
+        try:
+            manifest = json.loads(f.read())
+        except ValueError as e:  # not UTF-8, not JSON
+            raise DataError(f"{root}/{MANIFEST}: not JSON ({e}); prepare it again (python -m jobs.prepare)") from None
+    written = manifest.get("format") if isinstance(manifest, dict) else None
+    if written != FORMAT:
         raise DataError(
-            f"{root}/{MANIFEST}: format {manifest.get('format')!r}, expected {FORMAT!r}; prepare it again with "
-            "python -m jobs.prepare"
+            f"{root}/{MANIFEST}: format {written!r}, expected {FORMAT!r}; prepare it again with python -m jobs.prepare"
         )
     return manifest
 
@@ -170,6 +173,7 @@ def scan_prepared(root: str) -> ImageTree:
 
 
 def _scan_prepared(root: str) -> ImageTree:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     manifest = read_manifest(root)
@@ -180,8 +184,14 @@ def _scan_prepared(root: str) -> ImageTree:
         meta = manifest["splits"][name]
         rel, labels, keys, sizes, groups = [], [], [], [], []
         for s, shard in enumerate(meta["shards"]):
-            with fs.open_input_file(f"{base}/{shard}") as f:
-                pf = pq.ParquetFile(f)
+            with (
+                parse_errors(fs, f"{base}/{shard}", f"{root}/{shard}", "prepare it again"),
+                fs.open_input_file(f"{base}/{shard}") as f,
+            ):
+                try:
+                    pf = pq.ParquetFile(f)
+                except pa.ArrowInvalid as e:  # an empty file, or text named .parquet
+                    raise DataError(f"{root}/{shard}: not a Parquet file ({e}); prepare it again") from None
                 t = pf.read(columns=["path", "label", "key"])
                 groups += [(s, g, pf.metadata.row_group(g).num_rows) for g in range(pf.num_row_groups)]
             rel += t.column("path").to_pylist()
@@ -200,18 +210,44 @@ def _scan_prepared(root: str) -> ImageTree:
     layout = f"{manifest['layout']}" + (
         f" by val_fraction {manifest['val_fraction']}" if manifest["layout"] == "hash" else ""
     )
-    return ImageTree(
+    tree = ImageTree(
         root=root,
         layout=f"{layout}, prepared",
         class_names=tuple(manifest["class_names"]),
         train=splits["train"],
         val=splits["val"],
     )
+    return check_classes(tree)  # as the tree's scan checked it, for shards an older jobs.prepare wrote
 
 
-def read_row_groups(units, shards, columns: list[str]):
+@contextlib.contextmanager
+def parse_errors(fs, path: str, shown: str, fix: str):
+    """A DataError naming `shown` for a Parquet file (`path` in `fs`) that does not parse, where
+    pyarrow's error is not the storage's: its OSError says both, so the file is looked up, and
+    the error goes on unchanged where that fails too (storage.errors names it)."""
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+
+    try:
+        yield
+    except (DataError, storage.StorageError):
+        raise
+    except (OSError, ValueError, pa.ArrowException) as e:  # ValueError: ArrowInvalid, a footer's bad UTF-8
+        try:
+            there = fs.get_file_info(path).type == pafs.FileType.File
+        except OSError:
+            there = False
+        if not there:
+            raise
+        raise DataError(f"{shown}: not a readable Parquet file ({storage.first_line(e)}); {fix}") from None
+
+
+def read_row_groups(units, shards, columns: list[str], failed=None):
     """(unit, the shard's path, the row group's table) of each of a read task's units (shard
-    index, row group, ...), shard by shard: each shard opened, and its footer read, once."""
+    index, row group, ...), shard by shard: each shard opened, and its footer read, once. A unit
+    that cannot be read (its shard, its footer or its pages) goes to `failed(unit, path, pf,
+    error)`, pf the ParquetFile where the footer was read (else None); without `failed`, the
+    error is raised."""
     import itertools
 
     import pyarrow.parquet as pq
@@ -219,15 +255,50 @@ def read_row_groups(units, shards, columns: list[str]):
     order = sorted(range(len(units)), key=lambda i: (int(units[i][0]), int(units[i][1])))
     for shard, picks in itertools.groupby(order, key=lambda i: int(units[i][0])):
         fs, path, _ = storage.filesystem(shards[shard])
-        with fs.open_input_file(path) as f:
-            pf = pq.ParquetFile(f)
-            for i in picks:
-                yield units[i], path, pf.read_row_group(int(units[i][1]), columns=columns)
+        pending = list(picks)
+        try:
+            with fs.open_input_file(path) as f:
+                pf = pq.ParquetFile(f)
+                while pending:
+                    i = pending.pop(0)
+                    try:
+                        table = pf.read_row_group(int(units[i][1]), columns=columns)
+                    except Exception as e:  # its pages do not parse, or cannot be read: this unit's
+                        if failed is None:
+                            raise
+                        failed(units[i], path, pf, e)
+                        continue
+                    yield units[i], path, table
+        except Exception as e:  # the shard or its footer: every unit of it not read yet
+            if failed is None:
+                raise
+            for i in pending:
+                failed(units[i], path, None, e)
 
 
-def read_prepared_units(units, root: str, shards, form: ShardFormat):
+def read_prepared_units(units, root: str, shards, form: ShardFormat, bad: list | None = None):
     """A read task's row groups of prepared shards: {bytes, path, label, key}; `units` rows are
-    (shard index, row group, rows)."""
+    (shard index, row group, rows). A row group that cannot be read goes to `bad`: its images
+    by their paths where its path column still reads, else the row group itself."""
     import pyarrow as pa
 
-    return pa.concat_tables(t for _, _, t in read_row_groups(units, shards, ["bytes", "path", "label", "key"]))
+    def failed(unit, path, pf, error):
+        shard, group = shards[int(unit[0])], int(unit[1])
+        why = f"cannot read row group {group} of {shard}: {storage.first_line(error)}"
+        try:
+            names = None if pf is None else pf.read_row_group(group, columns=["path"]).column(0).to_pylist()
+        except Exception:  # the path column is damaged too: the row group, by its place
+            names = None
+        bad.extend([(f"{root}/{n}", why) for n in names] if names else [(f"{shard}#row-group-{group}", why)])
+
+    columns = ["bytes", "path", "label", "key"]
+    tables = [t for _, _, t in read_row_groups(units, shards, columns, None if bad is None else failed)]
+    return pa.concat_tables(tables) if tables else empty_rows()
+
+
+def empty_rows():
+    """A read task's table without rows: {bytes, path, label, key}."""
+    import pyarrow as pa
+
+    types = {"bytes": pa.binary(), "path": pa.string(), "label": pa.int64(), "key": pa.int64()}
+    return pa.table({k: pa.array([], type=t) for k, t in types.items()})

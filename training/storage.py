@@ -12,6 +12,7 @@ client in every process, so each node needs the same settings.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import os
 
@@ -51,6 +52,23 @@ def filesystem(path: str):
     if not inner.strip("/") and not isinstance(fs, pafs.LocalFileSystem):
         raise StorageError(f"{path}: no bucket in the URI; give s3://bucket/prefix or gs://bucket/prefix")
     return fs, inner.rstrip("/"), path.split("://", 1)[0] + "://"
+
+
+def decode_text(raw: bytes) -> str:
+    """A text file's bytes as text: UTF-8 (a byte order mark allowed), or UTF-16 with its byte order
+    mark (Excel's "Unicode text"). ValueError naming the first byte that is not, for anything else:
+    Latin-1, Windows-1252 and the other one-byte encodings read the same bytes as different letters
+    and nothing in the file says which, so a guess could name files and classes wrong without a word."""
+    if raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        try:
+            return raw.decode("utf-16")
+        except UnicodeDecodeError:
+            raise ValueError("not UTF-16 text, though it starts with UTF-16's byte order mark") from None
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"not UTF-8 text (byte 0x{raw[e.start]:02x} on line {line})") from None
 
 
 def parent(path: str) -> str:
@@ -96,6 +114,13 @@ def explain(path: str, err: OSError, action: str = "reading") -> str:
     if cause == "network":
         return f"{path}: cannot reach {where} ({_first_line(text)}); check AWS_ENDPOINT_URL and the network"
     return f"{path}: {where} failed when {action}: {_first_line(text)}"
+
+
+def first_line(error: BaseException) -> str:
+    """An error's first line, for a bad-file reason (pyarrow's run to several lines), or its type
+    where it says nothing."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _first_line(text: str) -> str:
