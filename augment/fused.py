@@ -58,21 +58,36 @@ def available(device) -> bool:
 
 
 def fused_prefix(ops) -> int:
-    """How many of `ops` (an epoch pipeline's) the kernel covers: the first op where it is a
-    resample or a crop, then the horizontal flip and colour jitter (without hue) that follow
-    it, one of each at most, in any order; 0 where the first op is another."""
-    if getattr(ops[0], "name", None) not in FIRST_OPS:
+    """How many of `ops` (an epoch pipeline's) the kernel covers (covered)."""
+    return covered([(getattr(op, "name", None), getattr(op, "hue", 0.0)) for op in ops])
+
+
+def covered(ops: list[tuple]) -> int:
+    """How many leading ops, each (name, hue), the kernel covers: the first where it is one of
+    FIRST_OPS (a resample or a crop), then the horizontal flip and colour jitter (without hue)
+    that follow it, one of each at most, in any order; 0 where the first op is another."""
+    if ops[0][0] not in FIRST_OPS:
         return 0
     n, seen = 1, set()
-    for op in ops[1:]:
-        name = getattr(op, "name", None)
-        if name not in ("horizontal_flip", "color_jitter") or name in seen:
-            break
-        if name == "color_jitter" and op.hue > 0:
+    for name, hue in ops[1:]:
+        if name not in ("horizontal_flip", "color_jitter") or name in seen or (name == "color_jitter" and hue > 0):
             break
         seen.add(name)
         n += 1
     return n
+
+
+def plan_line(specs) -> str:
+    """What the plan line says of a GPU's ops after decoding, from the train ops' specs: the ops the
+    kernel covers, or why the torch path runs (Triton missing, a first op it does not take)."""
+    names = [next(iter(spec)) for spec in specs]
+    if not triton_found():
+        return "the ops as torch operations (Triton is not installed)"
+    n = covered([(name, float(params.get("hue", 0.0))) for spec in specs for name, params in spec.items()])
+    if not n:
+        return f"the ops as torch operations (the kernel does not take {names[0]})"
+    rest = f", then {', '.join(names[n:])} as torch operations" if names[n:] else ""
+    return f"{', '.join(names[:n])} in one Triton kernel{rest}"
 
 
 # the geometry ops the kernel takes, and how each one's draws become a box, a resized size and an

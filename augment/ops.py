@@ -708,19 +708,19 @@ def check_params(op_cls: type[Op], params: dict) -> None:
 class Normalize(torch.nn.Module):
     """uint8 (B, H, W, 3) -> float (B, 3, H, W), (x/255 - mean) / std, channels_last.
 
-    Runs where the model runs (docs/design.md: uint8 travels between stages). The permute of an
-    NHWC batch *is* the channels_last layout, so no copy is made besides the cast.
+    Runs where the model runs (docs/design.md: uint8 travels between stages). One operation: the
+    cast and the affine map are one addcmul over the uint8 batch (the permute of an NHWC batch *is*
+    the channels_last layout, so nothing else is copied), writing `dtype` (the step's: bfloat16
+    under bf16 autocast, half the bytes of float32; the same values as float32's, rounded once).
     """
 
     def __init__(self, mean, std):
         super().__init__()
         self.register_buffer("scale", 1.0 / (255.0 * torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1)))
-        self.register_buffer("shift", (torch.tensor(mean) / torch.tensor(std)).float().view(1, 3, 1, 1))
+        self.register_buffer("shift", (-torch.tensor(mean) / torch.tensor(std)).float().view(1, 3, 1, 1))
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
+    def forward(self, images: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if images.dtype != torch.uint8 or images.ndim != 4 or images.shape[-1] != 3:
             raise ValueError(f"Normalize expects uint8 (B, H, W, 3), got {images.dtype} {tuple(images.shape)}")
-        # in place after the cast: one float batch allocated, not three (on a CPU, fresh memory
-        # for a large batch costs more than the arithmetic; docs/design.md, "Choices and where
-        # they were measured")
-        return images.permute(0, 3, 1, 2).float().mul_(self.scale).sub_(self.shift)
+        out = torch.empty_like(images.permute(0, 3, 1, 2), dtype=dtype)  # channels_last, as the permute
+        return torch.addcmul(self.shift, images.permute(0, 3, 1, 2), self.scale, out=out)  # float32 math

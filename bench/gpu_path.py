@@ -70,13 +70,38 @@ class OpCounter(TorchDispatchMode):
             out = fused.output_like(*args, **kwargs)
         else:
             out = func(*args, **kwargs)
-        if kind != "views":
-            self.bytes[str(func.overloadpacket)] += tensor_bytes(args) + tensor_bytes(kwargs) + tensor_bytes(out)
+        if kind != "views" and str(func.overloadpacket) not in ALLOCATIONS:
+            given = {k: v for k, v in kwargs.items() if k != "out"}  # an out= tensor is the output, counted once
+            self.bytes[str(func.overloadpacket)] += tensor_bytes(args) + tensor_bytes(given) + tensor_bytes(out)
         return out
 
     @property
     def total_bytes(self) -> int:
         return sum(self.bytes.values())
+
+
+ALLOCATIONS = ("aten.empty", "aten.empty_like", "aten.new_empty", "aten.empty_strided")  # no byte moved
+
+
+def trainer_bytes(batch: int, side: int, amp: str) -> dict:
+    """The bytes a trainer's step moves per image before the model: the batch's copy to the device
+    (a clone here, the same bytes), Normalize into the step's dtype, the view digest
+    (training/loop.py train_step and EpochMeter.update), by operation."""
+    from augment.ops import Normalize
+    from augment.presets import IMAGENET_MEAN, IMAGENET_STD
+    from training.audit import view_digest
+
+    host = torch.randint(0, 256, (batch, side, side, 3), dtype=torch.uint8)
+    keys = torch.arange(batch, dtype=torch.int64)
+    normalize = Normalize(IMAGENET_MEAN, IMAGENET_STD)
+    dtype = {"off": torch.float32, "bf16": torch.bfloat16}[amp]
+    with OpCounter() as counter:
+        on_device = host.clone()
+        normalize(on_device, dtype)
+        view_digest(on_device, keys)
+    return {"bytes_per_image": round(counter.total_bytes / batch), "ops": counter.kinds["ops"]} | {
+        name: round(n / batch) for name, n in counter.bytes.most_common()
+    }
 
 
 def tensor_bytes(value) -> int:
@@ -176,6 +201,9 @@ def main(argv=None) -> dict:
             figures = measure(pipeline, distinct, device, args.batch_sizes, args.seconds, decoder, path)
             top = decoder == args.decoders[0] and path == args.paths[0]
             result |= figures if top else {f"{decoder}_{path}": figures}  # the job's path at the top level
+    result["trainer"] = {amp: trainer_bytes(256, 224, amp) for amp in ("bf16", "off")}
+    for amp, figures in result["trainer"].items():
+        print(f"trainer, amp {amp}: {figures['bytes_per_image'] / 1e6:.2f} MB an image, {figures['ops']} operations")
     same = result["nothing_per_image"]
     print(f"{args.decoders[0]} {args.paths[0]}: operations a batch the same for every batch size: {same}")
     return write_json(args.json, result)

@@ -140,3 +140,12 @@ def test_a_dispatch_mode_sees_one_operation_with_the_images_it_reads():
     with OpCounter() as counter:
         pipe.finish(request, images, path="fused")
     assert counter.names["rga.augment_first_ops"] == 1, counter.names
+
+
+def test_the_plan_line_names_the_ops_the_kernel_runs_and_why_the_rest_do_not():
+    from augment.fused import plan_line
+
+    expected = "random_resized_crop, horizontal_flip, color_jitter in one Triton kernel"
+    assert plan_line(PRESETS["imagenet"].train) == expected
+    with_hue = [{"random_resized_crop": {"size": 224}}, {"color_jitter": {"hue": 0.1}}, {"horizontal_flip": {}}]
+    assert plan_line(with_hue).endswith("then color_jitter, horizontal_flip as torch operations")

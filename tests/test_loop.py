@@ -8,6 +8,7 @@ import dataclasses
 import math
 import random
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -153,18 +154,24 @@ def test_each_rank_has_its_own_stream_and_a_checkpoint_restores_it():
     assert _draws() == ahead
 
 
-def test_view_digest_ignores_order_and_sees_every_pixel():
-    images = torch.randint(0, 256, (6, 4, 5, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+def test_view_digest_ignores_order_and_tells_other_views_apart():
+    """Order-free and additive over batches; another view of an image (flipped, shifted by a pixel,
+    a level brighter) or the same views on other images changes it. It reads one byte in
+    audit.DIGEST_STRIDE: a change of one byte it does not read goes unseen, and the test says so."""
+    images = torch.randint(0, 256, (6, 24, 24, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     keys = torch.arange(6, dtype=torch.int64) * 7919
     digest = audit.view_digest(images, keys)
     perm = torch.randperm(6, generator=torch.Generator().manual_seed(2))
     assert audit.view_digest(images[perm], keys[perm]) == digest
     split = (audit.view_digest(images[:2], keys[:2]) + audit.view_digest(images[2:], keys[2:])) % audit.KEY_MOD
     assert split == digest
-    for i, y, x, c in [(0, 0, 0, 0), (5, 3, 4, 2), (2, 1, 3, 1)]:
+    for other in (images[3].flip(1), images[3].roll(1, 1), (images[3].int() + 1).clamp(max=255).to(torch.uint8)):
         changed = images.clone()
-        changed[i, y, x, c] ^= 1
+        changed[3] = other
         assert audit.view_digest(changed, keys) != digest
+    unread = images.clone()
+    unread.view(6, -1)[0, 1] ^= 1  # byte 1 of image 0: not one the digest reads
+    assert audit.view_digest(unread, keys) == digest
     swapped = keys.clone()
     swapped[[0, 1]] = swapped[[1, 0]]  # the same views on other images
     assert audit.view_digest(images, swapped) != digest
@@ -196,6 +203,29 @@ def test_batch_feed_hands_over_every_batch_and_the_source_error():
     assert next(feed) == 1
     with pytest.raises(ValueError, match="decoder fell over"):
         next(feed)
+
+
+def test_batch_feed_thread_stops_when_its_consumer_is_done_or_fails():
+    """A consumer that leaves early (a stale batch, a non-finite loss) used to leave the feed's
+    daemon thread blocked on its full queue, holding the iterator, for the rest of the process."""
+    pulled = []
+
+    def endless():
+        for i in range(10**9):
+            pulled.append(i)
+            yield i
+
+    with BatchFeed(endless()) as batches:
+        assert next(iter(batches)) == 0
+    assert not batches._thread.is_alive()  # noqa: SLF001 - the thread itself is what the test checks
+    count = len(pulled)
+    time.sleep(0.2)
+    assert len(pulled) == count  # nothing pulled after the stop
+    feed_ = BatchFeed(endless())
+    with pytest.raises(RuntimeError, match="step failed"):
+        for _ in feed_:
+            raise RuntimeError("step failed")
+    assert not feed_._thread.is_alive()  # noqa: SLF001
 
 
 def test_a_lone_last_image_joins_the_batch_before_it_and_trains_under_the_imagenet_stem():

@@ -6,6 +6,7 @@ EpochData strings an epoch's iterator, its feed and the watch together."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -80,28 +81,88 @@ class BatchFeed:
     over through a one-batch queue. The train loop makes the first epoch's feed before it
     builds the model, so Ray Data's start (read, decode and augment workers and their
     imports) overlaps the build. While the trainer waits for a batch, `watch` (set before
-    iterating) is asked every StallLimits.poll_s whether the data can come at all."""
+    iterating) is asked every StallLimits.poll_s whether the data can come at all.
+
+    On a GPU (`device`) the thread also copies each pinned batch to the device, on a stream of
+    its own, so that the copy overlaps the step before; the step's stream waits for the copy's
+    event before it reads the batch. The thread stops when its consumer is done or fails:
+    `close` (also at the end of iteration, and on leaving a `with` block) sets its stop event
+    and joins it."""
 
     _END = object()
 
-    def __init__(self, batches, watch: IngestWatch | None = None):
+    def __init__(self, batches, watch: IngestWatch | None = None, device: torch.device | None = None):
         self.watch = watch
         self._queue: queue.Queue = queue.Queue(maxsize=1)
-        threading.Thread(target=self._pull, args=(batches,), daemon=True, name="batch-feed").start()
+        self._stop = threading.Event()
+        cuda = device is not None and device.type == "cuda"
+        self._copy = (device, torch.cuda.Stream(device)) if cuda else None
+        self._thread = threading.Thread(target=self._pull, args=(batches,), daemon=True, name="batch-feed")
+        self._thread.start()
 
     def _pull(self, batches) -> None:
         try:
             for batch in batches:
-                self._queue.put(batch)
-            self._queue.put(self._END)
+                if not self._put(self._to_device(batch)):
+                    return
+            self._put(self._END)
         except BaseException as e:  # re-raised in the training thread
-            self._queue.put(e)
+            self._put(e)
+
+    def _put(self, item) -> bool:
+        """Into the queue, unless the consumer stopped meanwhile (then False)."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _to_device(self, batch: dict):
+        """On a GPU: (the batch on the device, the copy's event), copied on the feed's stream."""
+        if self._copy is None:
+            return batch
+        device, stream = self._copy
+        with torch.cuda.stream(stream):
+            moved = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            event = torch.cuda.Event()
+            event.record(stream)
+        return moved, event
 
     def __iter__(self):
-        while (item := self._next()) is not self._END:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+        try:
+            while (item := self._next()) is not self._END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield self._ready(item)
+        finally:
+            self.close()
+
+    def _ready(self, item) -> dict:
+        if self._copy is None:
+            return item
+        batch, event = item
+        step = torch.cuda.current_stream(self._copy[0])
+        step.wait_event(event)  # the step's kernels start once the copy is done; the host does not wait
+        for v in batch.values():
+            if isinstance(v, torch.Tensor):
+                v.record_stream(step)  # the allocator keeps its memory until the step's stream is past it
+        return batch
+
+    def close(self) -> None:
+        """Stop the thread (between two batches) and wait for it."""
+        self._stop.set()
+        with contextlib.suppress(queue.Empty):
+            self._queue.get_nowait()  # a thread blocked on a full queue sees the stop at once
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _next(self):
         waited = 0.0
@@ -116,8 +177,8 @@ class BatchFeed:
 
 
 def train_batches(shard, batch_size: int, device: torch.device, epoch: int, *, seed: int, rank: int, shuffle: bool):
-    """One epoch of a rank's training batches from its shard (a Ray DataIterator), as the
-    trainer steps on them: uint8 images and their columns as tensors on `device`.
+    """One epoch of a rank's training batches from its shard (a Ray DataIterator): uint8 images
+    and their columns as CPU tensors (pinned on a GPU, for BatchFeed's copy to `device`).
 
     - No local shuffle buffer where every epoch already reads the files in a permutation of its
       own (training/ingest.py): consecutive files of a uniform permutation are already a uniform
@@ -130,7 +191,7 @@ def train_batches(shard, batch_size: int, device: torch.device, epoch: int, *, s
     first = epoch == 0
     return shard.iter_torch_batches(
         batch_size=batch_size,
-        device=device,
+        device="cpu",  # on a GPU, BatchFeed copies them, on a stream of its own
         local_shuffle_buffer_size=min(4 * batch_size, 2048) if shuffle and not first else None,
         local_shuffle_seed=seed * 1_000_003 + epoch * 1009 + rank,  # per epoch and rank
         prefetch_batches=0 if first else 2,
@@ -175,9 +236,12 @@ class EpochData:
         batches = train_batches(
             self.train, self.per_worker, self.device, epoch, seed=self.cfg.seed, rank=self.rank, shuffle=self.shuffle
         )
-        return BatchFeed(fold_lone_last(batches, self.per_worker), self.watch)
+        return BatchFeed(fold_lone_last(batches, self.per_worker), self.watch, self.device)
 
-    def validation(self):
+    def validation(self) -> BatchFeed:
+        """The validation batches, through a feed watched for a stall as training's is."""
         if self.val is None:  # every rank asks at once: a barrier
             self.val = ray.train.get_dataset_shard("val")
-        return self.val.iter_torch_batches(batch_size=self.per_worker, device=self.device)
+        pinned = self.device.type == "cuda"
+        batches = self.val.iter_torch_batches(batch_size=self.per_worker, device="cpu", pin_memory=pinned)
+        return BatchFeed(batches, self.watch, self.device)

@@ -107,7 +107,9 @@ def choose_decode(setting: str, split: Split, train_preset: tuple, use_gpu: bool
         shrink = setting == "augment" and not use_gpu
         return DecodePlan("augment", shrink, f"--decode {setting}" + (f", {gpu_decoder(gpu)}" if use_gpu else ""))
     if use_gpu:
-        return DecodePlan("augment", False, f"GPU: {gpu_decoder(gpu)} in the augment call")
+        from augment.fused import plan_line  # torch: the driver has it loaded by now
+
+        return DecodePlan("augment", False, f"GPU: {gpu_decoder(gpu)} in the augment call; {plan_line(train_preset)}")
     from augment.ops import can_shrink  # torch: the driver has it loaded by now
 
     mean_kb = split.mean_file_bytes / 1024

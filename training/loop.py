@@ -210,6 +210,14 @@ class Learner:
             for _ in range(steps_done):
                 self.scheduler.step()
 
+    @property
+    def input_dtype(self) -> torch.dtype:
+        """The dtype Normalize writes a step's batch in: the autocast's (the model's first layer
+        casts to it anyway; half the bytes of float32), float32 where MixUp/CutMix blends it first."""
+        if self.cfg.amp == "off" or self.mix is not None:
+            return torch.float32
+        return torch.bfloat16 if self.cfg.amp == "bf16" else torch.float16
+
     def autocast(self):
         if self.cfg.amp == "off":
             return contextlib.nullcontext()
@@ -283,7 +291,7 @@ def build_learner(spec: WorkerSpec, world: int, device: torch.device) -> tuple[L
 def train_step(learner: Learner, batch: dict, *, epoch: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step on one batch; returns the loss and the logits (still on the device)."""
     cfg = learner.cfg
-    x, y = learner.normalize(batch["image"]), batch["label"]
+    x, y = learner.normalize(batch["image"], learner.input_dtype), batch["label"]
     target, smoothing = y, cfg.label_smoothing
     if learner.mix is not None:  # soft targets, replayable from (seed, epoch, step, rank)
         x, target = learner.mix(x, y, mix_generator(cfg.seed, epoch, step, rank))
@@ -510,10 +518,12 @@ def train_loop(config: dict) -> None:
     state |= {"ranks": ranks, "resumed_at_epochs": state["resumed_at_epochs"] + ([first + 1] if resumed_from else [])}
     for epoch in range(first, last):
         bar = EpochProgress(spec.board.post.remote, rank=rank, epoch=epoch)  # every rank; a fault line names the step
-        stats = train_epoch(learner, feed or data.feed(epoch), epoch=epoch, rank=rank, bar=bar)
+        with feed or data.feed(epoch) as batches:  # the feed's thread stops with the epoch, however it ends
+            stats = train_epoch(learner, batches, epoch=epoch, rank=rank, bar=bar)
         bar.close()
         feed = None
-        stats |= evaluate(learner, data.validation(), spec.num_classes)
+        with data.validation() as batches:
+            stats |= evaluate(learner, batches, spec.num_classes)
         lr = learner.scheduler.get_last_lr()[0]
         row = record_epoch(state, epoch, stats, lr=lr, first=epoch == first, slots=spec.slots)
         rng = _all_gather(rng_state(device))  # every rank's stream, restored per rank on resume
