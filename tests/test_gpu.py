@@ -177,3 +177,37 @@ def test_the_batched_decoder_never_writes_over_memory_the_callers_queued_kernels
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["iterations"] == 200
     assert result["corrupted"] == {"victims": 0, "last_outputs": 0, "checksums": 0}, result
+
+
+@pytest.mark.parametrize("name", ["imagenet", "cifar"])
+def test_the_fused_kernel_compiles_and_gives_the_cpus_pixels_on_cuda(name):
+    """augment/fused.py's kernel compiled for this GPU (the CPU tests run it through Triton's
+    interpreter): images on the device in both layouts its decoders give, the same draws as the
+    CPU's float32 torch path, its bytes within a level; eval too."""
+    from augment import fused
+    from augment.pipeline import Pipeline as Pipe
+
+    if not fused.available(torch.device("cuda")):
+        pytest.skip("Triton is not installed with this torch")
+    images = list(_photos(12))
+    on_gpu = [torch.from_numpy(im).cuda() for im in images]
+    on_gpu[1::2] = [im.permute(2, 0, 1).contiguous().permute(1, 2, 0) for im in on_gpu[1::2]]  # nvjpeg's CHW
+    for specs in (PRESETS[name].train, PRESETS[name].eval):
+        cpu_pipe, gpu_pipe = Pipe(specs, seed=5).at_epoch(1), Pipe(specs, seed=5).to("cuda").at_epoch(1)
+        sizes, keys = torch.tensor([im.shape[:2] for im in images]), torch.arange(12) * 7919
+        expected = cpu_pipe.finish(cpu_pipe.request(sizes, keys), images, path="ragged")
+        got = gpu_pipe.finish(gpu_pipe.request(sizes.cuda(), keys.cuda()), on_gpu, path="fused")
+        torch.cuda.synchronize()
+        assert got.device.type == "cuda" and got.shape == expected.shape
+        assert int((got.cpu().int() - expected.int()).abs().max()) <= 1, name
+
+
+def test_the_feed_copies_pinned_batches_to_the_gpu_on_its_own_stream():
+    from training.feed import BatchFeed
+
+    batches = [
+        {"image": torch.full((4, 8, 8, 3), i, dtype=torch.uint8).pin_memory(), "key": torch.arange(4)} for i in range(5)
+    ]
+    with BatchFeed(iter(batches), device=torch.device("cuda")) as feed:
+        got = [(b["image"].device.type, int(b["image"].float().mean())) for b in feed]
+    assert got == [("cuda", i) for i in range(5)]
