@@ -23,9 +23,15 @@ def augment_batch(pipeline: Pipeline, images, keys: torch.Tensor, epoch: int, de
     if device.type != "cpu":
         return pipe.finish(request, images, path=gpu_path(pipe, device))
     out = torch.empty((len(images), *pipe.out_hw, 3), dtype=torch.uint8)
-    for c in pipe.chunks(len(images)):
+    for c in cpu_chunks(len(images), pipe.cpu_chunk):
         pipe.finish(request.take(c), images[c], path="cpu", out=out[c])
     return out
+
+
+def cpu_chunks(n: int, size: int) -> list[slice]:
+    """The CPU's chunks of a batch of n images, `size` each (the pipeline's cpu_chunk: see
+    CPU_CHUNK_PIXELS): the chunk loops of this file are the only ones."""
+    return [slice(i, min(n, i + size)) for i in range(0, n, size)]
 
 
 DECODERS = ("cpu", "nvjpeg", "nvimgcodec", "nvimgcodec-whole")
@@ -110,7 +116,7 @@ def decode_augment(
     out = torch.empty((len(headers), *pipe.out_hw, 3), dtype=torch.uint8) if path == "cpu" else None
     outs, kept, where = [], [], []
     try:
-        for c in pipe.chunks(len(headers)) if path == "cpu" else [slice(0, len(headers))]:
+        for c in cpu_chunks(len(headers), pipe.cpu_chunk) if path == "cpu" else [slice(0, len(headers))]:
             part = request.take(c)
             images, good, cropped, on = _decode_chunk(encoded, headers[c], part, device, bad, decoder)
             if not good:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from augment.rng import mix64
+from augment.streams import stream_seed
 
 MIX_KEYS = ("mixup_alpha", "cutmix_alpha", "prob", "switch_prob", "label_smoothing")
 
@@ -42,7 +42,7 @@ def check_mix(settings) -> dict:
 
 def mix_generator(seed: int, epoch: int, step: int, rank: int) -> torch.Generator:
     """A CPU generator that differs for every (seed, epoch, step, rank) and replays exactly."""
-    return torch.Generator().manual_seed(mix64(mix64(mix64(mix64(seed) + epoch) + step) + rank) >> 1)
+    return torch.Generator().manual_seed(stream_seed("mix", seed, epoch, step, rank))
 
 
 class MixUpCutMix:

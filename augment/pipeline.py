@@ -26,8 +26,7 @@ import torch
 
 from augment.errors import PresetError
 from augment.fused import FusedPlan, augment_first_ops, fused_prefix, on_device
-from augment.kornia_ops import is_kornia
-from augment.ops import OPS, KorniaOp, Op, compiled_loops
+from augment.ops import Op, build_ops, compiled_loops
 from augment.presets import scale_geometry, spec_side
 from augment.ragged import RaggedImages
 from augment.rng import KeyedRng
@@ -75,15 +74,7 @@ class EpochPipeline(torch.nn.Module):
         super().__init__()
         self.ops, self.seed, self.epoch = ops, seed, epoch
         self.out_hw = tuple(ops[0].size)
-
-    @property
-    def cpu_chunk(self) -> int:
-        """Images per chunk on the CPU (see CPU_CHUNK_PIXELS)."""
-        return max(1, CPU_CHUNK_PIXELS // (self.out_hw[0] * self.out_hw[1]))
-
-    def chunks(self, n: int) -> list[slice]:
-        """The CPU's chunks of a batch of n images (see CPU_CHUNK_PIXELS)."""
-        return [slice(i, min(n, i + self.cpu_chunk)) for i in range(0, n, self.cpu_chunk)]
+        self.cpu_chunk = max(1, CPU_CHUNK_PIXELS // (self.out_hw[0] * self.out_hw[1]))  # images a CPU chunk
 
     def empty(self, device) -> torch.Tensor:
         return torch.empty((0, *self.out_hw, 3), dtype=torch.uint8, device=device)
@@ -269,9 +260,7 @@ class Pipeline:
         first, s = self._first_spec(epoch), strength(self.schedule, epoch, self.epochs)
         key = (self.size_at(epoch), s)
         if key not in self._ops:
-            ops = []
-            for stream, spec in enumerate((first, *self.specs[1:]), start=1):
-                ops.append(_build(stream, spec, size=ops[0].size if ops else None))
+            ops = build_ops((first, *self.specs[1:]))
             for op in ops if s != 1.0 else ():
                 op.set_strength(s)
             self._ops[key] = torch.nn.ModuleList(ops).to(self.device)
@@ -297,17 +286,6 @@ def check_sides(preset, train_sides) -> None:
         Pipeline(preset.eval, seed=0)
     except PresetError as e:
         raise PresetError(f"its eval ops at {preset.image_size} px: {e}") from None
-
-
-def _build(stream: int, spec: dict, size=None) -> Op:
-    """One op; `size`: the batch's (H, W) after the first op, which a Kornia op is tried on."""
-    ((name, params),) = spec.items()
-    try:
-        op = KorniaOp(name, params, size=size) if is_kornia(name) else OPS[name](**params)
-    except (TypeError, ValueError) as e:
-        raise PresetError(f"[{stream - 1}]: {e}") from None
-    op.stream = stream  # the op's own random stream: its position in the list
-    return op
 
 
 def _where(mask, a, b):

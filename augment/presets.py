@@ -186,7 +186,7 @@ def _check_specs(specs, where: str) -> tuple:
 def preset_from_dict(data: dict, where: str = "preset") -> Preset:
     """The preset a mapping describes, every op checked by building its pipelines once."""
     from augment.mix import check_mix
-    from augment.pipeline import Pipeline
+    from augment.ops import build_ops
 
     allowed = {"name", "train", "eval", "mean", "std", "mix"}
     unknown = sorted(set(data) - allowed)
@@ -205,7 +205,7 @@ def preset_from_dict(data: dict, where: str = "preset") -> Preset:
     )
     for split in ("train", "eval"):  # constructor errors (bad values; Kornia's own, from its probe) surface now
         try:
-            Pipeline(getattr(preset, split), seed=0)
+            build_ops(getattr(preset, split))
         except (TypeError, ValueError) as e:  # an op's own message starts with its index, "[0]: ..."
             raise PresetError(f"{where}: {split}{'' if str(e).startswith('[') else ': '}{e}") from None
     return preset

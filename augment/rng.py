@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import torch
 
-_M64 = (1 << 64) - 1
-_C1 = 0xBF58476D1CE4E5B9
-_C2 = 0x94D049BB133111EB
+from augment.streams import C1, C2, M64, mix64
+
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
 def _signed(v: int) -> int:
-    v &= _M64
+    v &= M64
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
@@ -31,17 +30,9 @@ def _srl(z: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _mix(z: torch.Tensor) -> torch.Tensor:
-    z = (z ^ _srl(z, 30)) * _signed(_C1)
-    z = (z ^ _srl(z, 27)) * _signed(_C2)
+    z = (z ^ _srl(z, 30)) * _signed(C1)
+    z = (z ^ _srl(z, 27)) * _signed(C2)
     return z ^ _srl(z, 31)
-
-
-def mix64(z: int) -> int:
-    """SplitMix64's finaliser on a Python int (mod 2**64): the pure-Python twin of the tensor mixer."""
-    z &= _M64
-    z = ((z ^ (z >> 30)) * _C1) & _M64
-    z = ((z ^ (z >> 27)) * _C2) & _M64
-    return z ^ (z >> 31)
 
 
 def salt(seed: int, epoch: int, stream: int) -> int:

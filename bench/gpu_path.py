@@ -86,7 +86,7 @@ ALLOCATIONS = ("aten.empty", "aten.empty_like", "aten.new_empty", "aten.empty_st
 def trainer_bytes(batch: int, side: int, amp: str) -> dict:
     """The bytes a trainer's step moves per image before the model: the batch's copy to the device
     (a clone here, the same bytes), Normalize into the step's dtype, the view digest
-    (training/loop.py train_step and EpochMeter.update), by operation."""
+    (training/worker/loop.py train_step, training/worker/meter.py EpochMeter.update), by operation."""
     from augment.ops import Normalize
     from augment.presets import IMAGENET_MEAN, IMAGENET_STD
     from training.audit import view_digest
@@ -117,9 +117,7 @@ def tensor_bytes(value) -> int:
 
 def one_batch(pipeline: Pipeline, files: list[bytes], device, epoch: int, decoder: str, path: str) -> torch.Tensor:
     keys = torch.arange(len(files), dtype=torch.int64) * 7919 + epoch
-    out, kept, bad, _ = decode_augment(
-        pipeline, files, keys, epoch, device, shrink=False, decoder=decoder, path=path
-    )
+    out, kept, bad, _ = decode_augment(pipeline, files, keys, epoch, device, shrink=False, decoder=decoder, path=path)
     if bad or len(kept) != len(files):
         raise RuntimeError(f"bench: {len(bad)} of the generated files did not decode: {bad[:3]}")
     return out
