@@ -11,10 +11,10 @@ row groups of 100 as the datasets library writes images). Each goes to a local t
 directory and to a local S3 server (moto's, in a process of its own, as bench/storage.py
 starts it). Then, per round, for each format on each side (the order alternates):
 
-  scan   training.inputs.scan_data: what the driver reads before training (WebDataset: every
+  scan   training.forms.formats.scan_data: what the driver reads before training (WebDataset: every
          shard's member headers; Parquet: footers and small columns)
   read   every unit of both splits through the read task's own function
-         (training.formats.read_units), one process, a read task's units at a time (the
+         (training.forms.formats.read_units), one process, a read task's units at a time (the
          train split's in an epoch's order): the encoded images, labels and keys a read
          task hands the augment stage (no decoding)
 
@@ -99,7 +99,7 @@ def write_export(tree, out: str, rows_per_file: int = 500) -> None:
 
 
 def time_scan(root: str) -> tuple[int, float, object]:
-    from training.inputs import scan_data
+    from training.forms.formats import scan_data
 
     start = time.perf_counter()
     tree = scan_data(root, 0.2)
@@ -112,7 +112,7 @@ def time_read(tree) -> tuple[int, float, int]:
     an epoch's order, the validation split's in their own."""
     import numpy as np
 
-    from training.formats import read_units
+    from training.forms.formats import read_units
     from training.ingest import ROWS_PER_TASK, epoch_order, read_plan
 
     images = nbytes = 0
@@ -131,8 +131,8 @@ def make_data(tmp: str, images: int, endpoint: str) -> dict:
     """{(where, format): root} of the same images in the three formats, on disk and on S3."""
     import pyarrow.fs as pafs
 
-    from training.data import scan_tree
-    from training.parquet import prepare_tree
+    from training.forms.parquet import prepare_tree
+    from training.forms.tree import scan_tree
 
     local = os.path.join(tmp, "tree")
     write_tree(local, images)

@@ -13,9 +13,9 @@ Seeds, written with Pillow and pyarrow in the layouts the job reads:
                                (full size and at 1/2, as the CPU train path decodes) and
                                read_header, and training.inputs' header sampling (typical_size)
   tar                          a WebDataset shard (<class>/<key>.jpg + .cls, tarfile in
-                               webdataset's layout): training.webdataset's scan (scan_data),
+                               webdataset's layout): training.forms.webdataset's scan (scan_data),
                                then every unit through the read task's function
-                               (training.formats.read_units), then every image decoded
+                               (training.forms.formats.read_units), then every image decoded
   parquet                      jobs.prepare's shards: its scan, then read_units, then decoding
   hf                           a Hugging Face export (an Image struct column, ClassLabel
                                metadata): the same
@@ -91,7 +91,7 @@ def _tree(root: Path) -> None:
 
 def container_seed(fmt: str, work: Path) -> Path:
     """The folder --data would name, holding the container to mutate (`target`)."""
-    from training.data import scan_tree
+    from training.forms.tree import scan_tree
 
     tree_root, out = work / "tree", work / fmt
     if not tree_root.exists():
@@ -106,7 +106,7 @@ def container_seed(fmt: str, work: Path) -> Path:
 
         write_export(tree, str(out), rows_per_file=1000)
     else:
-        from training.parquet import prepare_tree
+        from training.forms.parquet import prepare_tree
 
         prepare_tree(str(tree_root), str(out), log=lambda *a: None)
         import pyarrow.parquet as pq
@@ -180,7 +180,7 @@ def mutate(data: bytes, rng: random.Random, hot: list[tuple[int, int]]) -> bytes
 def check_image(fmt: str, data: bytes, work: Path) -> str:
     """A mutant image's outcome, "decoded" or "bad"; anything else raises."""
     from augment.decode import BadImage, decode_image, read_header
-    from training.data import make_split
+    from training.forms.data import make_split
     from training.inputs import typical_size
 
     (work / "mutant").write_bytes(data)
@@ -204,9 +204,8 @@ def check_container(fmt: str, data: bytes, seed_folder: Path, work: Path) -> str
     where the scan refused it, listed something or an image did not decode, else "decoded";
     anything else raises, SilentLoss among it."""
     from augment.decode import BadImage, decode_image
-    from training.data import DataError
-    from training.formats import read_units
-    from training.inputs import scan_data
+    from training.forms.data import DataError
+    from training.forms.formats import read_units, scan_data
 
     folder = work / "mutant"
     if folder.exists():
@@ -226,7 +225,7 @@ def check_container(fmt: str, data: bytes, seed_folder: Path, work: Path) -> str
         listed += len(bad)
         keys = table.column("key").to_pylist()
         if split.side is not None:
-            from training.data import on_side
+            from training.forms.data import on_side
 
             keys = [k for k in keys if on_side(k, split.side)]
         unread = set(split.keys.tolist()) - set(keys)

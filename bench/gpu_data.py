@@ -17,7 +17,7 @@ take other paths through a decoder. Each image comes from its own numpy Generato
 seeded by (seed, index): the same arguments give the same bytes with any number of workers
 (and the same numpy and Pillow).
 
-Layout, which training.data.scan_tree and torchvision's ImageFolder (on OUT/train) both read:
+Layout, which training.forms.tree.scan_tree and torchvision's ImageFolder (on OUT/train) both read:
 
     OUT/train/n0000/n0000_000000.JPEG ...   train samples, class i % classes for sample i
     OUT/val/n0000/n0000_000000.JPEG ...     val samples, likewise

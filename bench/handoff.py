@@ -6,7 +6,7 @@
 
 Ray Data tasks make uint8 (--block-rows, 224, 224, 3) blocks with the augment stage's columns (image,
 label, key, epoch), as the augment tasks hand them on; the trainer's side takes them through
-`training.feed.train_batches`, the call the train workers make, on the CPU. Three feeds side
+`training.worker.feed.train_batches`, the call the train workers make, on the CPU. Three feeds side
 by side, epoch by epoch in turn (these machines are noisy):
 
 * job      what the job does for an image tree: no local shuffle buffer;
@@ -87,7 +87,7 @@ def warm_store(chunk_mb: int = 256, fill: float = 0.75) -> float:
 
 def epoch(ds, batch_size: int, shuffle: bool, number: int) -> tuple[float, float, float]:
     """(img/s, busy µs per image, this process's µs per image) of one epoch through train_batches."""
-    from training.feed import train_batches
+    from training.worker.feed import train_batches
 
     busy, own, start, n = busy_s(), time.process_time(), time.perf_counter(), 0
     for batch in train_batches(ds.iterator(), batch_size, torch.device("cpu"), number, seed=0, rank=0, shuffle=shuffle):

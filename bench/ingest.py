@@ -8,7 +8,7 @@ growing size (not a test).
 Each tree is DIR/class<k>/<i>.jpg, photo-like JPEGs of 64-160 px in 100 classes, written once
 under --work (100,000 of them take about 0.5 GB; building a tree is not part of any figure).
 Each size runs in a fresh process with a fresh local Ray, as jobs.train does:
-training.inputs.scan_data, then the datasets exactly as jobs.train builds them
+training.forms.formats.scan_data, then the datasets exactly as jobs.train builds them
 (training.ingest.build_datasets, with the job's plan for this machine), the train split
 iterated in the driver for two epochs. Per tree size:
 
@@ -83,11 +83,11 @@ def child(data: str, preset_name: str, batch: int) -> dict:
     from augment.presets import load_preset
     from training import planning
     from training.config import TrainConfig
-    from training.data import BadFileLog
+    from training.forms.formats import scan_data
     from training.ingest import build_datasets, choose_decode
-    from training.inputs import scan_data
     from training.session import connect
     from training.stamp import EpochClock
+    from training.status import BadFileLog
 
     connect()
     cfg = TrainConfig(data=data, preset=preset_name, batch_size=batch)

@@ -21,9 +21,10 @@ import torch
 
 from training.audit import view_digest
 from training.config import TrainConfig
-from training.feed import BatchFeed
-from training.loop import Learner, train_step
 from training.model import resnet18
+from training.worker.feed import BatchFeed
+from training.worker.learner import Learner
+from training.worker.loop import train_step
 
 SHAPES = {"cifar 64 x 32 px": (64, 32, True), "imagenet 32 x 224 px": (32, 224, False)}
 

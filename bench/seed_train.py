@@ -66,7 +66,7 @@ def image_folder(root: str, split: str, transform, val_fraction: float = 0.2):
 
     if os.path.isdir(os.path.join(root, split)):
         return ImageFolder(os.path.join(root, split), transform=transform)
-    from training.data import scan_tree
+    from training.forms.tree import scan_tree
 
     tree = scan_tree(root, val_fraction)
     keep = {os.path.abspath(p) for p in (tree.train if split == "train" else tree.val).paths}
@@ -112,7 +112,7 @@ def sync(device: torch.device) -> None:
 def run_plain(args, device: torch.device) -> dict:
     from torch.utils.data import DataLoader
 
-    from training.data import default_dataset_dir
+    from training.forms.tree import default_dataset_dir
 
     root = args.data or str(default_dataset_dir())
     train_set = image_folder(root, "train", seed_transforms(args.preset, True))

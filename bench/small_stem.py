@@ -91,7 +91,7 @@ def main(argv=None) -> dict:
 
     tmp = None if args.work else tempfile.TemporaryDirectory(prefix="bench-stem-")
     work = args.work or tmp.name
-    from training.data import default_dataset_dir
+    from training.forms.tree import default_dataset_dir
 
     base = subset_tree(str(default_dataset_dir()), args.train_images, os.path.join(work, "digits"))
     trees = {s: sized_tree(base, s, os.path.join(work, f"digits-{s}")) for s in args.sizes}

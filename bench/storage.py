@@ -8,7 +8,7 @@ directory and the same tree to a local S3 server (moto's, in a process of its ow
 port, reached through AWS_ENDPOINT_URL as the jobs reach MinIO), converts each with jobs.prepare's
 code, then times three things, local and S3 alternating within every round:
 
-  list    training.data.scan_tree: classes, split and sizes, what every job does first
+  list    training.forms.tree.scan_tree: classes, split and sizes, what every job does first
   read    every file's bytes on 16 threads, as jobs.prepare reads a tree
   shards  the prepared copy: its manifest and small columns (scan_prepared), then every
           shard whole, as training from prepared data reads it
@@ -89,7 +89,7 @@ def write_data(local: str, files: int) -> None:
 
 
 def time_list(root: str) -> tuple[int, float]:
-    from training.data import scan_tree
+    from training.forms.tree import scan_tree
 
     start = time.perf_counter()
     tree = scan_tree(root, 0.2)
@@ -98,7 +98,7 @@ def time_list(root: str) -> tuple[int, float]:
 
 def time_read(root: str, threads: int = 16) -> tuple[int, float]:
     from training import storage
-    from training.data import scan_tree
+    from training.forms.tree import scan_tree
 
     tree = scan_tree(root, 0.2)
     paths = [p.split("://", 1)[-1] for p in tree.train.paths + tree.val.paths]
@@ -118,7 +118,7 @@ def time_shards(prepared: str) -> tuple[int, float]:
     import pyarrow.parquet as pq
 
     from training import storage
-    from training.parquet import scan_prepared
+    from training.forms.parquet import scan_prepared
 
     start = time.perf_counter()
     tree = scan_prepared(prepared)
@@ -148,7 +148,7 @@ def make_data(tmp: str, files: int, endpoint: str) -> tuple[dict, float]:
     seconds the upload took)."""
     import pyarrow.fs as pafs
 
-    from training.parquet import prepare_tree
+    from training.forms.parquet import prepare_tree
 
     local = os.path.join(tmp, "tree")
     write_data(local, files)

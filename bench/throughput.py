@@ -16,7 +16,7 @@ Cases (trees generated once under --work; building them is not timed):
 
 Variants, each in a fresh process, alternating their order round by round:
 
-* ray   training.inputs.scan_data + training.planning.plan_resources on a local cluster of this
+* ray   training.forms.formats.scan_data + training.planning.plan_resources on a local cluster of this
         machine's cores + training.ingest.build_datasets (what jobs.train hands its trainer),
         the train split iterated in the driver with iter_torch_batches as the train loop
         does (batch 64; the local shuffle buffer and prefetching from epoch 1 on); Ray
@@ -117,7 +117,7 @@ def make_tree(out: str, kind: str, count: int, classes: int = 10) -> str:
 
 def prepared(tree: str, out: str) -> str:
     if not os.path.exists(os.path.join(out, "_prepared.json")):
-        from training.parquet import prepare_tree
+        from training.forms.parquet import prepare_tree
 
         prepare_tree(tree, out, log=lambda *a: None)
     return out
@@ -134,11 +134,11 @@ def run_ray(
     from augment.presets import load_preset
     from training import planning
     from training.config import TrainConfig
-    from training.data import BadFileLog
+    from training.forms.formats import scan_data
     from training.ingest import build_datasets, choose_decode
-    from training.inputs import scan_data
     from training.session import connect
     from training.stamp import EpochClock
+    from training.status import BadFileLog
 
     connect()
     cfg = TrainConfig(data=data, preset=preset_name, batch_size=batch, epochs=epochs, decode=decode, **overrides)
@@ -152,7 +152,7 @@ def run_ray(
         ray.get(clock.set.remote(epoch))
         first = epoch == 0
         start, cpu, n = time.perf_counter(), time.process_time(), 0
-        for b in ds.iter_torch_batches(  # as training/loop.py's epoch_batches
+        for b in ds.iter_torch_batches(  # as training/worker/feed.py's train_batches
             batch_size=batch,
             local_shuffle_buffer_size=None if first else min(4 * batch, 2048),
             local_shuffle_seed=epoch,

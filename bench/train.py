@@ -70,7 +70,7 @@ def cpu_model() -> str:
 def subset_tree(root: str, train_images: int, out: str, val_fraction: float = 0.2) -> str:
     """A class-balanced subset of ROOT's split as OUT/train/<class>/ + OUT/val/<class>/, as
     symlinks: the first files of each class in path order, round-robin over classes."""
-    from training.data import scan_tree
+    from training.forms.tree import scan_tree
 
     tree = scan_tree(root, val_fraction)
     for split_name, split, n in (("train", tree.train, train_images), ("val", tree.val, max(1, train_images // 4))):
@@ -363,7 +363,7 @@ def main(argv=None) -> dict:
     tmp = None if args.work else tempfile.TemporaryDirectory(prefix="bench-train-")
     work = args.work or tmp.name
     os.makedirs(work, exist_ok=True)
-    from training.data import default_dataset_dir
+    from training.forms.tree import default_dataset_dir
 
     data = args.data or str(default_dataset_dir())
     if args.train_images:

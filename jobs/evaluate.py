@@ -39,18 +39,18 @@ def parse(argv=None):
 def main(argv=None) -> int:
     args = parse(argv)
     from training import artifacts, inference, plots, storage
-    from training.data import DataError
+    from training.forms.data import DataError
     from training.session import connect
 
     out = args.out or artifacts.join(storage.parent(args.model), "eval")
     try:
         info = inference.load_model_file(args.model)
-        val_fraction = float(info.get("config", {}).get("val_fraction", 0.2))
+        val_fraction = float(info.setting("val_fraction", 0.2))
         splits = inference.input_splits(args.data, info, args.split, val_fraction)
         if all((s.labels < 0).all() for s in splits):
             raise DataError(
                 f"{args.data}: no image sits in a directory named after one of the model's classes "
-                f"{list(info['class_names'])[:10]}; evaluation needs labels "
+                f"{list(info.class_names)[:10]}; evaluation needs labels "
                 "(use jobs.predict for unlabelled images)"
             )
         storage.check_writable(out, "--out")
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
         return 2
     connect()
     rows, unread = inference.predict(info, splits, batch_size=args.batch_size, actors=args.actors, device=args.device)
-    names = list(info["class_names"])
+    names = list(info.class_names)
     confusion = inference.confusion_matrix(rows, len(names))
     stats = inference.per_class(confusion, names)
     artifacts.write_bytes(artifacts.join(out, "confusion.png"), plots.confusion_png(confusion, names))

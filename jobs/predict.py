@@ -52,7 +52,7 @@ def parse(argv=None):
 def main(argv=None) -> int:
     args = parse(argv)
     from training import artifacts, inference, storage
-    from training.data import DataError
+    from training.forms.data import DataError
     from training.session import connect
 
     if args.batch_size <= 0 or args.actors <= 0:
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
         return 2
     connect()
     rows, unread = inference.predict(info, splits, batch_size=args.batch_size, actors=args.actors, device=args.device)
-    inference.write_predictions_csv(rows, args.out, info["class_names"])
+    inference.write_predictions_csv(rows, args.out, info.class_names)
     print(f"wrote {args.out}: {len(rows)} predictions")
     if unread:
         print(f"skipped {len(unread)} unreadable file(s), e.g. {unread[0]}")

@@ -52,8 +52,8 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    from training.data import DataError
-    from training.parquet import prepare_tree
+    from training.forms.data import DataError
+    from training.forms.parquet import prepare_tree
     from training.storage import StorageError
 
     if args.shard_mb <= 0 or args.threads <= 0:

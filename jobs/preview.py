@@ -41,9 +41,10 @@ def main(argv=None) -> int:
     args = parse(argv)
     from augment.presets import PresetError, load_preset
     from augment.preview import read_examples, render_grid
-    from training.data import DataError, default_dataset_dir
-    from training.formats import shard_examples
-    from training.inputs import auto_preset, scan_data, typical_size
+    from training.forms.data import DataError
+    from training.forms.formats import scan_data, shard_examples
+    from training.forms.tree import default_dataset_dir
+    from training.inputs import auto_preset, typical_size
     from training.storage import StorageError
 
     try:

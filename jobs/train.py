@@ -19,7 +19,7 @@ import threading
 from augment.errors import PresetError
 from training import console
 from training.config import ConfigError, FlagParser, add_arguments, error_line, parse_config
-from training.data import DataError
+from training.forms.data import DataError
 from training.inputs import prepare
 from training.session import connect, quiet_ray_env
 from training.storage import StorageError

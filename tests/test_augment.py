@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from augment.ops import OPS, Normalize, resample_boxes
+from augment.geometry import resample_boxes
+from augment.ops import OPS, Normalize
 from augment.pipeline import Pipeline, to_canvas
 from augment.presets import PRESETS, PresetError, load_preset, preset_from_dict
 from augment.rng import KeyedRng, reference_seed, reference_uniform
@@ -558,7 +559,8 @@ def test_preview_shows_the_views_the_training_stage_makes(preset, tmp_path, monk
 
     from augment.decode import decode_image
     from jobs.preview import main
-    from training.data import scan_tree, stable_hash
+    from training.forms.data import stable_hash
+    from training.forms.tree import scan_tree
 
     shown = []  # every picture the grid draws, row by row
     monkeypatch.setattr(matplotlib.axes.Axes, "imshow", lambda ax, view, **kw: shown.append(np.array(view)))
@@ -589,7 +591,7 @@ def test_preview_shows_the_views_the_training_stage_makes(preset, tmp_path, monk
 
 def test_read_examples_takes_the_first_of_each_class(tree):
     from augment.preview import read_examples
-    from training.data import scan_tree
+    from training.forms.tree import scan_tree
 
     t = scan_tree(str(tree), 0.2)
     images, labels, keys = read_examples(t.train, classes=2, per_class=2)

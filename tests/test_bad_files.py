@@ -24,7 +24,7 @@ from PIL import Image
 
 from augment.decode import BadImage, decode_image, read_header
 from tests.conftest import write_tree
-from training.data import scan_tree
+from training.forms.tree import scan_tree
 
 
 def tiff_pillow_breaks_on() -> bytes:
@@ -323,8 +323,9 @@ def test_a_broken_member_header_mid_shard_costs_its_sample_only(tmp_path, damage
     lists the sample with the shard and the byte offset, and every sample after it is read
     back by the read task. (Before, the 7 samples from there on were dropped without a word.)"""
     from training.audit import KEY_MOD, coverage
-    from training.inputs import scan_data
-    from training.webdataset import read_tar_units
+    from training.records import ShardRecord
+    from training.forms.formats import scan_data
+    from training.forms.webdataset import read_tar_units
 
     shard = tmp_path / "s" / "0000.tar"
     samples = _shard(shard)
@@ -346,7 +347,7 @@ def test_a_broken_member_header_mid_shard_costs_its_sample_only(tmp_path, damage
     assert table.column("key").to_pylist() == tree.train.keys.tolist()
     # the epoch's coverage: every sample read once, and the one lost counted
     keys = tree.train.keys
-    seen = [[{"count": len(keys), "distinct": len(keys), "key_sum": int((keys % KEY_MOD).sum() % KEY_MOD)}]]
+    seen = [[ShardRecord(len(keys), len(keys), int((keys % KEY_MOD).sum() % KEY_MOD), views=0, rng="")]]
     (cov,) = coverage(seen, tree, dict(tree.unreadable))
     assert (cov["expected"], cov["lost"], cov["as_expected"]) == (11, 1, True), cov
     bad = dict(tree.unreadable) | {f"{tree.train.root}/{tree.train.rel_paths[0]}": "corrupt image"}
@@ -354,7 +355,7 @@ def test_a_broken_member_header_mid_shard_costs_its_sample_only(tmp_path, damage
 
 
 def test_a_sample_whose_every_header_broke_is_listed_by_the_key_its_header_still_names(tmp_path):
-    from training.inputs import scan_data
+    from training.forms.formats import scan_data
 
     shard = tmp_path / "s" / "0000.tar"
     samples = _shard(shard, 6)
@@ -372,8 +373,8 @@ def test_a_sample_whose_every_header_broke_is_listed_by_the_key_its_header_still
 
 
 def test_a_shard_cut_off_mid_member_keeps_the_samples_before_the_cut(tmp_path):
-    from training.inputs import scan_data
-    from training.webdataset import read_tar_units
+    from training.forms.formats import scan_data
+    from training.forms.webdataset import read_tar_units
 
     shard = tmp_path / "s" / "0000.tar"
     samples = _shard(shard, 6)
@@ -390,8 +391,8 @@ def test_a_shard_cut_off_mid_member_keeps_the_samples_before_the_cut(tmp_path):
 def test_shards_written_one_after_another_into_one_file_read_whole(tmp_path):
     """Two tars concatenated (cat a.tar b.tar): the end-of-archive zeros between them are no
     damage; every sample of both is read, none listed. (Before, reading stopped at the first.)"""
-    from training.inputs import scan_data
-    from training.webdataset import read_tar_units
+    from training.forms.formats import scan_data
+    from training.forms.webdataset import read_tar_units
 
     first, second = _shard(tmp_path / "a.tar", 3), _shard(tmp_path / "b.tar", 3, first=3)
     (tmp_path / "s").mkdir()

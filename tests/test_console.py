@@ -15,13 +15,14 @@ import time
 from pathlib import Path
 
 from tests.conftest import Terminal, bar_frames, write_tree
-from training.console import ConsoleFollower, EpochProgress, ProgressBoard, terminal_size
+from training.console import ConsoleFollower, terminal_size
+from training.status import EpochProgress, RunStatus
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_driver_sums_the_ranks_and_closes_the_bar_before_the_epoch_line():
-    board, screen, lines = ProgressBoard(), Terminal(), []
+    board, screen, lines = RunStatus(), Terminal(), []
     follower = ConsoleFollower(board.read, total=64, epochs=2, log=lines.append, stream=screen, sizes=[24, 32])
     ranks = [EpochProgress(board.post, rank=r, epoch=0, interval_s=0) for r in (0, 1)]
     for step in range(1, 4):

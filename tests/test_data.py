@@ -11,7 +11,8 @@ import pytest
 
 from augment.decode import decode_image
 from tests.conftest import write_tree
-from training.data import DataError, in_validation, label_of, scan_tree, stable_hash
+from training.forms.data import DataError, in_validation, label_of, stable_hash
+from training.forms.tree import scan_tree
 
 REPO = Path(__file__).resolve().parents[1]
 

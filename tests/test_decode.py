@@ -13,7 +13,7 @@ from PIL import Image
 
 from augment.batch import augment_batch, decode_augment
 from augment.decode import SHRINK_FACTORS, BadImage, decode_image, read_header
-from augment.ops import RandomResizedCrop
+from augment.geometry import RandomResizedCrop
 from augment.pipeline import Pipeline
 from augment.presets import PRESETS
 from augment.rng import KeyedRng

@@ -69,7 +69,7 @@ def _as_an_older_version_wrote_it(checkpoint: Path) -> None:
     state (tests/test_loop.py has the learner's own check of this)."""
     state = torch.load(checkpoint, weights_only=True)
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    state["scheduler"] = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0).state_dict()
+    state["learner"]["scheduler"] = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0).state_dict()
     torch.save(state, checkpoint)
 
 
@@ -89,6 +89,13 @@ def test_a_checkpoint_that_does_not_fit_exits_1_with_one_line(ray_cluster, small
         "error: training failed: the last checkpoint of --name old was written by another version or other settings ("
     ), line
     assert line.endswith("rerun with --fresh to start over, or with the settings it was written with"), line
+    # records of another version of the job (training/records.py): one line too, not a shim per field
+    state = torch.load(tmp_path / "old" / "checkpoint_epoch_0001" / "checkpoint.pt", weights_only=True)
+    state["records"]["version"] = 1
+    torch.save(state, tmp_path / "old" / "checkpoint_epoch_0001" / "checkpoint.pt")
+    code, err = _main(argv, capsys)
+    line = _one_error_line(err)
+    assert code == 1 and "written by another version of this job (its records are of version 1" in line, line
     assert (tmp_path / "old" / "summary.json").read_text() == summary  # the failed run wrote no results
 
 

@@ -26,7 +26,7 @@ from PIL import Image
 from tests.conftest import TEST_STEM, bar_frames, prepare, registered_checkpoint, write_tree
 from training import job, planning
 from training.config import TrainConfig
-from training.data import DataError
+from training.forms.data import DataError
 from training.spec import StallLimits
 
 REPO = Path(__file__).resolve().parents[1]

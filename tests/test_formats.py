@@ -22,10 +22,9 @@ from jobs.predict import main as predict
 from tests.conftest import exits_2, prepare
 from training import job
 from training.config import TrainConfig
-from training.data import DataError, split_of
-from training.formats import data_kind
-from training.inputs import scan_data
-from training.webdataset import expand_braces, read_tar_units
+from training.forms.data import DataError, split_of
+from training.forms.formats import data_kind, scan_data
+from training.forms.webdataset import expand_braces, read_tar_units
 
 CLASSES = ("ant", "bee", "cow")
 BAD = b"\xff\xd8 not a jpeg at all"  # a JPEG's first bytes, then nothing decodable
@@ -153,7 +152,7 @@ def test_webdataset_scan_takes_the_shards_split_labels_and_keys(tmp_path):
 def test_webdataset_runs_of_samples_read_back_whole_with_long_member_names(tmp_path, monkeypatch):
     """A unit is a byte range of the shard; names beyond tar's 100 characters (a PAX header
     before the member) and runs cut mid-shard still read back every sample once."""
-    from training import webdataset
+    from training.forms import webdataset
 
     monkeypatch.setattr(webdataset, "RUN_SAMPLES", 4)
     samples = [(f"{'deep/' * 30}{k}", c, d) for k, c, d in _samples(5)]
@@ -214,7 +213,7 @@ def test_a_hugging_face_export_scans_with_its_class_names_and_split(tmp_path):
 
 
 def test_a_hugging_face_export_without_validation_is_hash_split_inside_row_groups(tmp_path):
-    from training.formats import read_units
+    from training.forms.formats import read_units
 
     write_export(tmp_path / "hf", {"train.parquet": _samples(10)})
     tree = scan_data(str(tmp_path / "hf"), val_fraction=0.3)
@@ -398,7 +397,7 @@ def test_shards_are_read_in_a_new_order_every_epoch_from_seed_and_epoch(ray_clus
     dataset at that epoch (a resumed run)."""
     import ray
 
-    from training import webdataset
+    from training.forms import webdataset
     from training.ingest import read_split
     from training.stamp import EpochClock
 
@@ -429,7 +428,7 @@ def test_shards_are_read_in_a_new_order_every_epoch_from_seed_and_epoch(ray_clus
 
 
 def test_an_export_and_a_manifest_on_s3_scan_as_on_disk(s3, formats, tmp_path):
-    from training.formats import read_units
+    from training.forms.formats import read_units
     from training.inputs import check_inputs
 
     root, _ = formats
@@ -514,8 +513,8 @@ def test_an_export_with_text_labels_or_no_rows_exits_2(tmp_path, capsys, no_ray)
 
 def test_scoring_reads_test_shards_and_unlabelled_samples_and_test_files(tmp_path):
     """jobs.predict's scan: every image, labelled by the model's classes, -1 where there is none."""
-    from training import huggingface, webdataset
-    from training.formats import read_units
+    from training.forms import huggingface, webdataset
+    from training.forms.formats import read_units
 
     write_shard(tmp_path / "wds" / "train-0000.tar", _samples(2))
     write_shard(tmp_path / "wds" / "test-0000.tar", _samples(1, offset=10), label="none")

@@ -17,8 +17,10 @@ from augment.mix import mix_generator
 from augment.pipeline import Pipeline
 from augment.presets import PRESETS
 from augment.rng import KeyedRng, mix64, reference_seed, reference_uniform, salt
-from training.data import in_validation, stable_hash
+from augment.streams import STREAMS, stream_seed
+from training.forms.data import in_validation, stable_hash
 from training.ingest import epoch_order
+from training.worker.learner import rank_seed
 
 HASHES = {
     "cat/001.png": 6470101607939607530,
@@ -67,12 +69,27 @@ def test_the_keyed_generator_is_pinned():
     # the pure-Python twins give the same literals
     assert [[reference_uniform(int(k), 7, 3, 2, i) * 2**24 for i in range(3)] for k in keys] == uniform
     assert [[reference_seed(int(k), 7, 3, 3, i) for i in range(2)] for k in keys] == seeds
-    assert mix_generator(0, 1, 2, 3).initial_seed() == 3986283609235253673  # MixUp/CutMix per step
+    assert mix_generator(0, 1, 2, 3).initial_seed() == 1891491348718390794  # MixUp/CutMix per step (augment/streams.py)
 
 
 def test_the_file_order_of_an_epoch_is_pinned():
-    assert epoch_order(10, 0, 1).tolist() == [9, 1, 3, 8, 7, 6, 0, 4, 2, 5]
-    assert epoch_order(10, 0, 2).tolist() == [8, 2, 1, 0, 5, 6, 7, 4, 3, 9]
+    assert epoch_order(10, 0, 1).tolist() == [9, 3, 5, 1, 4, 2, 7, 0, 6, 8]
+    assert epoch_order(10, 0, 2).tolist() == [1, 6, 9, 5, 0, 7, 8, 4, 3, 2]
+
+
+def test_every_random_stream_of_a_run_is_pinned():
+    """augment/streams.py: the one hash from --seed to each stream (file order, a read task's unit
+    order, the trainer's local shuffle, each rank's generators, MixUp, jobs.prepare's order)."""
+    assert {name: stream_seed(name, 0, 1, 2) for name in STREAMS} == {
+        "file_order": 1803388250365489468,
+        "unit_order": 8197969866438148584,
+        "local_shuffle": 2184181333719630905,
+        "rank": 3196510693154536718,
+        "mix": 6035814864756897952,
+        "prepare_order": 5680409769404714844,
+    }
+    assert (rank_seed(7, 1), rank_seed(7, 1, after=3)) == (7363776140713025019, 1441060312594319371)
+    assert len(set(STREAMS.values())) == len(STREAMS)  # a number is never shared
 
 
 def test_an_images_imagenet_parameters_are_pinned():

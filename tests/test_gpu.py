@@ -203,7 +203,7 @@ def test_the_fused_kernel_compiles_and_gives_the_cpus_pixels_on_cuda(name):
 
 
 def test_the_feed_copies_pinned_batches_to_the_gpu_on_its_own_stream():
-    from training.feed import BatchFeed
+    from training.worker.feed import BatchFeed
 
     batches = [
         {"image": torch.full((4, 8, 8, 3), i, dtype=torch.uint8).pin_memory(), "key": torch.arange(4)} for i in range(5)

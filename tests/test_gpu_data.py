@@ -14,7 +14,7 @@ from PIL import Image, JpegImagePlugin
 
 from bench import gpu_data
 from bench.gpu_data import NotOurTree, make_imagenet_like
-from training.data import scan_tree
+from training.forms.tree import scan_tree
 
 TINY = {"distinct": 24, "train": 60, "val": 12, "classes": 3}  # 24 >= EVERY_KIND_FROM: every kind appears
 

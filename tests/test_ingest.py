@@ -18,7 +18,7 @@ from augment.presets import PRESETS
 from tests.conftest import write_tree
 from training import planning
 from training.config import ConfigError, TrainConfig
-from training.data import ImageTree, ShardFormat, make_split, sharded
+from training.forms.data import ImageTree, ShardFormat, make_split, sharded
 from training.ingest import build_datasets, choose_decode
 
 CPU_2 = planning.Capacity(cpus=2, gpus=0, hosts=1)
@@ -146,7 +146,7 @@ def _epoch_keys(cfg, tree, clock, epochs) -> list[list[int]]:
 
 
 def test_every_epoch_reads_a_new_order_from_seed_and_epoch(ray_cluster, order_tree):
-    from training.inputs import scan_data
+    from training.forms.formats import scan_data
     from training.stamp import EpochClock
 
     tree = scan_data(str(order_tree), 0.1)
@@ -334,8 +334,8 @@ def test_an_execution_runs_tasks_side_by_side_from_its_first_second(ray_cluster,
     execution."""
     from ray.data._internal.execution.resource_manager import ResourceManager
 
+    from training.forms.formats import scan_data
     from training.ingest import read_split
-    from training.inputs import scan_data
 
     patched = ResourceManager.get_global_limits
     original = getattr(patched, "__wrapped__", patched)
@@ -380,7 +380,7 @@ def test_gpu_augment_tasks_run_in_processes_that_outlive_the_epoch(gpu_node, ord
     is a fresh process per task, and on a GPU each fresh process pays CUDA's start-up in its
     first batch (about 7 s on an H200). The GPU is a fake node's: Ray schedules by it; torch
     sees no CUDA."""
-    from training.inputs import scan_data
+    from training.forms.formats import scan_data
     from training.stage import task_resources
 
     plan = planning.plan_resources(TrainConfig(device="cuda"), planning.Capacity(cpus=16, gpus=1, hosts=1))
@@ -428,7 +428,7 @@ def test_a_gpu_augment_task_picks_the_gpu_ray_gave_it_on_a_node_of_several(gpu_n
     process, so a process would stay on its first GPU. The augment tasks keep the node's
     devices visible (GPU_TASK_ENV) and take the index of the id Ray gave them: on this node,
     whose GPUs are CUDA's 5 and 7, GPU "7" is torch's cuda:1."""
-    from training.inputs import scan_data
+    from training.forms.formats import scan_data
     from training.stage import task_resources
 
     plan = planning.plan_resources(
@@ -525,7 +525,7 @@ def test_the_gpu_plans_datasets_augment_as_the_cpu_plans_do(gpu_node, order_tree
     CPU plan's read tasks augment, and ask for none).
     Prepared shards read by row groups, which may hand the map fewer blocks than batches."""
     from jobs.prepare import main as prepare
-    from training.inputs import scan_data
+    from training.forms.formats import scan_data
     from training.stamp import EpochClock
 
     data = str(order_tree)

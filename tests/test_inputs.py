@@ -161,18 +161,18 @@ def test_a_model_pt_holding_a_pickled_object_is_refused_and_never_runs(tree, tmp
 
 
 def test_a_checkpoint_holding_a_pickled_object_is_refused_and_never_runs(tmp_path, monkeypatch):
-    """What a train worker loads when it resumes (training.loop.restore)."""
+    """What a train worker loads when it resumes (training.worker.loop.restore)."""
     import pickle
 
     import ray.train
 
-    from training import loop
+    from training.worker import loop
 
     marker = tmp_path / "trap-sprung"
     (tmp_path / "ckpt").mkdir()
-    path = _trap_file(tmp_path / "ckpt" / loop.CHECKPOINT_FILE, marker, lambda sd: {"epoch": 3, "model": sd})
+    path = _trap_file(tmp_path / "ckpt" / loop.CHECKPOINT_FILE, marker, lambda sd: {"learner": {"model": sd}})
     checkpoint = ray.train.Checkpoint.from_directory(str(tmp_path / "ckpt"))
     monkeypatch.setattr(loop.ray.train, "get_checkpoint", lambda: checkpoint)
     with pytest.raises(pickle.UnpicklingError, match="(?s)Weights only load failed.*GLOBAL posix.mkdir"):
-        loop.restore(torch.device("cpu"))
+        loop.restore(TrainConfig(), torch.device("cpu"))
     assert not marker.exists() and _sprung(path, marker)

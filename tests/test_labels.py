@@ -18,8 +18,8 @@ import pytest
 from PIL import Image
 
 from tests.conftest import exits_2, write_tree
-from training.data import DataError, stable_hash
-from training.inputs import scan_data
+from training.forms.data import DataError, stable_hash
+from training.forms.formats import scan_data
 
 
 def _png(i: int = 0) -> bytes:

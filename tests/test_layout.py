@@ -30,6 +30,11 @@ LIGHT = {
     "training.ingest": ("torch",),
     "training.stage": ("torch",),
     "training.stamp": ("torch",),
+    "training.records": ("torch", "ray"),
+    "training.rows": ("torch", "ray", "pyarrow"),
+    "training.modelfile": ("torch", "ray"),
+    "training.status": ("torch", "ray"),
+    "augment.streams": ("torch", "numpy"),
 }
 
 
@@ -54,11 +59,110 @@ def test_a_light_module_imports_nothing_heavy(module):
     assert not [heavy for heavy in LIGHT[module] if heavy in loaded], loaded & set(LIGHT[module])
 
 
-def test_no_module_imports_a_private_name_of_another():
-    found = []
+def _modules() -> dict[str, Path]:
+    """Every module of the project's packages, by dotted name (sub-packages too)."""
+    out = {}
     for package in PACKAGES:
-        for path in sorted((REPO / package).glob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PACKAGES:
-                    found += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+        for path in sorted((REPO / package).rglob("*.py")):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, names) of every import of the project's own modules in `path`, at any depth."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PACKAGES:
+            found.append((node.module, [a.name for a in node.names]))
+        elif isinstance(node, ast.Import):
+            found += [(a.name, []) for a in node.names if a.name.split(".")[0] in PACKAGES]
+    return found
+
+
+def test_no_module_imports_a_private_name_of_another():
+    found = [
+        f"{path.relative_to(REPO)}: {module}.{name}"
+        for path in _modules().values()
+        for module, names in _imports(path)
+        for name in names
+        if name.startswith("_")
+    ]
     assert not found, found
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the project's modules it imports (a `from package import module` names the module)."""
+    modules = _modules()
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for module, names in _imports(path):
+            targets |= {f"{module}.{n}" for n in names if f"{module}.{n}" in modules} or {module}
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def test_no_import_cycle_in_the_tree():
+    """Lazy imports count too: a cycle is one however late it closes."""
+    graph, state, cycles = _graph(), {}, []
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycles.append(stack[stack.index(nxt) :] + [nxt])
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, cycles
+
+
+@pytest.mark.parametrize("package", ["augment", "training", "jobs"])
+def test_no_module_is_over_500_lines(package):
+    long = {
+        str(p.relative_to(REPO)): n
+        for p in (REPO / package).rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 500
+    }
+    assert not long, long
+
+
+# the driver's planning and the rest of its side, which a train worker must not import
+DRIVER = (
+    "training.planning",
+    "training.job",
+    "training.faults",
+    "training.inputs",
+    "training.session",
+    "training.results",
+)
+
+
+def test_the_worker_imports_nothing_of_the_drivers():
+    graph = _graph()
+    seen, todo = set(), [m for m in graph if m.startswith("training.worker")]
+    while todo:  # everything a worker module imports, however indirectly
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo += graph[module]
+    assert not seen & set(DRIVER), sorted(seen & set(DRIVER))
+
+
+def test_the_driver_reads_the_workers_through_the_records_only():
+    """What crosses back from the workers is training/records.py's; of the worker's modules the
+    driver imports the loop to hand to Ray Train and the errors that name its own verdicts."""
+    allowed = {"train_loop", "CHECKPOINT_FILE", "CheckpointMismatch", "RunStopped", "IngestStalled"}
+    taken = {
+        (module, name)
+        for driver in DRIVER
+        for module, names in _imports(_modules()[driver])
+        if module.startswith("training.worker")
+        for name in names
+    }
+    assert {name for _, name in taken} <= allowed, taken

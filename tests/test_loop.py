@@ -16,14 +16,17 @@ import torch
 import torch.nn.functional as F
 
 from augment.presets import PRESETS
-from training import audit, feed, loop
+from training import audit
 from training.bounds import DataSlots
 from training.config import TrainConfig
-from training.feed import BatchFeed, IngestStalled, IngestWatch
-from training.loop import Learner, build_optimizer, build_scheduler, train_epoch
 from training.model import resnet18
 from training.spec import IngestNeeds, StallLimits, WorkerSpec
 from training.stamp import StaleBatch
+from training.worker import feed, loop, meter
+from training.worker import learner as learn
+from training.worker.feed import BatchFeed, IngestStalled, IngestWatch
+from training.worker.learner import Learner, build_optimizer, build_scheduler
+from training.worker.loop import train_epoch
 
 
 def _tiny_model() -> torch.nn.Module:
@@ -66,7 +69,7 @@ def test_amp_bf16_trains_in_bfloat16_on_cpu():
 
 
 def test_weight_decay_skips_batchnorm_and_biases():
-    from training.loop import param_groups
+    from training.worker.learner import param_groups
 
     model = resnet18(10, small_stem=True)
     decay, no_decay = param_groups(model, 5e-4)
@@ -132,17 +135,17 @@ def _draws() -> tuple:
 
 
 def test_each_rank_has_its_own_stream_and_a_checkpoint_restores_it():
-    loop.seed_rank(7, 0)
+    learn.seed_rank(7, 0)
     rank0 = _draws()
-    loop.seed_rank(7, 1)
+    learn.seed_rank(7, 1)
     rank1 = _draws()
     assert all(a != b for a, b in zip(rank0, rank1, strict=True))  # torch, Python and NumPy alike
-    loop.seed_rank(7, 0)
+    learn.seed_rank(7, 0)
     assert _draws() == rank0  # fixed by --seed
 
-    loop.seed_rank(7, 1)
+    learn.seed_rank(7, 1)
     _draws()
-    saved = loop.rng_state(torch.device("cpu"))
+    saved = learn.rng_state(torch.device("cpu"))
     ahead = _draws()
     _draws()
     import io
@@ -150,7 +153,7 @@ def test_each_rank_has_its_own_stream_and_a_checkpoint_restores_it():
     buf = io.BytesIO()
     torch.save([saved], buf)  # as a checkpoint holds it, read back the way the loop reads it
     (restored,) = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
-    loop.set_rng_state(restored, torch.device("cpu"))
+    learn.set_rng_state(restored, torch.device("cpu"))
     assert _draws() == ahead
 
 
@@ -310,10 +313,10 @@ def test_a_checkpoint_from_the_old_schedule_asks_for_fresh_not_a_traceback():
     cfg = TrainConfig(batch_size=8, name="old-run")
     learner = _learner(cfg, _tiny_model())
     state = learner.state_dict()
-    learner.load_state_dict(state)  # its own state loads
+    learner.load_state_dict(state, cfg.epochs)  # its own state loads
     old = torch.optim.lr_scheduler.LambdaLR(learner.optimizer, lambda step: 1.0)
-    with pytest.raises(loop.CheckpointMismatch, match=r"--name old-run .*rerun with --fresh to start over"):
-        learner.load_state_dict(state | {"scheduler": old.state_dict()})
+    with pytest.raises(learn.CheckpointMismatch, match=r"--name old-run .*rerun with --fresh to start over"):
+        learner.load_state_dict(state | {"scheduler": old.state_dict()}, cfg.epochs)
 
 
 # --------------------------------------------------------------------------- what a step trains on
@@ -325,7 +328,7 @@ def _built_learner(monkeypatch, cfg: TrainConfig, mix: dict | None) -> Learner:
     """The learner a train worker builds (build_learner) for 3 classes at 32 px, outside Ray
     Train (prepare_model is DDP's wrapper there), with a head that gives confident logits:
     at a fresh init's near-uniform ones every target would give about the same loss."""
-    monkeypatch.setattr(loop.ray.train.torch, "prepare_model", lambda model: model)
+    monkeypatch.setattr(learn.ray.train.torch, "prepare_model", lambda model: model)
     spec = WorkerSpec(
         config=cfg,
         class_names=("a", "b", "c"),
@@ -333,14 +336,15 @@ def _built_learner(monkeypatch, cfg: TrainConfig, mix: dict | None) -> Learner:
         train_images=64,
         rows_grouped=False,
         threads_per_worker=1,
+        batch_per_worker=cfg.batch_size,
         sizes=None,
         ingest=IngestNeeds(worker=(1.0, 0.0), tasks=((0.5, 0.0),), autoscaling=False),
         slots=DataSlots(read=2, augment=2, fused=True),
         stall=StallLimits(),
         clock=None,
-        board=None,
+        status=None,
     )
-    learner, _ = loop.build_learner(spec, world=1, device=torch.device("cpu"))
+    learner, _ = learn.build_learner(spec, world=1, device=torch.device("cpu"))
     with torch.no_grad():
         learner.bare.fc.weight.mul_(40)
     return learner
@@ -442,22 +446,22 @@ def test_the_inner_rate_leaves_out_an_epochs_start_and_tail():
     epoch's would be about 55."""
     times = [5.0 + 0.1 * i for i in range(99)] + [5.0 + 9.8 + 3.0]
     marks = [(t, 10 * (i + 1)) for i, t in enumerate(times)]
-    assert loop.inner_rate(marks) == pytest.approx(100.0)
-    assert loop.inner_rate(marks[:2]) == pytest.approx(100.0)  # too few steps between the marks: all of them
-    assert loop.inner_rate(marks[:1]) == 0.0
+    assert meter.inner_rate(marks) == pytest.approx(100.0)
+    assert meter.inner_rate(marks[:2]) == pytest.approx(100.0)  # too few steps between the marks: all of them
+    assert meter.inner_rate(marks[:1]) == 0.0
 
 
 def test_a_gpu_runs_share_of_images_decoded_on_the_cpu_is_counted_from_its_row():
     row = {"decoded_engines": 950, "decoded_gpu_sms": 30, "decoded_cpu": 20}
-    assert loop.cpu_fallback(row) == pytest.approx(0.02) and loop.cpu_fallback(row) > loop.CPU_FALLBACK
-    assert loop.cpu_fallback({"decoded_cpu": 0}) == 0.0
+    assert meter.cpu_fallback(row) == pytest.approx(0.02) and meter.cpu_fallback(row) > meter.CPU_FALLBACK
+    assert meter.cpu_fallback({"decoded_cpu": 0}) == 0.0
 
 
 def test_a_loss_that_turns_non_finite_stops_the_run_naming_the_epoch_and_step():
     """A learning rate far too high sends the weights to inf within a few steps: the epoch ends in
     RunStopped, one line naming the step and the flag, and nothing of it is returned to record."""
     learner = _learner(TrainConfig(batch_size=8, lr=1e30, warmup_epochs=0.0), _tiny_model(), steps_per_epoch=4)
-    with pytest.raises(loop.RunStopped, match=r"non-finite \(nan or inf\) at step [2-4] of epoch 1; .*lower --lr"):
+    with pytest.raises(meter.RunStopped, match=r"non-finite \(nan or inf\) at step [2-4] of epoch 1; .*lower --lr"):
         train_epoch(learner, _batches(4, epoch=0), epoch=0, rank=0)
     fine = _learner(TrainConfig(batch_size=8), _tiny_model(), steps_per_epoch=4)
     assert math.isfinite(train_epoch(fine, _batches(4, epoch=0), epoch=0, rank=0)["train_loss"])
@@ -465,5 +469,5 @@ def test_a_loss_that_turns_non_finite_stops_the_run_naming_the_epoch_and_step():
 
 def test_an_epoch_that_trained_no_image_stops_the_run():
     learner = _learner(TrainConfig(batch_size=8), _tiny_model())
-    with pytest.raises(loop.RunStopped, match="epoch 3 trained no image: every file of the training split"):
+    with pytest.raises(meter.RunStopped, match="epoch 3 trained no image: every file of the training split"):
         train_epoch(learner, [], epoch=2, rank=0)

@@ -146,7 +146,7 @@ def test_a_lost_worker_node_is_told_in_one_line_and_the_run_completes_on_its_rep
     _wait_until(lambda: registered_checkpoint(run_dir) >= "checkpoint_epoch_0001", "epoch 1's checkpoint", job)
     actors = _actors_by_class(head.address)
     driver_node = head.head_node.node_id
-    for name in ("EpochClock", "BadFileLog", "ProgressBoard"):
+    for name in ("EpochClock", "BadFileLog", "RunStatus"):
         assert actors.get(name) == driver_node, (name, actors)  # with the driver: the lost node cannot take them
     assert _train_worker_on(head.address, doomed.node_id)  # the fault hits a train worker
     head.remove_node(doomed, allow_graceful=False)  # the fault: the machine is gone

@@ -14,7 +14,7 @@ import torch
 from augment.presets import PRESETS
 from tests.conftest import write_tree
 from training.config import TrainConfig
-from training.data import scan_tree
+from training.forms.tree import scan_tree
 from training.model import resnet18
 
 
@@ -78,13 +78,13 @@ def test_predict_matches_torchvisions_eval_transform_and_the_model(ray_cluster, 
 
     model_path, data = model_and_tree
     info = inference.load_model_file(str(model_path))
-    t = info["eval_transform"]
+    t = info.eval_transform
     assert t["ops"] == [{"center_crop": {"size": 32}}]  # what the reference below reproduces
     reference = T.Compose(
         [T.PILToTensor(), T.CenterCrop(32), T.ToDtype(torch.float32, scale=True), T.Normalize(t["mean"], t["std"])]
     )
     model = resnet18(3, small_stem=True)
-    model.load_state_dict(info["state_dict"])
+    model.load_state_dict(info.state_dict)
     model.eval()
     files = sorted((data / "cat").glob("*.png"))[:3] + sorted((data / "dog").glob("*.png"))[:3]
     assert {Image.open(f).size for f in files} == {(32, 32), (30, 36)}  # a crop and a pad of 2 px
@@ -100,7 +100,7 @@ def test_predict_matches_torchvisions_eval_transform_and_the_model(ray_cluster, 
         probs = model(torch.stack([reference(Image.open(f).convert("RGB")) for f in files])).softmax(1)
     for f, p in zip(files, probs, strict=True):
         row = got[f"{f.parent.name}/{f.name}"]
-        assert row["predicted"] == info["class_names"][int(p.argmax())], row
+        assert row["predicted"] == info.class_names[int(p.argmax())], row
         assert float(row["confidence"]) == pytest.approx(float(p.max()), abs=1e-5), row  # the CSV has 6 decimals
 
 

@@ -9,9 +9,9 @@ import pyarrow.parquet as pq
 
 from jobs.prepare import main
 from tests.conftest import write_tree
-from training.data import scan_tree
+from training.forms.parquet import MANIFEST, is_prepared, scan_prepared
+from training.forms.tree import scan_tree
 from training.ingest import read_split
-from training.parquet import MANIFEST, is_prepared, scan_prepared
 
 
 def _rows(ds) -> dict:

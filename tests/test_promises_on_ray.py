@@ -14,7 +14,7 @@ from PIL import Image
 
 from augment.presets import PRESETS
 from training.config import TrainConfig
-from training.data import scan_tree
+from training.forms.tree import scan_tree
 
 
 def test_a_rerun_resumes_from_the_latest_checkpoint_when_an_earlier_one_scored_better(ray_cluster, tmp_path):

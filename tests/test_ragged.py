@@ -12,7 +12,7 @@ import augment.batch
 import augment.pipeline
 from augment import engines
 from augment.batch import augment_batch, decode_augment
-from augment.ops import gather_crop, resample_boxes
+from augment.geometry import gather_crop, resample_boxes
 from augment.pipeline import Pipeline, to_canvas
 from augment.presets import PRESETS
 from augment.ragged import CHW, HWC, RaggedImages, crop, resample

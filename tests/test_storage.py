@@ -26,8 +26,8 @@ from PIL import Image
 from tests.conftest import prepare, write_tree
 from training import job, results
 from training.config import TrainConfig
-from training.data import scan_tree
-from training.inputs import scan_data
+from training.forms.formats import scan_data
+from training.forms.tree import scan_tree
 
 BAD = {"truncated.jpg": "corrupt image", "text.jpg": "not an image", "empty.png": "empty file"}
 

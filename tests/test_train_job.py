@@ -18,6 +18,7 @@ from tests.conftest import Terminal, bar_frames, prepare, split_coordinators, wr
 from training import audit, job, planning
 from training.bounds import STAGES
 from training.config import ConfigError, TrainConfig
+from training.records import RunRecord, ShardRecord
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -76,6 +77,11 @@ def _rows(path):
 def _checkpoint(run_dir: Path) -> dict:
     (path,) = run_dir.glob("checkpoint_epoch_*/checkpoint.pt")  # num_to_keep=1
     return torch.load(path, weights_only=True)
+
+
+def _records(run_dir: Path) -> RunRecord:
+    """The run's records in its last checkpoint, as the driver reads them (training/records.py)."""
+    return RunRecord.from_state(_checkpoint(run_dir)["records"])
 
 
 def _head_commit() -> str | None:
@@ -179,7 +185,7 @@ def test_image_size_is_trained_recorded_and_followed_by_inference(two_worker_run
     assert config["preset"]["train"][0] == {"random_crop": {"size": 40, "padding": 5}}
     assert [int(r["image_size"]) for r in _rows(run_dir / "metrics.csv")] == [40]  # what the ranks trained on
     info = load_model_file(str(run_dir / "model.pt"))
-    assert info["image_size"] == 40 and info["eval_transform"]["ops"] == [{"center_crop": {"size": 40}}]
+    assert info.image_size == 40 and info.eval_transform["ops"] == [{"center_crop": {"size": 40}}]
     predictor, seen = Predictor(info), []
     predictor.model.conv1.register_forward_hook(lambda module, args, out: seen.append(tuple(args[0].shape)))
     images = np.empty(2, dtype=object)
@@ -216,7 +222,7 @@ def test_every_rank_draws_from_its_own_random_stream(two_worker_run):
     run_dir, summary, _, _ = two_worker_run
     (fp,) = summary["fingerprints"]
     assert len(set(fp["rng_per_rank"])) == 2
-    saved = _checkpoint(run_dir)["rng"]
+    saved = _records(run_dir).rng
     assert len(saved) == 2 and not torch.equal(saved[0]["torch"], saved[1]["torch"])
     assert saved[0]["python"] != saved[1]["python"] and not torch.equal(
         saved[0]["numpy"]["keys"], saved[1]["numpy"]["keys"]
@@ -227,7 +233,7 @@ def test_validation_scores_every_image_once(two_worker_run):
     """val is split across ranks without dropping rows: the confusion matrix counts each
     validation image once, in its own class's row."""
     run_dir, summary, tree, _ = two_worker_run
-    confusion = torch.tensor(_checkpoint(run_dir)["confusion"])
+    confusion = torch.tensor(_records(run_dir).epochs[-1].confusion)
     per_class = torch.bincount(torch.as_tensor(np.asarray(tree.val.labels, dtype=np.int64)), minlength=tree.num_classes)
     assert int(confusion.sum()) == len(tree.val) and torch.equal(confusion.sum(1), per_class)
     assert summary["val_acc"] == pytest.approx(float(confusion.diag().sum()) / len(tree.val), abs=1e-6)
@@ -271,8 +277,9 @@ def test_deterministic_runs_repeat_and_resume_continues(ray_cluster, data, tmp_p
     for model_file, epoch in (("model_best.pt", run_a["best_epoch"]), ("model.pt", 2)):
         weights = torch.load(tmp_path / "a" / model_file, weights_only=True)["state_dict"]
         saved = torch.load(tmp_path / "a" / f"checkpoint_epoch_{epoch:04d}" / "checkpoint.pt", weights_only=True)
-        assert weights.keys() == saved["model"].keys()
-        assert all(torch.equal(weights[k], saved["model"][k]) for k in weights), model_file
+        model = saved["learner"]["model"]
+        assert weights.keys() == model.keys()
+        assert all(torch.equal(weights[k], model[k]) for k in weights), model_file
 
     first, _ = _run(name="c", stop_after=1, **common)
     assert first["epochs"] == 1
@@ -339,14 +346,14 @@ def test_fp16_autocast_on_cpu_is_a_config_error(data, tmp_path):
 
 
 def test_coverage_tells_repeats_drops_and_swaps_apart():
-    from training.data import ImageTree, make_split
+    from training.forms.data import ImageTree, make_split
 
     keys = (11, 22, 33, 44, 55)
     split = make_split("/d", [f"a/{k}.png" for k in keys], [0] * 5, [0] * 5, keys=np.array(keys, dtype=np.int64))
     tree = ImageTree("/d", "hash", ("a", "b"), split, make_split("/d", [], [], []))
 
     def rank(*ks):
-        return {"count": len(ks), "distinct": len(set(ks)), "key_sum": sum(set(ks))}
+        return ShardRecord(count=len(ks), distinct=len(set(ks)), key_sum=sum(set(ks)), views=0, rng="")
 
     def cov(*ranks, bad=None):
         (c,) = audit.coverage([list(ranks)], tree, bad or {})

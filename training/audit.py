@@ -11,7 +11,8 @@ import functools
 import numpy as np
 import torch
 
-from training.data import ImageTree
+from training.forms.data import ImageTree
+from training.records import ShardRecord
 
 
 def good_images(split, bad: dict[str, str]) -> np.ndarray:
@@ -20,7 +21,7 @@ def good_images(split, bad: dict[str, str]) -> np.ndarray:
     return split.keys[~np.isin(split.rel_paths, bad_rel)] if bad_rel else split.keys
 
 
-def coverage(seen_per_epoch: list[list[dict]], tree: ImageTree, bad: dict[str, str]) -> list[dict]:
+def coverage(seen_per_epoch: list[list[ShardRecord]], tree: ImageTree, bad: dict[str, str]) -> list[dict]:
     """Per epoch: did the ranks together train on every good image exactly once?
 
     Each rank reports the rows it trained on, how many distinct images they were, and the
@@ -39,9 +40,9 @@ def coverage(seen_per_epoch: list[list[dict]], tree: ImageTree, bad: dict[str, s
     expected_sum = int(good.sum() % KEY_MOD)
     out = []
     for epoch, ranks in enumerate(seen_per_epoch, start=1):
-        rows = sum(r["count"] for r in ranks)
-        distinct = sum(r.get("distinct", r["count"]) for r in ranks)  # records before distinct keys: rows
-        short = (expected_sum - sum(r["key_sum"] for r in ranks)) % KEY_MOD  # keys of the images not seen
+        rows = sum(r.count for r in ranks)
+        distinct = sum(r.distinct for r in ranks)
+        short = (expected_sum - sum(r.key_sum for r in ranks)) % KEY_MOD  # keys of the images not seen
         missing = max(0, len(good) - distinct)
         every_image = distinct == len(good) and short == 0
         as_expected = every_image and rows == distinct
@@ -60,21 +61,21 @@ def coverage(seen_per_epoch: list[list[dict]], tree: ImageTree, bad: dict[str, s
                 "repeated": rows - distinct,
                 "missing": missing,
                 "dropped_for_equal_split": len(ranks) - 1,
-                "per_rank": [r["count"] for r in ranks],
+                "per_rank": [r.count for r in ranks],
             }
         )
     return out
 
 
-def fingerprints(seen_per_epoch: list[list[dict]]) -> list[dict]:
+def fingerprints(seen_per_epoch: list[list[ShardRecord]]) -> list[dict]:
     """Per epoch: a digest of every augmented view trained on (equal for two runs that trained
     on the same views; different for two epochs that did not reuse an augmentation) and
     each rank's random-stream digest where the epoch began."""
     return [
         {
             "epoch": e,
-            "views": sum(r.get("views", 0) for r in ranks) % KEY_MOD,  # 0: recorded before view digests
-            "rng_per_rank": [r.get("rng") for r in ranks],
+            "views": sum(r.views for r in ranks) % KEY_MOD,
+            "rng_per_rank": [r.rng for r in ranks],
         }
         for e, ranks in enumerate(seen_per_epoch, start=1)
     ]

@@ -70,6 +70,10 @@ class DataSlots:
     on_gpu: bool = False
     trainer_cpus: float = 0.0  # the CPUs the plan gives each train worker (0: not recorded)
 
+    def to_state(self) -> dict:
+        """As a checkpoint's records keep it (training/records.py RunRecord.slots)."""
+        return dataclasses.asdict(self)
+
     @classmethod
     def of(cls, plan, cpus: float, *, decode_in_read: bool) -> "DataSlots":
         """From a ResourcePlan (training/planning.py) and the cluster's CPUs: what the train
@@ -246,23 +250,21 @@ def judge(
 def steady_bound(slots: DataSlots, timings: list[dict]) -> Bound | None:
     """The bound of a run's steady epochs (all but the first, where there are more), from their
     timings rows: the busy fractions and waits weighted by each epoch's steady seconds."""
-    rows = [t for t in (timings[1:] or timings) if "tasks_busy" in t]  # rows of older checkpoints have none
+    rows = timings[1:] or timings
     total = sum(t["steady_s"] for t in rows)
     if not total:
         return None
 
-    def mean(field):  # trainer_cpus: 0 in the rows of older checkpoints
-        return sum(float(t.get(field) or 0.0) * t["steady_s"] for t in rows) / total
+    def mean(field):
+        return sum(float(t[field]) * t["steady_s"] for t in rows) / total
 
     fields = ("read_busy", "augment_busy", "tasks_busy", "steady_wait_frac", "trainer_cpus", "gpu_shared")
     return judge(slots, *(mean(f) for f in fields))
 
 
-def steady_verdict(slots: dict | None, timings: list[dict]) -> dict | None:
-    """summary.json's "bound": the steady epochs' (steady_bound), from the slots a checkpoint's
-    state keeps (as a dict); None for a checkpoint of a version that recorded none."""
-    if slots is None:
-        return None
+def steady_verdict(slots: dict, timings: list[dict]) -> dict | None:
+    """summary.json's "bound": the steady epochs' (steady_bound), from the slots a run's records
+    keep (as a dict: training/records.py RunRecord.slots)."""
     kept = DataSlots(**slots)
     bound = steady_bound(kept, timings)
     return bound.to_dict(kept) if bound else None

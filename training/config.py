@@ -72,6 +72,12 @@ class TrainConfig:
         "Face Parquet, the column (default: a `label` column, else the first ClassLabel); a manifest, the column or "
         "JSON key (default: label, class, target, ...)",
     )
+    class_names: str = _f(
+        "",
+        "a text file naming the classes of labels that are class indices (WebDataset .cls members, a manifest's or "
+        "an export's integer labels), line i naming class i; model.pt and predictions.csv then use the names. "
+        "WebDataset shards without it take a classes.txt beside them. Default: the indices are the names",
+    )
     preset: str = _f(
         "auto",
         "augmentation preset: cifar, imagenet, a .yaml/.json preset file, or auto (cifar for thumbnails, whose "

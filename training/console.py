@@ -1,12 +1,12 @@
 """What a run prints: the resolved config at start, one progress bar per epoch, the epoch
 lines, a summary table at the end.
 
-The driver owns the console. Train workers post their progress to a `ProgressBoard` (a
-tiny actor): every rank its images and loss sum so far in the epoch, at most every
-PROGRESS_INTERVAL_S; rank 0 each finished epoch's line. On the driver a `ConsoleFollower`
-thread reads the board while the trainer runs, draws one tqdm bar per epoch on its own
-terminal (global images, img/s, running loss, ETA) and prints the epoch lines, closing the
-bar first so the two never share a line. Why not Ray's `tqdm_ray`: its driver-side bar asks
+The driver owns the console, and this module only draws. Train workers post their progress and
+rank 0 each finished epoch's line to the run's status (training/status.py RunStatus, a tiny
+actor). On the driver a `ConsoleFollower` thread reads it while the trainer runs, draws one tqdm
+bar per epoch on its own terminal (global images, img/s, running loss, ETA) and prints the
+epoch lines, closing the bar first so the two never share a line; the driver's own lines (a
+fault, a new plan) go straight to the follower's `say`. Why not Ray's `tqdm_ray`: its driver-side bar asks
 the terminal for its width and draws nothing where the terminal reports 0 columns (a pseudo-
 terminal without a window size, as `script` makes from a non-terminal), and a Ray Train
 worker reaches it only through its internals (docs/design.md, "Console").
@@ -22,10 +22,9 @@ import logging
 import os
 import re
 import threading
-import time
 import warnings
 
-PROGRESS_INTERVAL_S = 0.5  # how often a rank posts its progress, and the driver redraws
+from training.status import PROGRESS_INTERVAL_S
 
 
 def format_config(config: dict, sources: dict | None = None) -> str:
@@ -93,71 +92,6 @@ def quiet_worker_process() -> None:
         ray_private.configure_ray_data_logging()
 
 
-class ProgressBoard:
-    """What the train workers tell the driver's console; run as an actor with num_cpus=0."""
-
-    def __init__(self):
-        self.ranks: dict[int, tuple[int, int, float]] = {}  # rank -> (epoch, images, loss sum) so far
-        self.lines: list[tuple[int, str]] = []  # (epoch, line) in the order rank 0 finished them
-        self.checkpoint: str | None = None  # the last checkpoint registered: where a restart resumes
-
-    def post(self, rank: int, epoch: int, images: int, loss_sum: float) -> None:
-        self.ranks[rank] = (epoch, images, loss_sum)
-
-    def say(self, epoch: int, line: str) -> None:
-        self.lines.append((epoch, line))
-
-    def read(self, lines_seen: int) -> tuple[dict, list]:
-        return self.ranks, self.lines[lines_seen:]
-
-    def new_attempt(self) -> None:
-        """The trainer (re)starts: the ranks' counts so far belong to the attempt that failed."""
-        self.ranks = {}
-
-    def checkpointed(self, path: str) -> None:
-        """Ray Train's controller registered this checkpoint (training/faults.py, CheckpointNotice)."""
-        self.checkpoint = path
-
-    def last_checkpoint(self) -> str | None:
-        return self.checkpoint
-
-
-class EpochProgress:
-    """One rank's side of an epoch's bar: counts its images and posts them with its running loss
-    sum at most every interval_s, through `post` (ProgressBoard.post's actor method: a call
-    whose reply nobody waits for).
-
-        bar = EpochProgress(board.post.remote, rank=rank, epoch=epoch)
-        for batch in batches:
-            ...
-            bar.update(y.shape[0], sums)   # sums[0]: this rank's loss x images so far, on the device
-        bar.close()                        # the epoch's last count
-    """
-
-    def __init__(self, post, *, rank: int, epoch: int, enabled: bool = True, interval_s=PROGRESS_INTERVAL_S):
-        self.post, self.rank, self.epoch, self.enabled = post, rank, epoch, enabled
-        self.interval_s, self.images, self._sums, self._last = interval_s, 0, None, time.monotonic()
-        if enabled:  # the epoch has begun: a fault from now on is this epoch's (training/faults.py)
-            self._post()
-
-    def update(self, n_images: int, sums) -> None:
-        if not self.enabled:
-            return
-        self.images, self._sums = self.images + n_images, sums
-        now = time.monotonic()
-        if now - self._last >= self.interval_s:
-            self._last = now
-            self._post()
-
-    def _post(self) -> None:
-        loss_sum = float(self._sums[0]) if self._sums is not None else 0.0  # a host sync, once per interval
-        self.post(self.rank, self.epoch, self.images, loss_sum)
-
-    def close(self) -> None:
-        if self.enabled:
-            self._post()
-
-
 def terminal_size(stream) -> tuple[int, int]:
     """(columns, lines) of the terminal; 80 x 24 where it reports none (0 x 0: a pseudo-terminal
     without a window size), on which tqdm's own detection would draw nothing at all."""
@@ -169,10 +103,10 @@ def terminal_size(stream) -> tuple[int, int]:
 
 
 class ConsoleFollower:
-    """The driver's side, around trainer.fit(): a thread reads the board every interval_s, draws
+    """The driver's side, around trainer.fit(): a thread reads the run's status every interval_s, draws
     the current epoch's bar on `stream` (None: no bar) and hands rank 0's lines to `log`.
 
-        read = lambda seen: ray.get(board.read.remote(seen))   # ProgressBoard.read, on its actor
+        read = lambda seen: ray.get(status.read.remote(seen))   # RunStatus.read, on its actor
         with ConsoleFollower(read, total=len(tree.train), epochs=cfg.epochs, log=log, stream=sys.stderr):
             result = trainer.fit()
 
@@ -182,7 +116,7 @@ class ConsoleFollower:
         self.read, self.total, self.epochs, self.log, self.stream = read, total, epochs, log, stream
         self.sizes, self.interval_s = sizes, interval_s
         self._lines_seen, self._done_epoch, self._bar, self._bar_epoch = 0, -1, None, None
-        self._stop = threading.Event()
+        self._stop, self._lock = threading.Event(), threading.Lock()  # the lock: one writer on the terminal
         self._thread = threading.Thread(target=self._run, daemon=True, name="console")
 
     def __enter__(self) -> "ConsoleFollower":
@@ -199,7 +133,17 @@ class ConsoleFollower:
         while not self._stop.wait(self.interval_s):
             self.poll()
 
+    def say(self, line: str) -> None:
+        """The driver's own line (a fault, a new plan): printed now, the bar closed first."""
+        with self._lock:
+            self._close_bar()
+            self.log(line)
+
     def poll(self) -> None:
+        with self._lock:
+            self._poll()
+
+    def _poll(self) -> None:
         from ray.exceptions import RayError
 
         try:

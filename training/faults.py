@@ -12,7 +12,7 @@ driver (training/job.py, _fit):
     faults.add(fault, error, lost)  # the detail in faults.log; then the line, or the reason to stop
     plan = wait_for_a_plan(...)  # on the nodes alive now; up to --node-wait-s for one that fits
 
-The run's own actors (epoch clock, bad-file log, progress board) live on the driver's node
+The run's own actors (epoch clock, bad-file log, run status) live on the driver's node
 (`driver_actor`), as Ray Train's controller and dataset manager do: a lost node cannot take
 them, and a lost driver ends the run anyway.
 """
@@ -40,15 +40,15 @@ def driver_actor(cls):
 
 
 class CheckpointNotice(ray.train.UserCallback):
-    """Runs in Ray Train's controller: tells the progress board each checkpoint that the
+    """Runs in Ray Train's controller: tells the run's status (training/status.py) each checkpoint that the
     controller has registered, the one a restart resumes from."""
 
-    def __init__(self, board):
-        self.board = board
+    def __init__(self, status):
+        self.status = status
 
     def after_report(self, run_context, metrics, checkpoint):
         if checkpoint is not None:
-            self.board.checkpointed.remote(checkpoint.path)
+            self.status.checkpointed.remote(checkpoint.path)
 
 
 def alive_nodes() -> dict[str, str]:
@@ -121,7 +121,7 @@ WORKER_DIED = re.compile(r"The actor (died|is dead)|worker process has died|Work
 
 def describe(error: BaseException, lost: dict[str, str], progress: dict, checkpoint: str | None, per_worker: int):
     """The Fault of a failed attempt. `lost`: {node id: address} of the nodes that were alive when
-    the attempt started and are not now; `progress`: the board's {rank: (epoch, images, loss sum)}."""
+    the attempt started and are not now; `progress`: the run status's {rank: (epoch, images, loss sum)}."""
     causes = [ray_private.worker_exception(f) for f in (getattr(error, "worker_failures", None) or {}).values()]
     text = "\n".join(f"{type(c).__name__}: {c}" for c in causes or [error])
     node = None

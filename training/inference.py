@@ -1,9 +1,9 @@
 """Batch inference with a saved model.pt: Ray Data reads and decodes the images (full size,
 in the read tasks), actors apply the saved eval transform and the model to whole batches.
 
-    info = load_model_file("runs/photos/model.pt")          # ModelFileError: exit 2
+    info = load_model_file("runs/photos/model.pt")          # a ModelFile; ModelFileError: exit 2
     rows = predict(info, "~/photos", split="all")           # [{path, label, pred, prob}], by path
-    write_predictions_csv(rows, "predictions.csv", info["class_names"])
+    write_predictions_csv(rows, "predictions.csv", info.class_names)
 
 A file's label is the position, in the model's class names, of its directory's name
 (DIR/<class>/img or DIR/val/<class>/img); -1 when that directory is not a class. Each read
@@ -22,9 +22,10 @@ import numpy as np
 import torch
 
 from training import storage
-from training.data import DataError, Split, label_of, list_images, make_split, scan_tree
-
-MODEL_KEYS = ("arch", "state_dict", "class_names", "image_size", "small_stem", "eval_transform")
+from training.forms.data import DataError, Split, label_of, make_split
+from training.forms.tree import list_images, scan_tree
+from training.modelfile import REQUIRED, ModelFile
+from training.rows import IMAGE, LABEL, PATH
 
 
 class ModelFileError(ValueError):
@@ -48,13 +49,13 @@ def _model_source(path: str):
     raise ModelFileError(f"--model {path}: no such file; give the model.pt of a run directory (runs/<name>/model.pt)")
 
 
-def load_model_file(path: str) -> dict:
+def load_model_file(path: str) -> ModelFile:
     source = _model_source(path)
     try:
         info = torch.load(source, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - pickle, zip and torch errors alike mean "not a model.pt"
         raise ModelFileError(f"--model {path}: not a model.pt written by jobs.train ({type(e).__name__})") from None
-    missing = [k for k in MODEL_KEYS if not isinstance(info, dict) or k not in info]
+    missing = [k for k in REQUIRED if not isinstance(info, dict) or k not in info]
     if missing:
         raise ModelFileError(
             f"--model {path}: missing {missing}; give the model.pt of a run directory (runs/<name>/model.pt)"
@@ -67,7 +68,7 @@ def load_model_file(path: str) -> dict:
             "torchvision that trained it"
         )
     check_model_values(info, path)
-    return info | {"path": path}
+    return ModelFile.from_state(info, path)
 
 
 def check_model_values(info: dict, path: str) -> None:
@@ -92,7 +93,7 @@ def check_model_values(info: dict, path: str) -> None:
     problems = [p for p in problems if p]
     if not problems:
         try:
-            Predictor(info)
+            Predictor(ModelFile.from_state(info, path))
         except Exception as e:  # noqa: BLE001 - whatever its values break: one line, before Ray
             why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
             problems = [f"its weights or eval transform do not build ({why})"]
@@ -128,26 +129,25 @@ def list_inputs(root: str, class_names, split: str = "all", val_fraction: float 
     return make_split(prefix + base, rel, [label_of(r, index, -2) for r in rel], sizes)
 
 
-def input_splits(root: str, info: dict, split: str = "all", val_fraction: float = 0.2) -> list[Split]:
+def input_splits(root: str, info: ModelFile, split: str = "all", val_fraction: float = 0.2) -> list[Split]:
     """The Splits to score: the listed files of an image tree; every sample of WebDataset shards
     or row of an export (split="all": test and unlabelled ones too, label -1); else the splits
     of data in another form as training scans them (DataError if its classes are not the
     model's)."""
-    from training import huggingface, webdataset
-    from training.formats import data_kind
-    from training.inputs import scan_data
+    from training.forms import huggingface, webdataset
+    from training.forms.formats import data_kind, scan_data
 
     kind, files = data_kind(root)
-    label_key = info.get("config", {}).get("label_key", "label")
+    label_key = info.setting("label_key", "label")
     if kind == "tree":
-        return [list_inputs(root, info["class_names"], split, val_fraction)]
+        return [list_inputs(root, info.class_names, split, val_fraction)]
     if split == "all" and kind == "webdataset":  # test shards and unlabelled samples too
-        return [webdataset.scan_for_scoring(root, info["class_names"], label_key)]
+        return [webdataset.scan_for_scoring(root, info.class_names, label_key)]
     if split == "all" and kind == "huggingface":
-        return [huggingface.scan_for_scoring(root, files, info["class_names"], label_key)]
-    tree = scan_data(root, val_fraction, label_key)
-    if list(tree.class_names) != list(info["class_names"]):
-        raise DataError(f"{root}: holds classes {list(tree.class_names)}, the model has {list(info['class_names'])}")
+        return [huggingface.scan_for_scoring(root, files, info.class_names, label_key)]
+    tree = scan_data(root, val_fraction, label_key, info.setting("class_names", ""))
+    if list(tree.class_names) != list(info.class_names):
+        raise DataError(f"{root}: holds classes {list(tree.class_names)}, the model has {list(info.class_names)}")
     return [tree.val] if split == "val" else [tree.train, tree.val]
 
 
@@ -155,48 +155,48 @@ class Predictor:
     """map_batches actor: builds the model and the eval transform once, then scores whole
     batches: {image, label, path} -> {path, label, pred, prob}."""
 
-    def __init__(self, info: dict | str, device: str = "cpu"):
-        """`info`: load_model_file's dict, or the model file's path, which each actor reads itself."""
+    def __init__(self, info: ModelFile | str, device: str = "cpu"):
+        """`info`: load_model_file's ModelFile, or the model file's path, which each actor reads itself."""
         from augment.ops import Normalize
         from augment.pipeline import Pipeline
         from training.model import build_model
 
         info = load_model_file(info) if isinstance(info, str) else info
         self.device = torch.device(device)
-        t = info["eval_transform"]
+        t = info.eval_transform
         self.pipeline = Pipeline(t["ops"], seed=0).to(self.device)
         self.normalize = Normalize(t["mean"], t["std"]).to(self.device)
-        self.model = build_model(
-            info["arch"], len(info["class_names"]), small_stem=info["small_stem"], image_size=info["image_size"]
-        )
-        self.model.load_state_dict(info["state_dict"])
+        self.model = build_model(info.arch, info.num_classes, small_stem=info.small_stem, image_size=info.image_size)
+        self.model.load_state_dict(info.state_dict)
         self.model.to(self.device).eval()
 
     @torch.no_grad()
     def __call__(self, batch: dict) -> dict:
         from augment.batch import augment_batch
 
-        n = len(batch["label"])
+        n = len(batch[LABEL])
         if n == 0:
             return {
-                "path": batch["path"],
-                "label": batch["label"],
+                PATH: batch[PATH],
+                LABEL: batch[LABEL],
                 "pred": np.zeros(0, np.int64),
                 "prob": np.zeros(0, np.float32),
             }
         keys = torch.zeros(n, dtype=torch.int64)  # the eval ops draw nothing; keys are unused
-        x = augment_batch(self.pipeline, batch["image"], keys, 0, self.device)  # uint8 (B, S, S, 3)
+        x = augment_batch(self.pipeline, batch[IMAGE], keys, 0, self.device)  # uint8 (B, S, S, 3)
         probs = self.model(self.normalize(x)).float().softmax(1)
         prob, pred = probs.max(1)
         return {
-            "path": batch["path"],
-            "label": batch["label"],
+            PATH: batch[PATH],
+            LABEL: batch[LABEL],
             "pred": pred.cpu().numpy(),
             "prob": prob.cpu().numpy(),
         }  # .cpu(): a sync point
 
 
-def scoring_dataset(info: dict, splits: list[Split], *, batch_size: int = 256, actors: int = 1, device: str = "cpu"):
+def scoring_dataset(
+    info: ModelFile, splits: list[Split], *, batch_size: int = 256, actors: int = 1, device: str = "cpu"
+):
     """Ray Dataset {path (relative), label, pred, prob} of every image of `splits`, lazily."""
     import ray.data
 
@@ -208,7 +208,7 @@ def scoring_dataset(info: dict, splits: list[Split], *, batch_size: int = 256, a
         Predictor,
         # the file's path, not its weights: a constructor argument that large goes to the object store,
         # and Ray logs an error line about it for an actor that restarts (as Ray Data's pool does)
-        fn_constructor_kwargs={"info": info.get("path", info), "device": device},
+        fn_constructor_kwargs={"info": info.path or info, "device": device},
         batch_format="numpy",
         batch_size=batch_size,
         compute=ray.data.ActorPoolStrategy(size=actors),
@@ -218,7 +218,7 @@ def scoring_dataset(info: dict, splits: list[Split], *, batch_size: int = 256, a
 
 
 def predict(
-    info: dict, splits: list[Split], *, batch_size: int = 256, actors: int = 1, device: str = "auto"
+    info: ModelFile, splits: list[Split], *, batch_size: int = 256, actors: int = 1, device: str = "auto"
 ) -> tuple[list[dict], list[str]]:
     """Score every image of `splits` (input_splits); returns (rows sorted by path, relative
     paths that could not be read)."""
@@ -230,8 +230,8 @@ def predict(
     rows = []
     for batch in ds.iter_batches(batch_format="numpy", batch_size=None):
         rows += [
-            {"path": str(p), "label": int(lab), "pred": int(pr), "prob": float(pb)}
-            for p, lab, pr, pb in zip(batch["path"], batch["label"], batch["pred"], batch["prob"], strict=True)
+            {PATH: str(p), LABEL: int(lab), "pred": int(pr), "prob": float(pb)}
+            for p, lab, pr, pb in zip(batch[PATH], batch[LABEL], batch["pred"], batch["prob"], strict=True)
         ]
     rows.sort(key=lambda r: r["path"])
     unread = sorted(set(r for s in splits for r in s.rel_paths) - {r["path"] for r in rows})

@@ -41,11 +41,13 @@ from ray.data.block import BlockAccessor, BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
 from augment.decode import BadImage, decode_image, stack_images
+from augment.streams import stream_rng
 from training import ray_private, storage
 from training.bounds import READ_COST, seconds_per_row
 from training.console import data_gone
-from training.data import DataError, Split, below, on_side
-from training.formats import read_units
+from training.forms.data import DataError, Split, below, on_side
+from training.forms.formats import read_units
+from training.rows import BYTES, IMAGE, KEY, LABEL, PATH, REASON
 from training.stage import StageArgs, add_augment
 from training.stamp import current_epoch
 from training.storage import filesystem
@@ -139,9 +141,9 @@ def _bad_schema():
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
-    """The order of a split's units in one epoch: a permutation drawn from (seed, epoch)
-    (numpy's PCG64 with a SeedSequence: the same numbers on every machine)."""
-    return np.random.default_rng([seed, epoch]).permutation(n)
+    """The order of a split's units in one epoch: a permutation from the file-order stream of
+    (seed, epoch) (augment/streams.py: the same numbers on every machine)."""
+    return stream_rng("file_order", seed, epoch).permutation(n)
 
 
 class SplitSource(Datasource):
@@ -173,7 +175,7 @@ class SplitSource(Datasource):
         else:
             import pyarrow as pa
 
-            units = pa.table({"path": list(split.rel_paths), "label": split.labels, "key": split.keys})
+            units = pa.table({PATH: list(split.rel_paths), LABEL: split.labels, KEY: split.keys})
         # the per-file table (or the units and shard names): once in the object store, not in any task
         self._units = ray.put((units, getattr(split, "shards", ())))
         self._n, self._rows, self._bytes = len(units), len(split), split.total_bytes
@@ -286,7 +288,7 @@ def _read_files(rows, *, root, decode, bad_log, relative_paths):
     read fails is left out and reported as a bad file with the error; DataGone where the split's
     root itself went (_check_there)."""
     started = time.perf_counter()
-    rel = rows.column("path").to_pylist()
+    rel = rows.column(PATH).to_pylist()
     fs, base, prefix = filesystem(root)
     full = [below(base, r) for r in rel]
     datas = _read_all(fs, full, threads=bool(prefix))
@@ -298,10 +300,10 @@ def _read_files(rows, *, root, decode, bad_log, relative_paths):
         keep = np.setdiff1d(np.arange(len(rel)), failed)
         rows, datas, shown = rows.take(keep), [datas[i] for i in keep], [shown[i] for i in keep]
     columns = {
-        "bytes": datas,
-        "path": shown,
-        "label": rows.column("label").to_numpy().astype(np.int64),
-        "key": rows.column("key").to_numpy(),
+        BYTES: datas,
+        PATH: shown,
+        LABEL: rows.column(LABEL).to_numpy().astype(np.int64),
+        KEY: rows.column(KEY).to_numpy(),
     }
     yield from _blocks(columns, decode, bad_log, started, unread)
 
@@ -316,15 +318,15 @@ def _read_units(units, shuffle, order_seed, *, root, shards, form, side, decode,
     if unread:
         _check_there(storage.parent(shards[0]), unread[0][0], unread[0][1])
     if side is not None:
-        table = table.filter(on_side(table.column("key").to_numpy(), side))
+        table = table.filter(on_side(table.column(KEY).to_numpy(), side))
     if shuffle:
-        table = table.take(np.random.default_rng(list(order_seed)).permutation(table.num_rows))
-    rel = table.column("path").to_pylist()
+        table = table.take(stream_rng("unit_order", *order_seed).permutation(table.num_rows))
+    rel = table.column(PATH).to_pylist()
     columns = {
-        "bytes": table.column("bytes"),  # stays Arrow unless this task decodes (_block)
-        "path": rel if relative_paths else [below(root, r) for r in rel],
-        "label": table.column("label").to_numpy(),
-        "key": table.column("key").to_numpy(),
+        BYTES: table.column(BYTES),  # stays Arrow unless this task decodes (_block)
+        PATH: rel if relative_paths else [below(root, r) for r in rel],
+        LABEL: table.column(LABEL).to_numpy(),
+        KEY: table.column(KEY).to_numpy(),
     }
     yield from _blocks(columns, decode, bad_log, started, unread)
 
@@ -338,21 +340,21 @@ def _blocks(columns: dict, decode: bool | str, bad_log, started: float, unread=(
     fused augment call took in between left out."""
     import pyarrow as pa
 
-    datas = columns["bytes"]  # a list of bytes (files), or a prepared shard's Arrow column
+    datas = columns[BYTES]  # a list of bytes (files), or a prepared shard's Arrow column
     if not decode:
         if not isinstance(datas, pa.ChunkedArray):
             datas = pa.array(datas, type=pa.binary())
         if unread and bad_log is not None:
             bad_log.add.remote(list(unread))  # fire and forget, as below
         cost = seconds_per_row(started, len(datas))
-        yield pa.table({"bytes": datas} | {k: columns[k] for k in ("path", "label", "key")} | {READ_COST: cost})
+        yield pa.table({BYTES: datas} | {k: columns[k] for k in (PATH, LABEL, KEY)} | {READ_COST: cost})
         return
     images, keep, bad, held, blocks = [], [], list(unread), 0, 0
     for i, data in enumerate(datas.to_pylist() if isinstance(datas, pa.ChunkedArray) else datas):
         try:
             image = decode_image(data)
         except BadImage as e:
-            bad.append((str(columns["path"][i]), str(e)))
+            bad.append((str(columns[PATH][i]), str(e)))
             continue
         if decode != "check":
             images.append(image)
@@ -362,7 +364,7 @@ def _blocks(columns: dict, decode: bool | str, bad_log, started: float, unread=(
             yield _decoded_block(columns, images, keep, started)
             images, keep, held, blocks, started = [], [], 0, blocks + 1, time.perf_counter()
     if decode == "check":
-        yield pa.table({"path": [p for p, _ in bad], "reason": [r for _, r in bad]}, schema=_bad_schema())
+        yield pa.table({PATH: [p for p, _ in bad], REASON: [r for _, r in bad]}, schema=_bad_schema())
         return
     if bad and bad_log is not None:
         bad_log.add.remote(bad)  # fire and forget: the driver reads the log after training
@@ -372,11 +374,11 @@ def _blocks(columns: dict, decode: bool | str, bad_log, started: float, unread=(
 
 def _decoded_block(columns: dict, images: list, keep: list[int], started: float):
     out = {
-        "image": stack_images(images),
-        "label": np.asarray(columns["label"])[keep],
-        "key": np.asarray(columns["key"])[keep],
+        IMAGE: stack_images(images),
+        LABEL: np.asarray(columns[LABEL])[keep],
+        KEY: np.asarray(columns[KEY])[keep],
     }
-    out["path"] = np.asarray(columns["path"], dtype=object)[keep]
+    out[PATH] = np.asarray(columns[PATH], dtype=object)[keep]
     out[READ_COST] = seconds_per_row(started, len(keep))
     return BlockAccessor.batch_to_block(out)
 
@@ -413,7 +415,7 @@ def check_decodes(split: Split, *, num_cpus: float) -> dict[str, str]:
     bad = {}
     try:
         for b in ds.iter_batches(batch_size=None, batch_format="numpy"):
-            bad.update(zip(b["path"].tolist(), b["reason"].tolist(), strict=True))
+            bad.update(zip(b[PATH].tolist(), b[REASON].tolist(), strict=True))
     except Exception as e:  # Ray's error of a read task: DataGone's one line, where it is that
         gone = data_gone(str(e))
         if gone:

@@ -18,47 +18,30 @@ from augment.presets import check_preset_name
 from augment.schedule import parse_resize, parse_schedule
 from training import artifacts, storage
 from training.config import ConfigError, TrainConfig, check_amp
-from training.data import ImageTree, default_dataset_dir, scan_tree
-from training.formats import data_kind
-from training.huggingface import scan_export
-from training.manifest import scan_manifest
-from training.parquet import read_manifest, scan_prepared
-from training.webdataset import scan_webdataset
-
-
-def scan_data(root: str, val_fraction: float = 0.2, label_key: str = "label") -> ImageTree:
-    """The images `root` holds, by what is there (training/formats.py data_kind): an image tree,
-    WebDataset shards, a Hugging Face Parquet export, a manifest, or the Parquet shards
-    `python -m jobs.prepare` wrote (its split is the one fixed when preparing). DataError for
-    anything unusable, storage.StorageError for object storage that refuses."""
-    kind, files = data_kind(root)
-    with storage.errors(root):
-        if kind == "prepared":
-            return scan_prepared(root)
-        if kind == "manifest":
-            return scan_manifest(root, val_fraction, label_key)
-        if kind == "webdataset":
-            return scan_webdataset(root, val_fraction, label_key)
-        if kind == "huggingface":
-            return scan_export(root, files, val_fraction, label_key)
-    return scan_tree(root, val_fraction)
-
+from training.forms.data import ImageTree
+from training.forms.formats import header_size, sample_sizes, scan_data
+from training.forms.parquet import read_manifest
+from training.forms.tree import default_dataset_dir
 
 SAMPLED_HEADERS = 16  # images whose headers give a tree's typical size
 THUMBNAIL_SIDE = 64  # --preset auto: a shorter side of at most this (typically) is a thumbnail: the cifar recipe
-THUMBNAIL_FILE_BYTES = 8 * 1024  # where no header was read (prepared shards): files this small are thumbnails
+THUMBNAIL_FILE_BYTES = 8 * 1024  # where no header could be read: files this small are thumbnails
 
 
 def typical_size(split) -> tuple[int, int] | None:
     """Median (width, height) of up to SAMPLED_HEADERS of the split's images, evenly spaced, read
-    from the first 256 KiB of each file (a header, EXIF included); None for prepared shards, an
-    empty split, or headers no decoder reads (those files fail later, in their own batch)."""
+    from the first 256 KiB of each file (a header, EXIF included), or of a sharded split from inside
+    its shards (training.forms.formats.sample_sizes: the first images of evenly spaced units); None for
+    an empty split, or headers no decoder reads (those files fail later, in their own batch)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import numpy as np
 
-    if split.grouped or not len(split):
+    if not len(split):
         return None
+    if split.grouped:
+        sizes = sample_sizes(split, SAMPLED_HEADERS)
+        return tuple(int(v) for v in np.median(sizes, axis=0)) if sizes else None
     fs, base, _ = storage.filesystem(split.root)
     picks = np.unique(np.linspace(0, len(split) - 1, min(SAMPLED_HEADERS, len(split))).round().astype(int))
     with ThreadPoolExecutor(8) as pool:  # object storage: a request each
@@ -70,14 +53,11 @@ def _header_size(fs, path: str) -> tuple[int, int] | None:
     """(width, height) from a file's first 256 KiB, read as decoding reads headers (augment/decode.py
     read_header); None for a file that cannot be read or whose header is bad (a decompression bomb
     among them): such a file is listed when training meets it, and the sample goes on without it."""
-    from augment.decode import BadImage, read_header
-
     try:
         with fs.open_input_file(path) as f:
-            height, width, _ = read_header(f.read(256 * 1024))
-    except (OSError, BadImage):
+            return header_size(f.read(256 * 1024))
+    except OSError:
         return None
-    return width, height
 
 
 def auto_preset(tree: ImageTree) -> tuple[str, str]:
@@ -204,7 +184,7 @@ def check_inputs(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree]:
     preset file is loaded and checked by augment.presets.load_preset."""
     cfg = cfg.with_defaults_resolved()
     root = cfg.data or str(default_dataset_dir())
-    tree = scan_data(root, cfg.val_fraction, cfg.label_key)
+    tree = scan_data(root, cfg.val_fraction, cfg.label_key, cfg.class_names)
     if tree.train.grouped and tree.train.form.kind == "prepared":
         cfg = prepared_val_fraction(cfg, root)
     tree = dataclasses.replace(tree, typical_size=typical_size(tree.train))

@@ -28,17 +28,21 @@ from augment.schedule import parse_resize
 from training import artifacts, ray_private
 from training.bounds import DataSlots
 from training.config import ConfigError, TrainConfig
-from training.console import ConsoleFollower, ProgressBoard, data_gone
-from training.data import BadFileLog, DataError, ImageTree
+from training.console import ConsoleFollower, data_gone
 from training.faults import CheckpointNotice, FaultLog, alive_nodes, describe, driver_actor, lost_nodes
-from training.feed import IngestStalled
+from training.forms.data import DataError, ImageTree
 from training.ingest import DecodePlan, SplitValUnequally, augment_rows, build_datasets, choose_decode
 from training.inputs import auto_preset, data_place, few_steps_warning, sized_preset
-from training.loop import CHECKPOINT_FILE, CheckpointMismatch, RunStopped, train_loop
 from training.planning import ResourcePlan, check_storage, cluster_capacity, plan_resources, wait_for_a_plan
+from training.records import RunRecord
 from training.results import report_bad_files, write_bad_files, write_results
 from training.spec import IngestNeeds, StallLimits, WorkerSpec
 from training.stamp import EpochClock, StaleBatch
+from training.status import BadFileLog, RunStatus
+from training.worker.feed import IngestStalled
+from training.worker.learner import CheckpointMismatch
+from training.worker.loop import CHECKPOINT_FILE, train_loop
+from training.worker.meter import RunStopped
 
 HEALTH_CHECK_ENV, HEALTH_CHECK_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", 0.5
 
@@ -93,7 +97,7 @@ def run(
     `launched_at` (a time.time() value, e.g. process_started_at()) is when start-up began;
     summary.json's startup_s and wall_s count from it (default: now). `own_cluster`: the
     cluster was started by this process and ends with it. `stall`: how long a train worker
-    waits for a batch before it asks Ray why (training/feed.py, IngestWatch). `bar_stream`: where
+    waits for a batch before it asks Ray why (training/worker/feed.py, IngestWatch). `bar_stream`: where
     the per-epoch progress bar is drawn (a terminal; None: no bar); the epoch lines go to `log`."""
     start = launched_at or time.time()
     preset = sized_preset(cfg, preset)
@@ -122,7 +126,7 @@ def run(
     actors = {
         "clock": driver_actor(EpochClock),
         "bad_log": driver_actor(BadFileLog),
-        "board": driver_actor(ProgressBoard),
+        "status": driver_actor(RunStatus),
     }
     if tree.unreadable:  # found by the listing (a shard's sample without an image or a label)
         actors["bad_log"].add.remote(list(tree.unreadable))
@@ -140,11 +144,11 @@ def run(
         datasets = attempt.datasets(plan, strict=cfg.strict)
         # only now: a start that fails earlier leaves the records of the run NAME holds as they were
         write_config(run_dir, attempt, plan, rows)
-        state, best, bad, faults = _fit(attempt, plan, datasets, log=log, bar_stream=bar_stream)
+        run, model, best, bad, faults = _fit(attempt, plan, datasets, log=log, bar_stream=bar_stream)
     finally:
         for actor in actors.values():  # nothing of this run may hold cluster resources afterwards
             ray.kill(actor)
-    return write_results(cfg, tree, preset, plan, state, bad, start=start, log=log, faults=faults, best=best)
+    return write_results(cfg, tree, preset, plan, run, model, bad, start=start, log=log, faults=faults, best=best)
 
 
 def write_config(run_dir: str, attempt: "Attempt", plan: ResourcePlan, rows: int) -> None:
@@ -174,7 +178,7 @@ class Attempt:
     cfg: TrainConfig
     tree: ImageTree
     preset: Preset
-    actors: dict  # the run's driver-side actors: clock, bad_log, board
+    actors: dict  # the run's driver-side actors: clock, bad_log, status
     decode: DecodePlan
     autoscaling: bool  # the cluster may grow: the ingest watch only waits
     stall: StallLimits
@@ -187,7 +191,7 @@ class Attempt:
 
     def worker_spec(self, plan: ResourcePlan) -> WorkerSpec:
         """What train_loop receives: the config, what the driver found out, and the run's helper
-        actors (the epoch clock, and the console's progress board)."""
+        actors (the epoch clock, and the run's status)."""
         cfg, preset = self.cfg, self.preset
         return WorkerSpec(
             config=cfg,
@@ -196,12 +200,13 @@ class Attempt:
             train_images=len(self.tree.train),
             rows_grouped=self.tree.train.grouped,
             threads_per_worker=plan.threads_per_worker,
+            batch_per_worker=plan.batch_per_worker(cfg.batch_size),
             sizes=tuple(preset.train_sides(cfg.progressive_resize, cfg.epochs)) if self.resizes else None,
             ingest=IngestNeeds(worker=plan.worker, tasks=tuple(plan.ingest_tasks()), autoscaling=self.autoscaling),
             slots=DataSlots.of(plan, cluster_cpus(), decode_in_read=self.decode.where == "read"),
             stall=self.stall,
             clock=self.actors["clock"],
-            board=self.actors["board"],
+            status=self.actors["status"],
         )
 
     def trainer(self, plan: ResourcePlan, datasets: dict):
@@ -237,7 +242,7 @@ class Attempt:
                     max_failures=0, controller_failure_limit=0, max_preemption_failures=0
                 ),
                 checkpoint_config=checkpoint_config(),
-                callbacks=[CheckpointNotice(self.actors["board"])],
+                callbacks=[CheckpointNotice(self.actors["status"])],
             ),
             datasets=datasets,
             dataset_config=SplitValUnequally(plan.num_workers),
@@ -275,13 +280,13 @@ def _fit(
     """Run the TorchTrainer on `datasets` (the first plan's) while the console follows its progress;
     after a fault, say so in one line and run it again from the last checkpoint, on a plan made
     again, with datasets built for it where it changed (training/faults.py). Returns the last
-    checkpoint's state, the best epoch's ({"model", "epoch", "val_acc"}), the files that failed to
-    decode, and the faults survived."""
-    cfg, board = attempt.cfg, attempt.actors["board"]
+    checkpoint's records (training/records.py) and model weights, the best epoch's ({"model",
+    "epoch", "val_acc"}), the files that failed to decode, and the faults survived."""
+    cfg, status = attempt.cfg, attempt.actors["status"]
     run_dir = cfg.run_dir
     faults = FaultLog(run_dir, cfg.max_failures)
     follower = ConsoleFollower(
-        lambda seen: ray.get(board.read.remote(seen)),
+        lambda seen: ray.get(status.read.remote(seen)),
         total=len(attempt.tree.train),
         epochs=cfg.epochs,
         log=log,
@@ -294,51 +299,53 @@ def _fit(
             while True:
                 if plan != built_for:
                     datasets, built_for = attempt.datasets(plan, strict=False), plan
-                ray.get(board.new_attempt.remote())
+                ray.get(status.new_attempt.remote())
                 nodes = alive_nodes()
-                result, error = _attempt(attempt.trainer(plan, datasets), board, run_dir)
+                result, error = _attempt(attempt.trainer(plan, datasets), status, run_dir)
                 if error is None:
                     break
-                plan = _after_fault(attempt, plan, error, nodes, faults)
+                plan = _after_fault(attempt, plan, error, nodes, faults, follower.say)
     finally:
         report_bad_files(attempt.actors["bad_log"], run_dir, log)
     if result.checkpoint is None:
         raise TrainingFailed("training ended without a checkpoint")
-    state = _load(result.checkpoint)
+    run, model = _load(result.checkpoint)
     best_checkpoint, best = max(result.best_checkpoints or [(result.checkpoint, {})], key=_val_acc)
-    best_model = state["model"] if best_checkpoint.path == result.checkpoint.path else _load(best_checkpoint)["model"]
-    best = {"model": best_model, "epoch": best.get("epoch", state["epoch"] + 1), "val_acc": best.get("val_acc")}
-    return state, best, ray.get(attempt.actors["bad_log"].get.remote()), faults.records()
+    best_model = model if best_checkpoint.path == result.checkpoint.path else _load(best_checkpoint)[1]
+    best = {"model": best_model, "epoch": best.get("epoch", run.last_epoch + 1), "val_acc": best.get("val_acc")}
+    return run, model, best, ray.get(attempt.actors["bad_log"].get.remote()), faults.records()
 
 
 def _val_acc(checkpoint_and_metrics) -> float:
     return checkpoint_and_metrics[1].get("val_acc", float("-inf"))
 
 
-def _load(checkpoint) -> dict:
+def _load(checkpoint) -> tuple[RunRecord, dict]:
+    """A checkpoint's records and model weights (the worker wrote them: training/worker/loop.py report)."""
     with checkpoint.as_directory() as d:
-        return torch.load(os.path.join(d, CHECKPOINT_FILE), map_location="cpu", weights_only=True)
+        state = torch.load(os.path.join(d, CHECKPOINT_FILE), map_location="cpu", weights_only=True)
+    return RunRecord.from_state(state["records"]), state["learner"]["model"]
 
 
-def _attempt(trainer, board, run_dir: str):
+def _attempt(trainer, status, run_dir: str):
     """(result, None) of a trainer that finished, or (None, the error) of one that failed."""
     try:
         result = trainer.fit()
     except (KeyboardInterrupt, SystemExit):  # Ray Train's SIGINT handler aborts the run, then sys.exit(0)
-        raise Interrupted(ray.get(board.last_checkpoint.remote()), run_dir) from None
+        raise Interrupted(ray.get(status.last_checkpoint.remote()), run_dir) from None
     except Exception as e:  # Ray wraps worker errors: _after_fault names the cause
         return None, e
     return (None, result.error) if result.error else (result, None)
 
 
-def _after_fault(attempt: Attempt, plan: ResourcePlan, error, nodes: dict, faults: FaultLog) -> ResourcePlan:
+def _after_fault(attempt: Attempt, plan: ResourcePlan, error, nodes: dict, faults: FaultLog, say) -> ResourcePlan:
     """Record the fault; TrainingFailed where the run stops, else the plan to restart on (the
-    line said on the console first)."""
-    cfg, board = attempt.cfg, attempt.actors["board"]
+    line said first, through `say`: the console's, which closes the bar before it prints)."""
+    cfg, status = attempt.cfg, attempt.actors["status"]
     lost = lost_nodes(nodes, error)
-    progress, _ = ray.get(board.read.remote(1 << 30))
-    checkpoint = ray.get(board.last_checkpoint.remote())
-    fault = describe(error, lost, progress, checkpoint, cfg.batch_size // plan.num_workers)
+    progress, _ = ray.get(status.read.remote(1 << 30))
+    checkpoint = ray.get(status.last_checkpoint.remote())
+    fault = describe(error, lost, progress, checkpoint, plan.batch_per_worker(cfg.batch_size))
     faults.add(fault, error, lost)
     own = worker_error(error, own_only=True)
     if own:  # the train loop's own verdict (a stall, a stale batch, a checkpoint that does not fit), or the data gone
@@ -346,7 +353,7 @@ def _after_fault(attempt: Attempt, plan: ResourcePlan, error, nodes: dict, fault
     stop = faults.give_up(fault)
     if stop:
         raise TrainingFailed(f"training failed: {stop}")
-    ray.get(board.say.remote(-1, fault.line(faults.left)))  # the console prints it in turn with the bar
+    say(fault.line(faults.left))
     try:
         new = wait_for_a_plan(cfg, cfg.node_wait_s)
     except ConfigError as e:
@@ -355,7 +362,7 @@ def _after_fault(attempt: Attempt, plan: ResourcePlan, error, nodes: dict, fault
             "or add a node (--node-wait-s: how long to wait for one); details in " + faults.path
         ) from None
     if new != plan:
-        ray.get(board.say.remote(-1, f"plan: {new.describe()} (made again for the nodes alive now)"))
+        say(f"plan: {new.describe()} (made again for the nodes alive now)")
     return new
 
 

@@ -15,6 +15,7 @@ from training.config import ConfigError
 # --small-stem auto: the small stem at or below this side (docs/design.md, "Choices and where they were measured")
 SMALL_IMAGE_MAX_SIDE = 32
 RESNETS = ("resnet", "resnext", "wide_resnet")  # torchvision's ResNet family: the ones with a stem to swap
+SMALL_STEM_CONV = {"kernel_size": 3, "stride": 1, "padding": 1, "bias": False}  # the small stem's conv1, after 3, width
 
 
 def has_small_stem(model: str) -> bool:
@@ -82,9 +83,19 @@ def build_model(name: str, num_classes: int, *, small_stem: bool, image_size: in
     if small_stem:
         # CIFAR-style stem: 3x3 stride-1 conv, no max-pool; 32 px keeps a 4x4 final feature map
         width = model.conv1.out_channels
-        model.conv1 = torch.nn.Conv2d(3, width, kernel_size=3, stride=1, padding=1, bias=False)
+        model.conv1 = torch.nn.Conv2d(3, width, **SMALL_STEM_CONV)
         model.maxpool = torch.nn.Identity()
     return model.to(memory_format=torch.channels_last)
+
+
+def torchvision_model(name: str, num_classes: int, *, small_stem: bool, image_size: int, width: int = 64) -> dict:
+    """How torchvision alone rebuilds build_model's model (model.pt's `torchvision_model`, plain data):
+    get_model's arguments, and the layers the small stem replaces, by name (a Conv2d's arguments, or
+    "identity"; `width`: the stem's channels, conv1's out_channels). A strict load_state_dict catches
+    a conv1 left as it was, not a max-pool left in: both are written out."""
+    sized = {"image_size": image_size} if name.startswith("vit_") else {}
+    stem = {"conv1": {"in_channels": 3, "out_channels": width, **SMALL_STEM_CONV}, "maxpool": "identity"}
+    return {"get_model": {"name": name, "num_classes": num_classes, **sized}, "replace": stem if small_stem else {}}
 
 
 def resnet18(num_classes: int, *, small_stem: bool) -> torch.nn.Module:

@@ -7,7 +7,7 @@ Ray Data excludes the train workers' reservations from its own budget, and a Ray
 on one node: when no node keeps the CPUs one read/augment task reserves, ingest never
 starts and the job waits forever. The planner checks every plan with place_workers,
 left_over and tasks_fit (pure arithmetic on (CPUs, GPUs) per node) before training; the
-train worker's feed (training/feed.py) checks the placement Ray actually made when no
+train worker's feed (training/worker/feed.py) checks the placement Ray actually made when no
 batch arrives.
 """
 
@@ -22,9 +22,7 @@ import ray
 
 from training import ray_private
 from training.config import ConfigError, TrainConfig, check_amp
-from training.spec import Node
-
-EPS = 1e-9  # Ray keeps resources to 4 decimals; compare with a little slack
+from training.spec import EPS, Node, left_over, tasks_fit
 
 
 def place_workers(nodes: list[Node], workers: int, worker: Node, *, spread: bool) -> list[int] | None:
@@ -45,24 +43,6 @@ def place_workers(nodes: list[Node], workers: int, worker: Node, *, spread: bool
         free[i][1] -= worker[1]
         counts[i] += 1
     return counts
-
-
-def left_over(nodes: list[Node], counts: list[int], worker: Node) -> list[Node]:
-    """What each node keeps after `counts[i]` workers of size `worker` took their share."""
-    return [(c - k * worker[0], g - k * worker[1]) for (c, g), k in zip(nodes, counts, strict=True)]
-
-
-def tasks_fit(free: list[Node], tasks: list[Node]) -> bool:
-    """Whether these tasks (or actors) can all run at once, each on one node (first fit,
-    largest first)."""
-    room = [list(n) for n in free]
-    for cpus, gpus in sorted(tasks, reverse=True):
-        node = next((r for r in room if r[0] + EPS >= cpus and r[1] + EPS >= gpus), None)
-        if node is None:
-            return False
-        node[0] -= cpus
-        node[1] -= gpus
-    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +154,11 @@ class ResourcePlan:
     @property
     def worker(self) -> Node:
         return (self.cpus_per_worker, self.gpus_per_worker if self.use_gpu else 0.0)
+
+    def batch_per_worker(self, batch_size: int) -> int:
+        """Each train worker's share of --batch-size (the one place it is worked out: WorkerSpec
+        carries it to the feed and the schedule, a fault's step count reads it)."""
+        return batch_size // self.num_workers
 
     def ingest_tasks(self) -> list[Node]:
         """What Ray Data must run at once to make progress: one read task (on CPUs it augments

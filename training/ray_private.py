@@ -44,7 +44,7 @@ def pending_demands() -> list[tuple[dict, int]]:
     """(resources, count) of the tasks and actors that wait for a node with room, as the
     GCS reports them to the autoscaler (what `ray status` shows as "Pending"). The public
     state API needs the dashboard, which a local run does not start. Used by
-    training/feed.py, IngestWatch."""
+    training/worker/feed.py, IngestWatch."""
     import ray
     from ray.autoscaler.v2.sdk import get_cluster_status
 
@@ -238,7 +238,7 @@ def _check_data_limits():
 CHECKS = [
     ("autoscaler_ceiling", "training/planning.py cluster_capacity", _check_ceiling),
     ("v1_autoscaler_runs", "training/planning.py cluster_capacity", _check_v1_status),
-    ("pending_demands", "training/feed.py IngestWatch", _check_demands),
+    ("pending_demands", "training/worker/feed.py IngestWatch", _check_demands),
     ("trainer_without_placement_group_cleaner", "training/job.py _fit", _check_trainer_hook),
     ("worker_exception", "training/job.py worker_error", _check_worker_exception),
     ("worker_traceback", "training/faults.py error_detail", _check_worker_traceback),

@@ -16,9 +16,11 @@ from training import artifacts, plots
 from training.audit import coverage, fingerprints, good_images
 from training.bounds import steady_verdict
 from training.config import TrainConfig
-from training.data import ImageTree
-from training.model import uses_small_stem
+from training.forms.data import ImageTree
+from training.model import torchvision_model, uses_small_stem
+from training.modelfile import ModelFile
 from training.planning import ResourcePlan
+from training.records import RunRecord
 
 
 def report_bad_files(bad_log, run_dir: str, log) -> None:
@@ -30,25 +32,25 @@ def report_bad_files(bad_log, run_dir: str, log) -> None:
 
 
 def write_results(
-    cfg, tree, preset, plan, state: dict, bad: dict, *, start: float, log, faults=(), best: dict | None = None
+    cfg, tree, preset, plan, run: RunRecord, model: dict, bad: dict, *, start: float, log, faults=(), best=None
 ) -> dict:
-    """model.pt (the last epoch's weights), model_best.pt (the best validation accuracy's: `best`,
-    from _fit; the last epoch's where None), the plots, TensorBoard files and summary.json from
-    the last checkpoint; `faults`: FaultLog.records() of the faults this invocation survived."""
+    """model.pt (`model`: the last epoch's weights), model_best.pt (the best validation accuracy's:
+    `best`, from _fit; the last epoch's where None), the plots, TensorBoard files and summary.json
+    from the last checkpoint's records; `faults`: FaultLog.records() of the faults this invocation
+    survived."""
     run_dir = cfg.run_dir
-    best = best or {"model": state["model"], "epoch": state["epoch"] + 1, "val_acc": state["history"][-1]["val_acc"]}
-    artifacts.write_bytes(artifacts.join(run_dir, "model.pt"), model_bytes(state["model"], tree, preset, cfg))
+    best = best or {"model": model, "epoch": run.last_epoch + 1, "val_acc": run.history[-1]["val_acc"]}
+    artifacts.write_bytes(artifacts.join(run_dir, "model.pt"), model_bytes(model, tree, preset, cfg))
     artifacts.write_bytes(artifacts.join(run_dir, "model_best.pt"), model_bytes(best["model"], tree, preset, cfg))
-    artifacts.write_bytes(artifacts.join(run_dir, "curves.png"), plots.curves_png(state["history"]))
-    artifacts.write_bytes(
-        artifacts.join(run_dir, "confusion.png"), plots.confusion_png(state["confusion"], list(tree.class_names))
-    )
-    if plots.write_tensorboard(run_dir, state["history"], state["timings"]):
+    artifacts.write_bytes(artifacts.join(run_dir, "curves.png"), plots.curves_png(run.history))
+    confusion = plots.confusion_png(run.epochs[-1].confusion, list(tree.class_names))
+    artifacts.write_bytes(artifacts.join(run_dir, "confusion.png"), confusion)
+    if plots.write_tensorboard(run_dir, run.history, run.timings):
         logdir = artifacts.join(run_dir, "tensorboard")
         # tensorboardX writes the files without TensorBoard itself, which has the viewer
         viewer = "" if shutil.which("tensorboard") else "pip install tensorboard, then "
         log(f"tensorboard: {viewer}tensorboard --logdir {logdir}")
-    summary = summarize(state, start, plan, tree, bad) | {"faults": list(faults), "best_epoch": best["epoch"]}
+    summary = summarize(run, start, plan, tree, bad) | {"faults": list(faults), "best_epoch": best["epoch"]}
     for c in summary["coverage"]:
         if c["as_expected"] is False:
             log(
@@ -64,23 +66,41 @@ def model_bytes(state_dict, tree: ImageTree, preset: Preset, cfg: TrainConfig) -
     import io
 
     buf = io.BytesIO()
-    torch.save(
-        {
-            "arch": cfg.model,
-            "state_dict": state_dict,
-            "class_names": list(tree.class_names),
-            "image_size": preset.image_size,
-            "small_stem": uses_small_stem(cfg.small_stem, preset.image_size, cfg.model),
-            "eval_transform": {
-                "ops": json.loads(json.dumps(preset.eval)),
-                "mean": list(preset.mean),
-                "std": list(preset.std),
-            },
-            "config": cfg.to_dict(),
-        },
-        buf,
+    small_stem = uses_small_stem(cfg.small_stem, preset.image_size, cfg.model)
+    width = state_dict["conv1.weight"].shape[0] if small_stem else 64
+    model = ModelFile(
+        arch=cfg.model,
+        state_dict=state_dict,
+        class_names=tuple(tree.class_names),
+        image_size=preset.image_size,
+        small_stem=small_stem,
+        eval_transform={"ops": json.loads(json.dumps(preset.eval)), "mean": list(preset.mean), "std": list(preset.std)},
+        # the same model and eval steps for torchvision alone (docs/guide.md, "Prediction and evaluation")
+        torchvision_model=torchvision_model(
+            cfg.model, len(tree.class_names), small_stem=small_stem, image_size=preset.image_size, width=width
+        ),
+        torchvision_eval=torchvision_eval(preset),
+        config=cfg.to_dict(),
     )
+    torch.save(model.to_state(), buf)
     return buf.getvalue()
+
+
+def torchvision_eval(preset: Preset) -> list | None:
+    """The preset's eval transform as torchvision.transforms.v2 steps after PILToTensor (model.pt's
+    `torchvision_eval`, plain data: [class name, keyword arguments]; an interpolation and a dtype by
+    name). resize_center_crop is Resize (shorter side, antialiased bilinear: torch's, which the eval
+    ops use) then CenterCrop. None where an eval op has no such step."""
+    steps = []
+    for spec in json.loads(json.dumps(preset.eval)):
+        ((name, args),) = spec.items()
+        if name == "resize_center_crop":
+            steps.append(["Resize", {"size": args["resize"], "interpolation": "bilinear", "antialias": True}])
+        elif name != "center_crop":
+            return None
+        steps.append(["CenterCrop", {"size": args["size"]}])
+    normalize = {"mean": list(preset.mean), "std": list(preset.std)}
+    return [*steps, ["ToDtype", {"dtype": "float32", "scale": True}], ["Normalize", normalize]]
 
 
 def write_bad_files(run_dir: str, bad: dict[str, str]) -> None:
@@ -89,12 +109,12 @@ def write_bad_files(run_dir: str, bad: dict[str, str]) -> None:
     )
 
 
-def summarize(state: dict, start: float, plan: ResourcePlan, tree: ImageTree, bad: dict[str, str]) -> dict:
-    history, timings = state["history"], state["timings"]
+def summarize(run: RunRecord, start: float, plan: ResourcePlan, tree: ImageTree, bad: dict[str, str]) -> dict:
+    history, timings = run.history, run.timings
     last = history[-1]
     steady = timings[1:] or timings  # skip the first epoch (actor start-up) when there is more than one
-    this_run = [t for t in state.get("first_steps", []) if t >= start]  # first steps of this invocation's attempts
-    confusion = state["confusion"]
+    this_run = [t for t in run.first_steps if t >= start]  # first steps of this invocation's attempts
+    confusion = run.epochs[-1].confusion
     summary = {
         "epochs": last["epoch"],
         "val_acc": last["val_acc"],
@@ -109,13 +129,11 @@ def summarize(state: dict, start: float, plan: ResourcePlan, tree: ImageTree, ba
             sum(t["data_wait_frac"] * t["epoch_s"] for t in steady) / sum(t["epoch_s"] for t in steady), 4
         ),
         "train_images_per_s_inner": round(  # within epochs, their start and tail left out (timings.csv)
-            sum(float(t.get("inner_images_per_s") or 0) * t["epoch_s"] for t in steady)
-            / sum(t["epoch_s"] for t in steady),
-            1,
+            sum(t["inner_images_per_s"] * t["epoch_s"] for t in steady) / sum(t["epoch_s"] for t in steady), 1
         ),
-        "decoded_on": {p: sum(int(t.get(f"decoded_{p}") or 0) for t in timings) for p in DECODE_PLACES},
+        "decoded_on": {p: sum(int(t[f"decoded_{p}"]) for t in timings) for p in DECODE_PLACES},
         "wall_s": round(time.time() - start, 1),
-        "bound": steady_verdict(state.get("slots"), timings),  # what bounded the steady epochs
+        "bound": steady_verdict(run.slots, timings),  # what bounded the steady epochs
         # launch to the end of this invocation's first training step: imports, Ray, the trainer
         # and the data pipeline starting (a rerun that resumes counts its own)
         "startup_s": round(min(this_run) - start, 1) if this_run else None,
@@ -129,11 +147,11 @@ def summarize(state: dict, start: float, plan: ResourcePlan, tree: ImageTree, ba
             name: round(row[i] / sum(row), 6) if sum(row) else None
             for i, (name, row) in enumerate(zip(tree.class_names, confusion, strict=True))
         },
-        "coverage": coverage(state["seen"], tree, bad),
-        "fingerprints": fingerprints(state["seen"]),
+        "coverage": coverage(run.seen, tree, bad),
+        "fingerprints": fingerprints(run.seen),
         "bad_files": len(bad),
-        "resumed_at_epochs": state["resumed_at_epochs"],
-        "ranks": state["ranks"],
+        "resumed_at_epochs": run.resumed_at_epochs,
+        "ranks": run.ranks,
     }
     if "val_top5" in last:
         summary["val_top5"] = last["val_top5"]

@@ -27,13 +27,35 @@ class StallLimits:
 
 @dataclasses.dataclass(frozen=True)
 class IngestNeeds:
-    """What the plan reserved, for the feed's watch (training/feed.py IngestWatch): one train
+    """What the plan reserved, for the feed's watch (training/worker/feed.py IngestWatch): one train
     worker's (CPUs, GPUs), what Ray Data must run at once to make progress, and whether the
     cluster may grow (then the watch only waits)."""
 
     worker: Node
     tasks: tuple[Node, ...]
     autoscaling: bool
+
+
+# the resource arithmetic the plan (training/planning.py) and the feed's watch share
+EPS = 1e-9  # Ray keeps resources to 4 decimals; compare with a little slack
+
+
+def left_over(nodes: list[Node], counts: list[int], worker: Node) -> list[Node]:
+    """What each node keeps after `counts[i]` workers of size `worker` took their share."""
+    return [(c - k * worker[0], g - k * worker[1]) for (c, g), k in zip(nodes, counts, strict=True)]
+
+
+def tasks_fit(free: list[Node], tasks: list[Node]) -> bool:
+    """Whether these tasks (or actors) can all run at once, each on one node (first fit,
+    largest first)."""
+    room = [list(n) for n in free]
+    for cpus, gpus in sorted(tasks, reverse=True):
+        node = next((r for r in room if r[0] + EPS >= cpus and r[1] + EPS >= gpus), None)
+        if node is None:
+            return False
+        node[0] -= cpus
+        node[1] -= gpus
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,14 +67,15 @@ class WorkerSpec:
     class_names: tuple[str, ...]
     preset: Preset  # at the run's size: its normalisation and MixUp/CutMix apply on the worker
     train_images: int  # the split's files: steps per epoch for the schedule
-    rows_grouped: bool  # a prepared split, read in fixed row groups: the feed mixes them (training/feed.py)
+    rows_grouped: bool  # a prepared split, read in fixed row groups: the feed mixes them (training/worker/feed.py)
     threads_per_worker: int
+    batch_per_worker: int  # ResourcePlan.batch_per_worker: each rank's share of --batch-size
     sizes: tuple[int, ...] | None  # --progressive-resize: each epoch's training side; None: fixed
     ingest: IngestNeeds
     slots: DataSlots  # what Ray Data may run at once: what bounds an epoch (training/bounds.py)
     stall: StallLimits
     clock: Any  # the EpochClock actor (training/stage.py): rank 0 advances it before each epoch
-    board: Any  # the console's ProgressBoard actor: progress and lines go to the driver through it
+    status: Any  # the RunStatus actor (training/status.py): progress and lines go to the driver through it
 
     @property
     def num_classes(self) -> int:

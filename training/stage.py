@@ -32,6 +32,7 @@ import ray.data
 
 from augment.presets import Preset, preset_from_dict
 from training.bounds import AUGMENT_COST, AUGMENT_GPU_COST, DECODED_ON, READ_COST, seconds_per_row
+from training.rows import BYTES, EPOCH, IMAGE, KEY, LABEL, PATH
 from training.stamp import current_epoch, stamp
 
 
@@ -90,16 +91,16 @@ class AugmentStage:
             torch.cuda.set_device(self.device)
         clock = StreamClock(self.device)
         epoch = current_epoch(self.clock)
-        keys = torch.as_tensor(np.array(batch["key"]))
-        if "bytes" in batch:
+        keys = torch.as_tensor(np.array(batch[KEY]))
+        if BYTES in batch:
             decoder = default_decoder(self.device, self.gpu_decoder)
             out, kept, bad, where = decode_augment(
-                self.pipeline, batch["bytes"], keys, epoch, self.device, shrink=self.shrink, decoder=decoder
+                self.pipeline, batch[BYTES], keys, epoch, self.device, shrink=self.shrink, decoder=decoder
             )
             if bad and self.bad_log is not None:  # fire and forget: the driver reads the log later
-                self.bad_log.add.remote([(str(batch["path"][i]), reason) for i, reason in bad])
+                self.bad_log.add.remote([(str(batch[PATH][i]), reason) for i, reason in bad])
         else:
-            out = augment_batch(self.pipeline, batch["image"], keys, epoch, self.device)
+            out = augment_batch(self.pipeline, batch[IMAGE], keys, epoch, self.device)
             kept, where = slice(None), [ON_CPU] * len(out)
         clock.stop()
         image = out.cpu().numpy()  # .cpu() is a sync point on GPU
@@ -108,10 +109,10 @@ class AugmentStage:
         # each stage's seconds per image, for what bounds the epoch (training/bounds.py)
         read = np.asarray(batch[READ_COST])[kept] if READ_COST in batch else np.zeros(rows, np.float32)
         return {
-            "image": image,
-            "label": np.asarray(batch["label"])[kept],
-            "key": np.asarray(batch["key"])[kept],
-            "epoch": stamp(rows, epoch),
+            IMAGE: image,
+            LABEL: np.asarray(batch[LABEL])[kept],
+            KEY: np.asarray(batch[KEY])[kept],
+            EPOCH: stamp(rows, epoch),
             READ_COST: read,
             AUGMENT_COST: seconds_per_row(started, rows),
             AUGMENT_GPU_COST: np.full(rows, clock.seconds() / max(rows, 1), dtype=np.float32),

@@ -8,7 +8,7 @@ hundred shards of ~128 MB read at full bandwidth. `python -m jobs.prepare DIR OU
     OUT/_prepared.json                 the manifest, written last: class names, the split,
                                        counts and shard names
 
-The split, the labels and the keys are those `training.data.scan_tree` gives for DIR, so
+The split, the labels and the keys are those `training.forms.tree.scan_tree` gives for DIR, so
 training on OUT sees the same images with the same labels, and (augmentation being keyed by
 `key`) the same augmentations. Train rows are stored in an order shuffled once, so that
 every shard mixes classes; validation rows in path order. Shards are written in row groups
@@ -25,8 +25,11 @@ from pathlib import PurePosixPath
 
 import numpy as np
 
+from augment.streams import stream_rng
 from training import storage
-from training.data import DataError, ImageTree, ShardFormat, check_classes, concat, make_split, scan_tree, sharded
+from training.forms.data import DataError, ImageTree, ShardFormat, check_classes, concat, make_split, sharded
+from training.forms.tree import scan_tree
+from training.rows import BYTES, HEIGHT, KEY, LABEL, PATH, READ_COLUMNS, WIDTH, read_types
 
 MANIFEST = "_prepared.json"
 FORMAT = "ray-gpu-augment/prepared/1"
@@ -34,6 +37,7 @@ SPLITS = ("train", "val")
 
 
 ROW_GROUP = 256  # images per Parquet row group
+FIRST_ROWS_BUFFER = 256 * 1024  # first_rows reads a column chunk in steps of this size
 
 
 def is_prepared(root: str) -> bool:
@@ -116,7 +120,7 @@ def prepare_tree(
         "splits": {},
     }
     for name, split in (("train", tree.train), ("val", tree.val)):
-        order = np.random.default_rng(seed).permutation(len(split)) if name == "train" else np.arange(len(split))
+        order = stream_rng("prepare_order", seed).permutation(len(split)) if name == "train" else np.arange(len(split))
         fs.create_dir(f"{base}/{name}", recursive=True)
         n_shards = max(1, math.ceil(split.total_bytes / shard_bytes)) if len(split) else 0
         shards, split_paths = [], split.paths
@@ -126,12 +130,12 @@ def prepare_tree(
             sizes = [_image_size(b) for b in data]
             table = pa.table(
                 {
-                    "bytes": pa.array(data, type=pa.binary()),
-                    "label": pa.array(split.labels[rows], type=pa.int64()),
-                    "key": pa.array(split.keys[rows], type=pa.int64()),
-                    "height": pa.array([h for h, _ in sizes], type=pa.int32()),
-                    "width": pa.array([w for _, w in sizes], type=pa.int32()),
-                    "path": pa.array(
+                    BYTES: pa.array(data, type=pa.binary()),
+                    LABEL: pa.array(split.labels[rows], type=pa.int64()),
+                    KEY: pa.array(split.keys[rows], type=pa.int64()),
+                    HEIGHT: pa.array([h for h, _ in sizes], type=pa.int32()),
+                    WIDTH: pa.array([w for _, w in sizes], type=pa.int32()),
+                    PATH: pa.array(
                         [str(PurePosixPath(p.split("://", 1)[-1]).relative_to(src_base)) for p in paths],
                         type=pa.string(),
                     ),
@@ -192,11 +196,11 @@ def _scan_prepared(root: str) -> ImageTree:
                     pf = pq.ParquetFile(f)
                 except pa.ArrowInvalid as e:  # an empty file, or text named .parquet
                     raise DataError(f"{root}/{shard}: not a Parquet file ({e}); prepare it again") from None
-                t = pf.read(columns=["path", "label", "key"])
+                t = pf.read(columns=[PATH, LABEL, KEY])
                 groups += [(s, g, pf.metadata.row_group(g).num_rows) for g in range(pf.num_row_groups)]
-            rel += t.column("path").to_pylist()
-            labels.append(t.column("label").to_numpy())
-            keys.append(t.column("key").to_numpy())
+            rel += t.column(PATH).to_pylist()
+            labels.append(t.column(LABEL).to_numpy())
+            keys.append(t.column(KEY).to_numpy())
         if len(rel) != meta["images"]:
             raise DataError(
                 f"{root}: {name} shards hold {len(rel)} images, the manifest says {meta['images']}; prepare it again"
@@ -286,19 +290,41 @@ def read_prepared_units(units, root: str, shards, form: ShardFormat, bad: list |
         shard, group = shards[int(unit[0])], int(unit[1])
         why = f"cannot read row group {group} of {shard}: {storage.first_line(error)}"
         try:
-            names = None if pf is None else pf.read_row_group(group, columns=["path"]).column(0).to_pylist()
+            names = None if pf is None else pf.read_row_group(group, columns=[PATH]).column(0).to_pylist()
         except Exception:  # the path column is damaged too: the row group, by its place
             names = None
         bad.extend([(f"{root}/{n}", why) for n in names] if names else [(f"{shard}#row-group-{group}", why)])
 
-    columns = ["bytes", "path", "label", "key"]
+    columns = list(READ_COLUMNS)
     tables = [t for _, _, t in read_row_groups(units, shards, columns, None if bad is None else failed)]
     return pa.concat_tables(tables) if tables else empty_rows()
+
+
+def first_rows(shard: str, group: int, columns: list[str], count: int):
+    """The first `count` rows of a row group of a Parquet file, read in buffered steps only as far as
+    those rows go (the column chunks' first pages; a dictionary page, where there is one, whole), not
+    whole column chunks: the few images a header sample needs cost a few requests on object
+    storage, not a row group (as the datasets library writes image bytes: without a dictionary)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    fs, path, _ = storage.filesystem(shard)
+    with fs.open_input_file(path) as f:
+        pf = pq.ParquetFile(f, pre_buffer=False, buffer_size=FIRST_ROWS_BUFFER)
+        batch = next(pf.iter_batches(batch_size=count, row_groups=[group], columns=columns), None)
+    return pa.Table.from_batches([batch]) if batch is not None else pa.table({c: [] for c in columns})
+
+
+def first_prepared_sizes(unit, shards, count: int) -> list[tuple[int, int]]:
+    """(width, height) of the first `count` images of a prepared row group, from the columns jobs.prepare
+    wrote them in (training.forms.formats.sample_sizes): its image bytes may be one dictionary page, whole."""
+    table = first_rows(shards[int(unit[0])], int(unit[1]), [WIDTH, HEIGHT], count)
+    return [(w, h) for w, h in zip(*(table.column(c).to_pylist() for c in (WIDTH, HEIGHT)), strict=True) if w]
 
 
 def empty_rows():
     """A read task's table without rows: {bytes, path, label, key}."""
     import pyarrow as pa
 
-    types = {"bytes": pa.binary(), "path": pa.string(), "label": pa.int64(), "key": pa.int64()}
+    types = read_types()
     return pa.table({k: pa.array([], type=t) for k, t in types.items()})

@@ -14,9 +14,10 @@ import time
 import ray
 import torch
 
+from augment.streams import stream_seed
 from training import ray_private
-from training.planning import left_over, tasks_fit
-from training.spec import IngestNeeds, StallLimits, WorkerSpec
+from training.rows import LABEL
+from training.spec import IngestNeeds, StallLimits, WorkerSpec, left_over, tasks_fit
 from training.stamp import advance
 
 
@@ -193,7 +194,7 @@ def train_batches(shard, batch_size: int, device: torch.device, epoch: int, *, s
         batch_size=batch_size,
         device="cpu",  # on a GPU, BatchFeed copies them, on a stream of its own
         local_shuffle_buffer_size=min(4 * batch_size, 2048) if shuffle and not first else None,
-        local_shuffle_seed=seed * 1_000_003 + epoch * 1009 + rank,  # per epoch and rank
+        local_shuffle_seed=stream_seed("local_shuffle", seed, epoch, rank),  # per epoch and rank
         prefetch_batches=0 if first else 2,
         pin_memory=device.type == "cuda",
     )
@@ -207,7 +208,7 @@ def fold_lone_last(batches, batch_size: int):
     back to see the end."""
     held = None
     for batch in batches:
-        if held is not None and batch_size > 1 and len(batch["label"]) == 1:
+        if held is not None and batch_size > 1 and len(batch[LABEL]) == 1:
             batch = {k: torch.cat([held[k], v]) for k, v in batch.items()}
         elif held is not None:
             yield held
@@ -219,10 +220,10 @@ def fold_lone_last(batches, batch_size: int):
 class EpochData:
     """This rank's batches: a feed per training epoch, the validation split at each evaluation."""
 
-    def __init__(self, spec: WorkerSpec, rank: int, world: int, device: torch.device):
+    def __init__(self, spec: WorkerSpec, rank: int, device: torch.device):
         cfg = spec.config
         self.clock, self.cfg, self.rank, self.device = spec.clock, cfg, rank, device
-        self.per_worker = cfg.batch_size // world
+        self.per_worker = spec.batch_per_worker
         self.train = ray.train.get_dataset_shard("train")
         self.shuffle = spec.rows_grouped
         # "val" is asked for at the first validation: with several workers, its split

@@ -6,7 +6,7 @@
 
 Paths are relative to the manifest's folder (`..` allowed, on object storage too). Labels are
 class names, or class indices (then the names are "0".."N-1"), one kind for the whole source
-(training.data.index_labels); --label-key names another label column. The datasets library's
+(training.forms.labels.index_labels); --label-key names another label column. The datasets library's
 imagefolder `metadata.csv` (a `file_name` column) is a manifest too. UTF-8, or UTF-16 with its
 byte order mark (Excel's "Unicode text", tab-separated). The split: a sibling manifest
 named as this one with `val`, `validation` or `valid` for its last word `train` (train.csv ->
@@ -30,16 +30,8 @@ import re
 import pyarrow.fs as pafs
 
 from training import storage
-from training.data import (
-    DataError,
-    ImageTree,
-    check_classes,
-    held_out,
-    index_labels,
-    label_text,
-    make_split,
-    stable_hash,
-)
+from training.forms.data import DataError, ImageTree, check_classes, held_out, make_split, stable_hash
+from training.forms.labels import index_labels, label_text
 
 SUFFIXES = (".csv", ".jsonl")
 PATH_COLUMNS = ("path", "file", "filename", "file_name", "filepath", "file_path", "image", "image_path", "image_id")

@@ -1,15 +1,16 @@
 """WebDataset tar shards -> the samples of each split, read in runs of consecutive samples.
 
-    --data DIR                     every .tar below DIR (train-0000.tar, val/0000.tar, ...)
+    --data DIR                     every .tar below DIR (train-0000.tar, val/0000.tar, ...), and
+                                   every gzipped one (.tar.gz, .tgz)
     --data DIR/train-{0000..0099}.tar   a brace pattern ({a..b} ranges keep their zero padding,
-                                   {x,y} alternatives; they nest), or one .tar
+                                   {x,y} alternatives; they nest), or one shard
 
 A sample is the run of consecutive members sharing a key: the member's path up to the first
 dot of its file name (webdataset's rule), e.g. n01440764/img_0001.jpg + n01440764/img_0001.cls,
 where a part between dots with no letter belongs to the key (cat.001.jpg: cat.001; member_key).
 Its image is the member with an image extension (jpg, png, webp, ...); its label the .cls member
 (a class index as text; any other text is refused), or else the `--label-key` field of its .json
-member (an index or a class name); one kind for the whole set (training.data.index_labels).
+member (an index or a class name); one kind for the whole set (training.forms.labels.index_labels).
 The split is the shards' own where their names say it (train-*, val-*, validation/...); otherwise
 the stable hash split of the samples' keys, applied inside each run by the read task. A sample
 is named `<shard>/<image member>` and keyed by the stable hash of `<shard>/<key>` (the shard
@@ -19,6 +20,12 @@ Tar has no index, so the driver reads every shard's member headers once before t
 on local disk it seeks from header to header; on object storage each shard streams through
 once (after one request for its size). The image bytes are never kept. Each run of samples is
 then one ranged read: its (shard, byte offset, byte length, samples) is the unit of a read task.
+A gzip stream cannot be read from the middle, so a gzipped shard is one run: its read task reads
+the whole file and decompresses it (its offsets are the decompressed tar's).
+
+Class indices (.cls) are the class names "0".."N-1" unless a names file names them: a classes.txt
+beside the shards (line i names class i, as WebDataset exports of ImageNet ship it), or
+--class-names (training.forms.labels.name_classes).
 
 A damaged shard costs only what is damaged: past a member header that is not one (a broken
 checksum, zeroed bytes), the scan and the read task alike read on from the next valid header
@@ -42,25 +49,29 @@ from pathlib import PurePosixPath
 import numpy as np
 
 from training import storage
-from training.data import (
+from training.forms.data import (
     DataError,
     ImageTree,
     ShardFormat,
     check_classes,
-    index_labels,
-    label_text,
-    list_images,
     make_split,
     on_side,
     sharded,
     split_names,
     stable_hash,
 )
+from training.forms.labels import index_labels, is_index, label_text, read_class_names
+from training.forms.tars import GZIPPED, Broken, Gunzipped, is_gzipped, member_key, members, open_tar, read_run
+from training.forms.tree import list_images
+from training.rows import BYTES, KEY, LABEL, PATH, read_types
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "tiff", "gif")
 LABEL_EXTENSIONS = ("cls", "json")
 RUN_SAMPLES = 256  # samples per read unit at most, as prepared shards' row groups
 RUN_BYTES = 64 * 2**20  # and at most this many bytes of the shard
+SHARD_SUFFIXES = (".tar", *GZIPPED)
+CLASSES_FILE = "classes.txt"  # beside the shards: the names of the class indices, line i naming class i
+HEADER_BYTES = 256 * 1024  # of an image, for its size (training.inputs.typical_size reads a file's as much)
 SCAN_BUFFER = 8 * 2**20  # object storage: the scan streams each shard in reads of this size
 
 
@@ -95,13 +106,17 @@ def expand_braces(pattern: str) -> list[str]:
 
 
 def is_shard_pattern(root: str) -> bool:
-    """One .tar, or a name with a brace group that expands ({a,b} or {0..9}); a folder's name
-    such as {project} is none."""
-    return root.endswith(".tar") or expand_braces(root) != [root]
+    """One shard (.tar, .tar.gz, .tgz), or a name with a brace group that expands ({a,b} or {0..9});
+    a folder's name such as {project} is none."""
+    return is_shard(root) or expand_braces(root) != [root]
+
+
+def is_shard(name: str) -> bool:
+    return name.lower().endswith(SHARD_SUFFIXES)
 
 
 def shard_names(root: str) -> tuple[str, list[str]]:
-    """(the folder the shards are named relative to, their names) for a pattern or one .tar."""
+    """(the folder the shards are named relative to, their names) for a pattern or one shard."""
     head = root.split("{", 1)[0]
     folder = head.rsplit("/", 1)[0] if "/" in head else "."
     names = [p[len(folder) + 1 :] if folder != "." else p for p in expand_braces(root)]
@@ -123,96 +138,6 @@ class Sample:
     def usable(self) -> bool:
         """Has an image and a label: trained on (the scan lists the rest as unreadable)."""
         return self.image is not None and self.label is not None
-
-
-@dataclasses.dataclass(frozen=True)
-class Broken:
-    """Bytes of a shard that hold no member: a header that is not one, and what follows it up to
-    the next valid header (the lost member's data), or an end cut off inside a member."""
-
-    offset: int  # in the shard (or the unit read)
-    length: int
-    name: str | None  # the lost member's name, where its broken header still gives it
-    why: str = "broken tar header"
-
-    @property
-    def key(self) -> str | None:
-        """The sample key of the lost member's name (None: not known)."""
-        if not self.name:
-            return None
-        folder, _, file = self.name.rpartition("/")
-        stem = member_key(file)[0]
-        return f"{folder}/{stem}" if folder else stem
-
-    def describe(self) -> str:
-        member = f" (member {self.name})" if self.name else ""
-        return f"{self.why} at byte {self.offset}{member}, {self.length} bytes skipped"
-
-
-def open_tar(**kwargs) -> tarfile.TarFile:
-    """tarfile.open for a shard that may be damaged: reading goes on at the next valid header
-    after one that is not (ignore_zeros), and every block tried as a header and refused is kept
-    in `tar.refused` (its bytes; None for zeros) for `members` to tell damage from padding."""
-    refused: list[bytes | None] = []
-
-    class Header(tarfile.TarInfo):
-        @classmethod
-        def frombuf(cls, buf, encoding, errors):
-            try:
-                return super().frombuf(buf, encoding, errors)
-            except tarfile.HeaderError:
-                refused.append(bytes(buf) if buf.strip(b"\0") else None)
-                raise
-
-    tar = tarfile.open(ignore_zeros=True, tarinfo=Header, **kwargs)
-    tar.refused = refused
-    return tar
-
-
-def members(tar: tarfile.TarFile, broken: list, size: int):
-    """The members of a tar from open_tar, in order. Bytes between two members that are not all
-    zeros (end-of-archive blocks, as between concatenated tars, are) go to `broken` as a Broken;
-    so do a member cut off by the end of the data (`size` bytes) and an end that is no member."""
-    end = 0  # where the next header should start: just past the last member's data
-    while True:
-        try:
-            member = tar.next()
-        except OSError:  # the storage's error, not the shard's: the caller's to handle
-            raise
-        except Exception:  # tarfile's ReadError (a broken header after an extended one's), or its parsing's
-            if tar.offset >= size:  # the data ends where a header would start: nothing lost
-                return
-            # TarFile.offset is where it reads the next header: on from the block after the one that
-            # failed, as ignore_zeros goes on past a header that is not one
-            tar.refused.append(b"")  # the block that failed: not zeros, no name
-            tar.offset += tarfile.BLOCKSIZE
-            continue
-        tried, tar.refused[:] = list(tar.refused), []
-        if member is None:
-            if any(b is not None for b in tried):  # the end: not a member, not zeros
-                broken.append(Broken(end, size - end, _header_name(tried[0])))
-            return
-        if member.offset > end and any(b is not None for b in tried):
-            broken.append(Broken(end, member.offset - end, _header_name(tried[0])))
-        if member.offset_data + member.size > size:
-            cut = "a member cut off by the end of the shard"
-            broken.append(Broken(member.offset, size - member.offset, member.name, cut))
-            return
-        end = member.offset_data + -(-member.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
-        yield member
-
-
-def _header_name(block: bytes | None) -> str | None:
-    """The member name a refused header block still holds, where it is a ustar header's (its
-    checksum or a field broke): the name field, after the prefix field."""
-    if not block or len(block) < 512 or block[257:262] != b"ustar":
-        return None
-    try:
-        name, prefix = (block[a:b].split(b"\0", 1)[0].decode() for a, b in ((0, 100), (345, 500)))
-    except UnicodeDecodeError:
-        return None
-    name = f"{prefix}/{name}" if prefix and name else name
-    return name if name.isprintable() and name.strip() else None
 
 
 def samples(tar: tarfile.TarFile, label_key: str, *, images: bool, size: int, broken: list | None = None):
@@ -243,19 +168,6 @@ def samples(tar: tarfile.TarFile, label_key: str, *, images: bool, size: int, br
         yield current
 
 
-def member_key(file: str) -> tuple[str, str]:
-    """(sample key, extension) of a member's file name: split at the first dot, as webdataset does,
-    unless a part between dots has no letter: that part is the key's (cat.train.001.jpg is the sample
-    cat.train.001, whose image is a jpg; webdataset's rule would make it cat, with no image), while
-    img.seg.png stays the sample img's seg.png."""
-    parts = file.split(".")
-    cut = len(parts)
-    while cut > 1 and re.search("[A-Za-z]", parts[cut - 1]):
-        cut -= 1
-    cut = 1 if cut == len(parts) else cut  # no extension with a letter (x.001): webdataset's first dot
-    return ".".join(parts[:cut]), ".".join(parts[cut:])
-
-
 def _label(ext: str, raw: bytes, label_key: str) -> tuple[str | None, str | None]:
     """(the label as label_text gives it, else None; the text of a .cls member that is no integer,
     which the scan refuses: webdataset reads a .cls with int(), and would pass it as None)."""
@@ -283,7 +195,13 @@ def scan_shard(folder: str, name: str, label_key: str) -> Shard:
     path, broken = f"{base}/{name}", []
     try:
         size = fs.get_file_info(path).size
-        if not prefix:
+        if is_gzipped(name):  # read through once, decompressed: a gzip stream has no places to seek to
+            with (
+                fs.open_input_stream(path, compression=None, buffer_size=SCAN_BUFFER) as stream,  # not by its name
+                open_tar(fileobj=Gunzipped(stream), mode="r|") as tar,
+            ):
+                found = list(samples(tar, label_key, images=False, broken=broken, size=None))
+        elif not prefix:
             with open_tar(name=path, mode="r:") as tar:
                 found = list(samples(tar, label_key, images=False, broken=broken, size=size))
         else:
@@ -308,12 +226,14 @@ def scan_shards(folder: str, names: list[str], label_key: str) -> list[Shard]:
 
 
 def list_shards(fs, base: str) -> list[str]:
-    """The .tar files below `base`, relative to it, sorted; hidden files and folders skipped."""
-    return [str(PurePosixPath(p).relative_to(base)) for p, _ in list_images(fs, base, (".tar",))]
+    """The shards (.tar, .tar.gz, .tgz) below `base`, relative to it, sorted; hidden files and folders
+    skipped."""
+    found = list_images(fs, base, (".tar", ".gz", ".tgz"))  # by the last suffix, then the whole name
+    return [str(PurePosixPath(p).relative_to(base)) for p, _ in found if is_shard(p)]
 
 
 def scan_webdataset(root: str, val_fraction: float, label_key: str = "label") -> ImageTree:
-    """The ImageTree of the shards `root` names (a folder, a pattern, one .tar). DataError for
+    """The ImageTree of the shards `root` names (a folder, a pattern, one shard). DataError for
     a missing shard, a shard that is no tar, a shard set without labels, a .cls that is no
     integer, labels of two kinds (index_labels), a validation label that is no training class, or
     a class without training samples; samples without an image or a label go to `unreadable`."""
@@ -394,7 +314,7 @@ def _class_names(root: str, top: str, sides: dict, shards: dict, label_key: str)
 
 def _shard_set(root: str) -> tuple[str, list[str]]:
     """(the folder's URI or path, the shards' names relative to it) of a folder, a pattern or one
-    .tar; DataError for a shard that is not there, or a folder without any."""
+    shard; DataError for a shard that is not there, or a folder without any."""
     import pyarrow.fs as pafs
 
     folder, names = shard_names(root) if is_shard_pattern(root) else (root.rstrip("/"), None)
@@ -408,7 +328,10 @@ def _shard_set(root: str) -> tuple[str, list[str]]:
 
 
 def runs(shard: Shard) -> list[list[Sample]]:
-    """A shard's samples cut into runs of at most RUN_SAMPLES samples and RUN_BYTES bytes (one at least)."""
+    """A shard's samples cut into runs of at most RUN_SAMPLES samples and RUN_BYTES bytes (one at least);
+    a gzipped shard's in one run, which its read task decompresses whole."""
+    if is_gzipped(shard.name):
+        return [shard.samples] if shard.samples else []
     out, current = [], []
     for s in shard.samples:
         if current and (len(current) == RUN_SAMPLES or s.end - current[0].start > RUN_BYTES):
@@ -453,26 +376,68 @@ def scan_for_scoring(root: str, class_names, label_key: str = "label"):
     another), for jobs.predict and jobs.evaluate."""
     top, names = _shard_set(root)
     shards = scan_shards(top, names, label_key)
+    named = classes_file(root)
+    beside = read_class_names(named) if named else tuple(class_names)
+    if beside != tuple(class_names):
+        raise DataError(f"{named}: names the classes {list(beside)[:10]}, the model has {list(class_names)[:10]}")
+    labels = {s.label for shard in shards for s in shard.samples if s.label is not None}
+    if labels and all(is_index(t) for t in labels):  # indices (.cls): the model's class at that place, however named
+        class_names = [str(i) for i in range(len(class_names))]
     form = ShardFormat("webdataset", label=label_key, class_names=tuple(class_names), scoring=True)
     return _split(top, list(enumerate(shards)), [f"{top}/{n}" for n in names], form, None)
 
 
+def classes_file(root: str) -> str | None:
+    """The classes.txt in the folder of the shards `root` names, where there is one."""
+    import pyarrow.fs as pafs
+
+    folder = shard_names(root)[0] if is_shard_pattern(root) else root.rstrip("/")
+    fs, base, prefix = storage.filesystem(folder)
+    there = fs.get_file_info(f"{base}/{CLASSES_FILE}").type == pafs.FileType.File
+    return f"{prefix}{base}/{CLASSES_FILE}" if there else None
+
+
+def first_images(unit, shards, form: ShardFormat, count: int, mean_bytes: float) -> list[bytes]:
+    """The first HEADER_BYTES of each of the first `count` images of a unit (a run of samples), for
+    their sizes (training.inputs.typical_size): one ranged read of the run's start, as far as those
+    samples' members go by the split's mean image size (a gzipped shard: its decompressed stream's
+    start). An image the read cut off still gives its header."""
+    shard, start, length, _ = (int(v) for v in unit)
+    fs, path, _ = storage.filesystem(shards[shard])
+    want = min(length, count * (int(mean_bytes) + 4 * tarfile.BLOCKSIZE) + HEADER_BYTES)  # a label member or two
+    if is_gzipped(path):
+        with fs.open_input_stream(path, compression=None) as stream:
+            data = Gunzipped(stream).read(start + want)[start:]
+    else:
+        with fs.open_input_file(path) as f:
+            data = f.read_at(want, start)
+    found = []
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:", ignore_zeros=True) as tar:
+            while len(found) < count and (member := tar.next()) is not None:
+                if member.isfile() and member_key(member.name.rpartition("/")[2])[1].lower() in IMAGE_EXTENSIONS:
+                    found.append(data[member.offset_data : member.offset_data + min(member.size, HEADER_BYTES)])
+    except (tarfile.TarError, EOFError):  # the read's end, inside a member: the images before it count
+        pass
+    return found
+
+
 def read_tar_units(units, root: str, shards, form: ShardFormat, bad: list | None = None):
-    """A read task's runs of samples: one ranged read each; {bytes, path, label, key} of the
-    samples with an image and a label (the scan listed the others, and the damage it read past,
-    which this reads past alike). A run that cannot be read at all goes to `bad` as (path,
-    reason), its samples with it; without `bad`, its error is raised."""
+    """A read task's runs of samples: one ranged read each (a gzipped shard's: the whole file,
+    read_run); {bytes, path, label, key} of the samples with an image and a label (the scan
+    listed the others, and the damage it read past, which this reads past alike). A run that
+    cannot be read at all goes to `bad` as (path, reason), its samples with it; without `bad`,
+    its error is raised."""
     import pyarrow as pa
 
     index = {name: i for i, name in enumerate(form.class_names)}
     top = storage.filesystem(root)[1]
-    rows = {"bytes": [], "path": [], "label": [], "key": []}
+    rows = {BYTES: [], PATH: [], LABEL: [], KEY: []}
     for shard, start, length, count in units:
         fs, path, _ = storage.filesystem(shards[shard])
         name = str(PurePosixPath(path).relative_to(top))
         try:
-            with fs.open_input_file(path) as f:
-                data = f.read_at(int(length), int(start))
+            data = read_run(fs, path, int(start), int(length))
             with open_tar(fileobj=io.BytesIO(data), mode="r:") as tar:
                 found = list(samples(tar, form.label, images=True, size=len(data)))
         except Exception as e:  # the storage's error or the run's bytes': the caller tells them apart
@@ -483,9 +448,9 @@ def read_tar_units(units, root: str, shards, form: ShardFormat, bad: list | None
             continue
         for s in found:
             if _read(s, form):
-                rows["bytes"].append(s.data)
-                rows["path"].append(f"{name}/{s.image}")
-                rows["label"].append(index.get(s.label, -1))
-                rows["key"].append(stable_hash(f"{name}/{s.key}"))
-    types = {"bytes": pa.binary(), "path": pa.string(), "label": pa.int64(), "key": pa.int64()}
+                rows[BYTES].append(s.data)
+                rows[PATH].append(f"{name}/{s.image}")
+                rows[LABEL].append(index.get(s.label, -1))
+                rows[KEY].append(stable_hash(f"{name}/{s.key}"))
+    types = read_types()
     return pa.table({k: pa.array(v, type=types[k]) for k, v in rows.items()})

@@ -1,0 +1,104 @@
+"""The run's status while the trainer runs: what the train workers tell the driver (RunStatus, an
+actor on the driver's node), and a rank's side of it (EpochProgress, say). The driver reads it:
+training/console.py draws the bar and prints the lines, training/job.py reads the progress and
+the last checkpoint after a fault. Light: Ray only where a worker calls `say`."""
+
+from __future__ import annotations
+
+import time
+
+PROGRESS_INTERVAL_S = 0.5  # how often a rank posts its progress, and the driver redraws
+
+
+class RunStatus:
+    """What the train workers tell the driver while the trainer runs, run as an actor with num_cpus=0
+    beside the driver: each rank's progress in its epoch, rank 0's lines, and the last checkpoint
+    Ray Train registered (where a restart or a rerun resumes)."""
+
+    def __init__(self):
+        self.ranks: dict[int, tuple[int, int, float]] = {}  # rank -> (epoch, images, loss sum) so far
+        self.lines: list[tuple[int, str]] = []  # (epoch, line) in the order rank 0 finished them
+        self.checkpoint: str | None = None  # the last checkpoint registered: where a restart resumes
+
+    def post(self, rank: int, epoch: int, images: int, loss_sum: float) -> None:
+        self.ranks[rank] = (epoch, images, loss_sum)
+
+    def say(self, epoch: int, line: str) -> None:
+        self.lines.append((epoch, line))
+
+    def read(self, lines_seen: int) -> tuple[dict, list]:
+        return self.ranks, self.lines[lines_seen:]
+
+    def new_attempt(self) -> None:
+        """The trainer (re)starts: the ranks' counts so far belong to the attempt that failed."""
+        self.ranks = {}
+
+    def checkpointed(self, path: str) -> None:
+        """Ray Train's controller registered this checkpoint (training/faults.py, CheckpointNotice)."""
+        self.checkpoint = path
+
+    def last_checkpoint(self) -> str | None:
+        return self.checkpoint
+
+
+class EpochProgress:
+    """One rank's side of an epoch's bar: counts its images and posts them with its running loss
+    sum at most every interval_s, through `post` (RunStatus.post's actor method: a call
+    whose reply nobody waits for).
+
+        bar = EpochProgress(status.post.remote, rank=rank, epoch=epoch)
+        for batch in batches:
+            ...
+            bar.update(y.shape[0], sums)   # sums[0]: this rank's loss x images so far, on the device
+        bar.close()                        # the epoch's last count
+    """
+
+    def __init__(self, post, *, rank: int, epoch: int, enabled: bool = True, interval_s=PROGRESS_INTERVAL_S):
+        self.post, self.rank, self.epoch, self.enabled = post, rank, epoch, enabled
+        self.interval_s, self.images, self._sums, self._last = interval_s, 0, None, time.monotonic()
+        if enabled:  # the epoch has begun: a fault from now on is this epoch's (training/faults.py)
+            self._post()
+
+    def update(self, n_images: int, sums) -> None:
+        if not self.enabled:
+            return
+        self.images, self._sums = self.images + n_images, sums
+        now = time.monotonic()
+        if now - self._last >= self.interval_s:
+            self._last = now
+            self._post()
+
+    def _post(self) -> None:
+        loss_sum = float(self._sums[0]) if self._sums is not None else 0.0  # a host sync, once per interval
+        self.post(self.rank, self.epoch, self.images, loss_sum)
+
+    def close(self) -> None:
+        if self.enabled:
+            self._post()
+
+
+def say(status, line: str, epoch: int = -1) -> None:
+    """A worker's line for the run's console, through `status` (the RunStatus actor): the driver
+    prints it after closing the bar of `epoch` when the line ends one. A status actor that is gone
+    loses the line, not the run."""
+    import ray
+
+    try:
+        ray.get(status.say.remote(epoch, line))
+    except ray.exceptions.RayActorError:
+        pass
+
+
+class BadFileLog:
+    """Collects (path, reason) of files that failed to decode, from every decoder; run as an
+    actor with num_cpus=0. Decoders call it only when a batch has a bad file."""
+
+    def __init__(self):
+        self.bad: dict[str, str] = {}
+
+    def add(self, rows: list[tuple[str, str]]) -> None:
+        for path, reason in rows:
+            self.bad.setdefault(path, reason)  # a file fails every epoch; keep it once
+
+    def get(self) -> dict[str, str]:
+        return dict(self.bad)

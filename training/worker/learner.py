@@ -1,0 +1,257 @@
+"""A train worker's learner: the model, optimizer, schedule, scaler, normalisation and mixing a
+step touches (Learner, build_learner), the collectives the epoch's figures go through, and each
+rank's own random stream (seed_rank, rng_state, set_rng_state).
+
+The initial weights are identical on every rank (seeded with --seed before the model is built);
+right after, each rank seeds torch, Python's `random` and NumPy from a stream of its own, which
+a checkpoint saves and a resumed rank restores (docs/design.md, "Randomness per rank").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import math
+import random
+
+import numpy as np
+import ray.train
+import ray.train.torch
+import torch
+import torch.distributed as dist
+
+from augment.mix import MixUpCutMix
+from augment.ops import Normalize
+from augment.streams import stream_seed
+from training.config import TrainConfig
+from training.model import build_model, load_init_weights, uses_small_stem
+from training.spec import WorkerSpec
+from training.status import say
+
+
+class CheckpointMismatch(RuntimeError):
+    """The run's last checkpoint does not fit this version or these settings."""
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on conv/linear weights only: decaying BatchNorm scales and biases hurts."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        (decay if p.ndim > 1 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(cfg: TrainConfig, model) -> torch.optim.Optimizer:
+    groups = param_groups(model, cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.peak_lr)
+    return torch.optim.SGD(groups, lr=cfg.peak_lr, momentum=cfg.momentum, nesterov=True)
+
+
+def build_scheduler(cfg: TrainConfig, optimizer, steps_per_epoch: int):
+    """Stepped once per optimizer step. cosine: linear warm-up from 1/warmup of the peak over
+    `warmup` steps, then cosine to 0 at the last step; onecycle: torch's OneCycleLR."""
+    total = cfg.epochs * steps_per_epoch
+    warmup = round(cfg.warmup_epochs * steps_per_epoch)
+    lr = torch.optim.lr_scheduler
+    if cfg.schedule == "onecycle":
+        scheduler = lr.OneCycleLR(
+            optimizer, max_lr=cfg.peak_lr, total_steps=total + 1, pct_start=min(0.5, max(warmup / total, 0.01))
+        )
+    else:
+        warmup = max(1, min(warmup, total))
+        rise = lr.LinearLR(optimizer, start_factor=1 / warmup, end_factor=1.0, total_iters=warmup - 1)
+        fall = lr.CosineAnnealingLR(optimizer, T_max=max(1, total - warmup), eta_min=0.0)
+        scheduler = lr.SequentialLR(optimizer, [rise, fall], milestones=[warmup])
+    scheduler.steps_per_epoch = steps_per_epoch  # Learner.reschedule builds the same schedule for other --epochs
+    return scheduler
+
+
+def params_digest(model: torch.nn.Module) -> str:
+    """Hash of every parameter's bytes: equal across ranks iff the weights are identical."""
+    h = hashlib.sha256()
+    for p in model.state_dict().values():
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def all_reduce(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t)
+    return t
+
+
+def all_gather(obj) -> list:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# --------------------------------------------------------------------------- random streams per rank
+
+
+def rank_seed(seed: int, rank: int, after: int = 0) -> int:
+    """The seed of one rank's own random stream: distinct per rank, fixed by --seed; `after`: the
+    epoch a resumed run starts at where the saved streams do not fit its world size (0: fresh)."""
+    return stream_seed("rank", seed, rank, after)
+
+
+def seed_rank(seed: int, rank: int, after: int = 0) -> None:
+    """After the identical initial weights: every later draw on this rank (dropout, random
+    tensors, Python's and NumPy's global generators) comes from the rank's own stream."""
+    s = rank_seed(seed, rank, after)
+    torch.manual_seed(s)  # also every CUDA device's default generator
+    random.seed(s)
+    np.random.seed(s % 2**32)
+
+
+def rng_state(device: torch.device) -> dict:
+    """This rank's generators, in types torch.load(weights_only=True) reads back."""
+    _, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+        "python": random.getstate(),
+        "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos, "has_gauss": has_gauss, "gauss": gauss},
+    }
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"].cpu())  # map_location may have moved it to the device
+    if device.type == "cuda" and state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+    random.setstate(state["python"])
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].cpu().numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+
+
+def rng_digest() -> str:
+    """Short hash of this rank's torch generator state: equal iff the streams are at the same place."""
+    return hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- the learner
+
+
+@dataclasses.dataclass
+class Learner:
+    """Everything a training step touches, built once per attempt by `build_learner`."""
+
+    cfg: TrainConfig
+    device: torch.device
+    model: torch.nn.Module  # what steps call: DDP- (and compile-) wrapped
+    bare: torch.nn.Module  # the plain module: evaluation and state_dict skip DDP's collectives
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    normalize: torch.nn.Module  # uint8 (B, H, W, 3) -> float (B, 3, H, W) channels_last, on the device
+    mix: MixUpCutMix | None = None
+
+    @classmethod
+    def on_cpu(cls, cfg: TrainConfig, model: torch.nn.Module, steps_per_epoch: int) -> Learner:
+        """A single-process CPU learner (no DDP, a mid-grey Normalize): for tests and benchmarks
+        that run steps outside Ray Train."""
+        optimizer = build_optimizer(cfg, model)
+        return cls(
+            cfg=cfg,
+            device=torch.device("cpu"),
+            model=model,
+            bare=model,
+            optimizer=optimizer,
+            scheduler=build_scheduler(cfg, optimizer, steps_per_epoch),
+            scaler=torch.amp.GradScaler("cpu", enabled=False),
+            normalize=Normalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25)),
+        )
+
+    def reschedule(self, steps_done: int) -> None:
+        """The schedule for --epochs as set now, moved on by the steps already taken (the optimizer's
+        learning rate with it)."""
+        import warnings
+
+        steps_per_epoch = self.scheduler.steps_per_epoch
+        for group in self.optimizer.param_groups:  # a new schedule starts from the peak it scales
+            group["lr"] = self.cfg.peak_lr
+            group.pop("initial_lr", None)
+        self.scheduler = build_scheduler(self.cfg, self.optimizer, steps_per_epoch)
+        with warnings.catch_warnings():  # steps before any optimizer.step: torch warns of the order
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(steps_done):
+                self.scheduler.step()
+
+    @property
+    def input_dtype(self) -> torch.dtype:
+        """The dtype Normalize writes a step's batch in: the autocast's (the model's first layer
+        casts to it anyway; half the bytes of float32), float32 where MixUp/CutMix blends it first."""
+        if self.cfg.amp == "off" or self.mix is not None:
+            return torch.float32
+        return torch.bfloat16 if self.cfg.amp == "bf16" else torch.float16
+
+    def autocast(self):
+        if self.cfg.amp == "off":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16 if self.cfg.amp == "bf16" else torch.float16)
+
+    def state_dict(self) -> dict:
+        return {
+            "model": self.bare.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict, schedule_epochs: int) -> None:
+        """The checkpoint's model, optimizer, scaler and schedule (built for `schedule_epochs`). A run
+        resumed with another --epochs (the only schedule setting a rerun may change:
+        training.inputs.SAME_RUN_SETTINGS) gets the schedule of the new length, at the step the
+        checkpoint reached."""
+        try:
+            self.bare.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            if schedule_epochs == self.cfg.epochs:
+                self.scheduler.load_state_dict(state["scheduler"])
+            else:
+                self.reschedule(state["scheduler"]["last_epoch"])
+            self.scaler.load_state_dict(state["scaler"])
+        except (KeyError, ValueError, RuntimeError) as e:  # another model, optimizer or schedule
+            raise CheckpointMismatch(
+                f"the last checkpoint of --name {self.cfg.name} was written by another version or other settings "
+                f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); rerun with --fresh to start over, or "
+                "with the settings it was written with"
+            ) from None
+
+
+def build_learner(spec: WorkerSpec, world: int, device: torch.device) -> tuple[Learner, str]:
+    """The learner, with initial weights identical on every rank, and their digest."""
+    cfg, num_classes = spec.config, spec.num_classes
+    torch.manual_seed(cfg.seed)
+    small = uses_small_stem(cfg.small_stem, spec.image_size, cfg.model)
+    model = build_model(cfg.model, num_classes, small_stem=small, image_size=spec.image_size)
+    if cfg.init_weights:
+        skipped = load_init_weights(model, cfg.init_weights, cfg.model)
+        if ray.train.get_context().get_world_rank() == 0:
+            fresh = ", ".join(sorted({k.rsplit(".", 1)[0] for k in skipped}))
+            say(spec.status, f"init weights from {cfg.init_weights}; fresh: {fresh}")
+    init_digest = params_digest(model)
+    model = ray.train.torch.prepare_model(model)
+    if cfg.compile:
+        model = torch.compile(model)
+    bare = model.module if hasattr(model, "module") else model
+    bare = getattr(bare, "_orig_mod", bare)
+    optimizer = build_optimizer(cfg, model)
+    per_worker = spec.batch_per_worker
+    mix = spec.preset.mix
+    learner = Learner(
+        cfg=cfg,
+        device=device,
+        model=model,
+        bare=bare,
+        optimizer=optimizer,
+        scheduler=build_scheduler(cfg, optimizer, max(1, math.ceil(spec.train_images / world / per_worker))),
+        scaler=torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16"),
+        normalize=Normalize(spec.preset.mean, spec.preset.std).to(device),
+        mix=MixUpCutMix(num_classes=num_classes, **({"label_smoothing": cfg.label_smoothing} | mix)) if mix else None,
+    )
+    return learner, init_digest
