@@ -323,9 +323,9 @@ def test_a_broken_member_header_mid_shard_costs_its_sample_only(tmp_path, damage
     lists the sample with the shard and the byte offset, and every sample after it is read
     back by the read task. (Before, the 7 samples from there on were dropped without a word.)"""
     from training.audit import KEY_MOD, coverage
-    from training.records import ShardRecord
     from training.forms.formats import scan_data
     from training.forms.webdataset import read_tar_units
+    from training.records import ShardRecord
 
     shard = tmp_path / "s" / "0000.tar"
     samples = _shard(shard)

@@ -202,15 +202,16 @@ class Learner:
             "scaler": self.scaler.state_dict(),
         }
 
-    def load_state_dict(self, state: dict, schedule_epochs: int) -> None:
-        """The checkpoint's model, optimizer, scaler and schedule (built for `schedule_epochs`). A run
+    def load_state_dict(self, state: dict, schedule_epochs: int | None = None) -> None:
+        """The checkpoint's model, optimizer, scaler and schedule (built for `schedule_epochs`; None:
+        this run's --epochs, as the run's records say where they were built for another). A run
         resumed with another --epochs (the only schedule setting a rerun may change:
         training.inputs.SAME_RUN_SETTINGS) gets the schedule of the new length, at the step the
         checkpoint reached."""
         try:
             self.bare.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
-            if schedule_epochs == self.cfg.epochs:
+            if schedule_epochs in (None, self.cfg.epochs):
                 self.scheduler.load_state_dict(state["scheduler"])
             else:
                 self.reschedule(state["scheduler"]["last_epoch"])
