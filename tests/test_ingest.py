@@ -109,13 +109,16 @@ def _same_sizes(small: list, large: list) -> None:
 def test_predict_and_evaluate_datasets_do_not_grow_with_the_dataset(ray_cluster, monkeypatch):
     """jobs.predict and jobs.evaluate both score through inference.scoring_dataset."""
     from training.inference import scoring_dataset
+    from training.modelfile import ModelFile
 
-    info = {
-        "class_names": ["cat", "dog", "eel"],
-        "state_dict": {},
-        "small_stem": True,
-        "eval_transform": {"ops": [{"center_crop": {"size": 32}}], "mean": [0.5] * 3, "std": [0.5] * 3},
-    }
+    info = ModelFile(
+        arch="resnet18",
+        state_dict={},
+        class_names=("cat", "dog", "eel"),
+        image_size=32,
+        small_stem=True,
+        eval_transform={"ops": [{"center_crop": {"size": 32}}], "mean": [0.5] * 3, "std": [0.5] * 3},
+    )
     sizes = {}
     for n in (1_000, 100_000):
         recorder = _Recorder(monkeypatch)
