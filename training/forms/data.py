@@ -1,24 +1,18 @@
-"""Image tree -> the files of each split, with their labels and keys.
+"""What a scan of --data gives, whatever the form: an ImageTree of two Splits (the files of each
+split, with their labels and keys), the split words, and the checks every form shares.
 
-The one place that knows the on-disk layout (docs/design.md, "Contracts"):
+Scanning happens on the driver, before Ray starts work, so every problem is reported as a
+`DataError` (exit 2) naming the path and the fix. A split is held as columns (numpy arrays, a
+few tens of bytes per file): an ImageNet-size tree of 1.28 M files stays small on the driver.
+Ray Data reads the files (training/ingest.py): the table goes to the object store once, and each
+read task takes its own rows of it.
 
-    DIR/train/<class>/...  +  DIR/val/<class>/...      explicit split (val/: or validation/,
-                                                       valid/, dev/, as shards name it; test/ left out)
-    DIR/<class>/...                                    hash split by relative path
+Image folders (training/forms/tree.py) and manifests (training/forms/manifest.py) give a Split
+of files; shards give a ShardedSplit of images inside them, read in units
+(training/forms/webdataset.py, huggingface.py, parquet.py); training/forms/formats.py tells the
+forms apart.
 
-Scanning happens on the driver, before Ray starts work, so every problem with the
-tree is reported as a `DataError` (exit 2) naming the path and the fix: split folders that
-make no split, a class folder without images, a class without training images, a folder
-reached twice through a link (each real folder is listed once). A split is held
-as columns (numpy arrays, a few tens of bytes per file): an ImageNet-size tree of 1.28 M
-files stays small on the driver. Ray Data reads the files (training/ingest.py): the table goes
-to the object store once, and each read task takes its own rows of it.
-
-The other forms --data takes (training/forms/formats.py) give the same Split: a manifest's files
-(training/forms/manifest.py), or a ShardedSplit of images inside shards, read in units
-(training/forms/webdataset.py, training/forms/huggingface.py, training/forms/parquet.py).
-
-    label  position of the class name in the sorted class list
+    label  position of the class name in the class list
     key    int64, stable hash of the path relative to DIR; seeds per-image augmentation
 """
 

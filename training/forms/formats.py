@@ -46,7 +46,7 @@ SAMPLERS = {"huggingface": huggingface.first_images, "webdataset": webdataset.fi
 
 
 def scan_data(root: str, val_fraction: float = 0.2, label_key: str = "label", class_names: str = "") -> ImageTree:
-    """The images `root` holds, by what is there (training/forms/formats.py data_kind): an image tree,
+    """The images `root` holds, by what is there (data_kind, below): an image tree,
     WebDataset shards, a Hugging Face export (Parquet, or save_to_disk's Arrow files), a manifest,
     or the Parquet shards `python -m jobs.prepare` wrote (its split is the one fixed when
     preparing). Class indices take their names from `class_names` (--class-names: a file, line i
