@@ -19,12 +19,11 @@ import time
 
 import torch
 
-from training.audit import view_digest
 from training.config import TrainConfig
 from training.model import resnet18
 from training.worker.feed import BatchFeed
 from training.worker.learner import Learner
-from training.worker.loop import train_step
+from training.worker.loop import train_step, view_digest
 
 SHAPES = {"cifar 64 x 32 px": (64, 32, True), "imagenet 32 x 224 px": (32, 224, False)}
 

@@ -5,11 +5,11 @@
 
 A CPU run of an image tree (80 JPEGs of 160 x 120, the imagenet preset at 64 px), in this
 process: a read task of training/ingest.py's SplitSource, training/stage.py's AugmentStage on
-its first 16 rows, then training/worker/'s BatchFeed, train_step and EpochMeter. The batch goes
-through once to warm up, then once traced: every call of a project function from a project
-function in another file is a call site (caller function -> callee function, counted once
-however many images call it). docs/design.md, "The trip of one steady training batch", reads
-the table. Not a test: the count is a reader's measure, not a promise.
+its first 16 rows, then training/worker/'s BatchFeed, and loop.py's train_step and EpochMeter.
+The batch goes through once to warm up, then once traced: every call of a project function
+from a project function in another file is a call site (caller function -> callee function,
+counted once however many images call it). docs/design.md, "The trip of one steady training
+batch", reads the table. Not a test: the count is a reader's measure, not a promise.
 """
 
 from __future__ import annotations
@@ -51,8 +51,7 @@ def _batch_runner(root: str):
     from training.stage import AugmentStage, StageArgs
     from training.worker.feed import BatchFeed
     from training.worker.learner import Learner
-    from training.worker.loop import train_step
-    from training.worker.meter import EpochMeter
+    from training.worker.loop import EpochMeter, train_step
 
     tree = scan_data(root, 0.2)
     preset = PRESETS["imagenet"].at_size(64)

@@ -322,10 +322,10 @@ def test_a_broken_member_header_mid_shard_costs_its_sample_only(tmp_path, damage
     fails; or the whole 512-byte block zeroed): the scan goes on at the next valid header,
     lists the sample with the shard and the byte offset, and every sample after it is read
     back by the read task. (Before, the 7 samples from there on were dropped without a word.)"""
-    from training.audit import KEY_MOD, coverage
+    from training.audit import coverage
     from training.forms.formats import scan_data
     from training.forms.webdataset import read_tar_units
-    from training.records import ShardRecord
+    from training.records import KEY_MOD, ShardRecord
 
     shard = tmp_path / "s" / "0000.tar"
     samples = _shard(shard)

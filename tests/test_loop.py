@@ -16,13 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from augment.presets import PRESETS
-from training import audit
+from training import records
 from training.bounds import DataSlots
 from training.config import TrainConfig
 from training.model import resnet18
 from training.spec import IngestNeeds, StallLimits, WorkerSpec
 from training.stamp import StaleBatch
-from training.worker import feed, loop, meter
+from training.worker import feed, loop, report
 from training.worker import learner as learn
 from training.worker.feed import BatchFeed, IngestStalled, IngestWatch
 from training.worker.learner import Learner, build_optimizer, build_scheduler
@@ -160,24 +160,24 @@ def test_each_rank_has_its_own_stream_and_a_checkpoint_restores_it():
 def test_view_digest_ignores_order_and_tells_other_views_apart():
     """Order-free and additive over batches; another view of an image (flipped, shifted by a pixel,
     a level brighter) or the same views on other images changes it. It reads one byte in
-    audit.DIGEST_STRIDE: a change of one byte it does not read goes unseen, and the test says so."""
+    loop.DIGEST_STRIDE: a change of one byte it does not read goes unseen, and the test says so."""
     images = torch.randint(0, 256, (6, 24, 24, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     keys = torch.arange(6, dtype=torch.int64) * 7919
-    digest = audit.view_digest(images, keys)
+    digest = loop.view_digest(images, keys)
     perm = torch.randperm(6, generator=torch.Generator().manual_seed(2))
-    assert audit.view_digest(images[perm], keys[perm]) == digest
-    split = (audit.view_digest(images[:2], keys[:2]) + audit.view_digest(images[2:], keys[2:])) % audit.KEY_MOD
+    assert loop.view_digest(images[perm], keys[perm]) == digest
+    split = (loop.view_digest(images[:2], keys[:2]) + loop.view_digest(images[2:], keys[2:])) % records.KEY_MOD
     assert split == digest
     for other in (images[3].flip(1), images[3].roll(1, 1), (images[3].int() + 1).clamp(max=255).to(torch.uint8)):
         changed = images.clone()
         changed[3] = other
-        assert audit.view_digest(changed, keys) != digest
+        assert loop.view_digest(changed, keys) != digest
     unread = images.clone()
     unread.view(6, -1)[0, 1] ^= 1  # byte 1 of image 0: not one the digest reads
-    assert audit.view_digest(unread, keys) == digest
+    assert loop.view_digest(unread, keys) == digest
     swapped = keys.clone()
     swapped[[0, 1]] = swapped[[1, 0]]  # the same views on other images
-    assert audit.view_digest(images, swapped) != digest
+    assert loop.view_digest(images, swapped) != digest
 
 
 # --------------------------------------------------------------------------- waiting for data
@@ -446,22 +446,22 @@ def test_the_inner_rate_leaves_out_an_epochs_start_and_tail():
     epoch's would be about 55."""
     times = [5.0 + 0.1 * i for i in range(99)] + [5.0 + 9.8 + 3.0]
     marks = [(t, 10 * (i + 1)) for i, t in enumerate(times)]
-    assert meter.inner_rate(marks) == pytest.approx(100.0)
-    assert meter.inner_rate(marks[:2]) == pytest.approx(100.0)  # too few steps between the marks: all of them
-    assert meter.inner_rate(marks[:1]) == 0.0
+    assert report.inner_rate(marks) == pytest.approx(100.0)
+    assert report.inner_rate(marks[:2]) == pytest.approx(100.0)  # too few steps between the marks: all of them
+    assert report.inner_rate(marks[:1]) == 0.0
 
 
 def test_a_gpu_runs_share_of_images_decoded_on_the_cpu_is_counted_from_its_row():
     row = {"decoded_engines": 950, "decoded_gpu_sms": 30, "decoded_cpu": 20}
-    assert meter.cpu_fallback(row) == pytest.approx(0.02) and meter.cpu_fallback(row) > meter.CPU_FALLBACK
-    assert meter.cpu_fallback({"decoded_cpu": 0}) == 0.0
+    assert report.cpu_fallback(row) == pytest.approx(0.02) and report.cpu_fallback(row) > report.CPU_FALLBACK
+    assert report.cpu_fallback({"decoded_cpu": 0}) == 0.0
 
 
 def test_a_loss_that_turns_non_finite_stops_the_run_naming_the_epoch_and_step():
     """A learning rate far too high sends the weights to inf within a few steps: the epoch ends in
     RunStopped, one line naming the step and the flag, and nothing of it is returned to record."""
     learner = _learner(TrainConfig(batch_size=8, lr=1e30, warmup_epochs=0.0), _tiny_model(), steps_per_epoch=4)
-    with pytest.raises(meter.RunStopped, match=r"non-finite \(nan or inf\) at step [2-4] of epoch 1; .*lower --lr"):
+    with pytest.raises(loop.RunStopped, match=r"non-finite \(nan or inf\) at step [2-4] of epoch 1; .*lower --lr"):
         train_epoch(learner, _batches(4, epoch=0), epoch=0, rank=0)
     fine = _learner(TrainConfig(batch_size=8), _tiny_model(), steps_per_epoch=4)
     assert math.isfinite(train_epoch(fine, _batches(4, epoch=0), epoch=0, rank=0)["train_loss"])
@@ -469,5 +469,5 @@ def test_a_loss_that_turns_non_finite_stops_the_run_naming_the_epoch_and_step():
 
 def test_an_epoch_that_trained_no_image_stops_the_run():
     learner = _learner(TrainConfig(batch_size=8), _tiny_model())
-    with pytest.raises(meter.RunStopped, match="epoch 3 trained no image: every file of the training split"):
+    with pytest.raises(loop.RunStopped, match="epoch 3 trained no image: every file of the training split"):
         train_epoch(learner, [], epoch=2, rank=0)

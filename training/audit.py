@@ -1,18 +1,16 @@
-"""What each epoch trained on: every rank's record of its shard (how many rows, which images
-by the sum of their keys, a digest of the augmented views it saw, its random stream's
-digest), and the driver's verdicts on the records of all ranks: `coverage` (every good image
-exactly once?) and `fingerprints` (the same views in two runs, other views in two epochs).
-Sums are kept modulo KEY_MOD, so int64 arithmetic never overflows."""
+"""What each epoch trained on, the driver's verdicts on the records of all ranks (each rank's
+ShardRecord, kept by training/worker/loop.py's EpochMeter: how many rows, which images by the
+sum of their keys, a digest of the augmented views it saw, its random stream's digest):
+`coverage` (every good image exactly once?) and `fingerprints` (the same views in two runs,
+other views in two epochs). Sums are kept modulo records.KEY_MOD, so int64 arithmetic never
+overflows."""
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
-import torch
 
 from training.forms.data import ImageTree
-from training.records import ShardRecord
+from training.records import KEY_MOD, ShardRecord
 
 
 def good_images(split, bad: dict[str, str]) -> np.ndarray:
@@ -79,36 +77,3 @@ def fingerprints(seen_per_epoch: list[list[ShardRecord]]) -> list[dict]:
         }
         for e, ranks in enumerate(seen_per_epoch, start=1)
     ]
-
-
-KEY_MOD = (1 << 31) - 1  # per-epoch key and view digests are kept modulo this (int64 math never overflows)
-
-
-DIGEST_STRIDE = 32  # one byte of every 32 of each image goes into its view digest
-
-
-def view_digest(images: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Sum over the batch of hash(key, the image's augmented pixels), mod KEY_MOD, on the
-    device: order-free, so two epochs or runs that trained on the same views of the same
-    images have the same sum, and a reused augmentation shows as an equal sum. It reads one
-    byte in DIGEST_STRIDE of each image (every channel and every row in turn: 32 is not a
-    multiple of 3, nor a divisor of a row's bytes at the sizes trained): a 32nd of the bytes
-    that weighing all of them moved, for the same two guarantees."""
-    flat = images.reshape(images.shape[0], -1)[:, ::DIGEST_STRIDE]
-    weights = _view_weights(flat.shape[1], str(images.device))
-    pixels = (flat.to(torch.int32) * weights).sum(1)  # each product < 2**23, the sum in int64
-    return ((pixels % KEY_MOD) * (keys % KEY_MOD + 1) % KEY_MOD).sum() % KEY_MOD
-
-
-@functools.lru_cache(maxsize=8)
-def _view_weights(n: int, device: str) -> torch.Tensor:
-    g = torch.Generator().manual_seed(n)  # the same weights in every process and run
-    return torch.randint(1, 1 << 15, (n,), generator=g, dtype=torch.int32).to(device)
-
-
-def shard_record(keys: list[torch.Tensor], count: int, views: int, rng: str) -> dict:
-    """What this rank trained on in one epoch, for the driver's coverage check: rows, distinct
-    images and the sum of their keys, the digest of the views, the random stream's state."""
-    distinct = torch.unique(torch.cat(keys)) if keys else torch.zeros(0, dtype=torch.int64)
-    key_sum = int((distinct % KEY_MOD).sum()) % KEY_MOD
-    return {"count": count, "distinct": int(distinct.numel()), "key_sum": key_sum, "views": views, "rng": rng}

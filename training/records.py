@@ -17,13 +17,16 @@ import dataclasses
 RECORDS_VERSION = 2  # raise when a field's meaning or type changes: older checkpoints are refused
 
 
+KEY_MOD = (1 << 31) - 1  # per-epoch key and view digests are kept modulo this (int64 math never overflows)
+
+
 class StaleRecords(ValueError):
     """A checkpoint's records are of another version of this job."""
 
 
 @dataclasses.dataclass(frozen=True)
 class ShardRecord:
-    """What one rank trained on in one epoch (training/audit.py shard_record): its rows, the
+    """What one rank trained on in one epoch (training/worker/loop.py shard_record): its rows, the
     distinct images among them and the sum of their keys (mod KEY_MOD), the digest of the views,
     the digest of its random stream where the epoch began."""
 

@@ -3,18 +3,20 @@ record and checkpoint.
 
 Split as torchvision's classification reference splits its script
 (references/classification/train.py: `train_one_epoch`, `evaluate`, `main`): `train_epoch` and
-`evaluate` take a Learner (training/worker/learner.py), the epoch's bookkeeping is an EpochMeter
-(training/worker/meter.py), the batches come from the feed (training/worker/feed.py), and
-`train_loop` strings the named steps together. It receives a WorkerSpec (training/spec.py: the
-config and what the driver found out) and hands back a RunRecord (training/records.py) in each
-checkpoint; rank 0 alone writes files. docs/design.md has the contracts this room keeps: the
-epoch stamp, the per-rank random streams, the stall checks.
+`evaluate` take a Learner (training/worker/learner.py), the epoch's per-step bookkeeping is an
+EpochMeter (here, as the step's other half), the batches come from the feed
+(training/worker/feed.py), and `train_loop` strings the named steps together. It receives a
+WorkerSpec (training/spec.py: the config and what the driver found out) and hands back a
+RunRecord (training/records.py) in each checkpoint (training/worker/report.py); rank 0 alone
+writes files. docs/design.md has the contracts this room keeps: the epoch stamp, the per-rank
+random streams, the stall checks.
 """
 
 from __future__ import annotations
 
+import functools
 import os
-import tempfile
+import time
 
 import ray
 import ray.train
@@ -22,15 +24,15 @@ import ray.train.torch
 import torch
 import torch.nn.functional as F
 
+from augment.decode import DECODE_PLACES
 from augment.mix import mix_generator
-from training import artifacts
-from training.bounds import Bound
+from training.bounds import COSTS, DECODED_ON
 from training.config import TrainConfig
 from training.console import quiet_worker_logs
-from training.records import RunRecord, StaleRecords
-from training.rows import EPOCH, IMAGE, LABEL
+from training.records import KEY_MOD, RunRecord, StaleRecords
+from training.rows import EPOCH, IMAGE, KEY, LABEL
 from training.spec import WorkerSpec
-from training.stamp import check_stamp
+from training.stamp import check_stamp, refuse_stale, stale_rows
 from training.status import EpochProgress, say
 from training.worker.feed import EpochData, IngestWatch
 from training.worker.learner import (
@@ -39,14 +41,12 @@ from training.worker.learner import (
     all_gather,
     all_reduce,
     build_learner,
+    rng_digest,
     rng_state,
     seed_rank,
     set_rng_state,
 )
-from training.worker.meter import CPU_FALLBACK, EpochMeter, cpu_fallback, epoch_record
-
-CHECKPOINT_FILE = "checkpoint.pt"
-
+from training.worker.report import CHECKPOINT_FILE, epoch_record, inner_rate, report, write_records
 
 # --------------------------------------------------------------------------- a step, an epoch
 
@@ -113,6 +113,166 @@ def evaluate(learner: Learner, batches, num_classes: int) -> dict:
     if num_classes >= 5:
         out["val_top5"] = float(packed[1]) / n if n else float("nan")
     return out
+
+
+# --------------------------------------------------------------------------- an epoch's bookkeeping
+
+
+class RunStopped(RuntimeError):
+    """The train loop's own verdict that the run cannot go on (a non-finite loss, an epoch that
+    trained no image); the message is the one line the user sees. Nothing of the epoch is kept."""
+
+
+class EpochMeter:
+    """The per-step bookkeeping of one training epoch (as torchvision's MetricLogger keeps a
+    train_one_epoch's): the loss and accuracy sums and the stale rows, kept on the device so
+    that no step waits for the host; the views' digest and the keys (view_digest, then
+    shard_record: the ShardRecord that training/audit.py checks); the time spent waiting for
+    input, the first step's end and the side trained at."""
+
+    def __init__(self, device: torch.device, epoch: int):
+        self.device, self.epoch = device, epoch
+        self.sums = torch.zeros(3, device=device, dtype=torch.float64)  # loss*n, correct, stale rows
+        self.costs = torch.zeros(len(COSTS), device=device, dtype=torch.float64)  # the stages' seconds (bounds.py)
+        self.views = torch.zeros((), device=device, dtype=torch.int64)
+        self.keys, self.count, self.steps, self.rng = [], 0, 0, rng_digest()  # the stream where the epoch starts
+        self.wait_s, self.start, self.first_step_at, self.side = 0.0, time.perf_counter(), None, None
+        self.cpu_start = time.process_time()  # the process's CPU, every thread (the feed, Ray Data's executor)
+        self.first_wait_s = 0.0  # the wait for the first batch: the data tasks' start-up
+        self.decoded = torch.zeros(len(DECODE_PLACES), device=device, dtype=torch.int64)  # rows by where decoded
+        self.marks: list[tuple[float, int]] = []  # (time, images) after each step: the inner rate
+        self.step_events: list = []  # CUDA events around each steady step: the trainer's GPU time
+        self.first_bad = torch.full((), -1, device=device, dtype=torch.int64)  # the first non-finite loss's step
+
+    def begin_step(self) -> None:
+        """A steady step starts (past the first): its start on the device's stream, on a GPU."""
+        if self.device.type == "cuda" and self.steps:
+            self.step_events.append([torch.cuda.Event(enable_timing=True)])
+            self.step_events[-1][0].record()
+
+    def timed(self, batches):
+        """The batches, with the time blocked on each (the model waiting for input) counted."""
+        it = iter(batches)
+        while True:
+            t0 = time.perf_counter()
+            batch = next(it, None)
+            self.wait_s += time.perf_counter() - t0
+            if not self.steps and batch is not None:
+                self.first_wait_s = self.wait_s
+            if batch is None:
+                return
+            yield batch
+
+    def update(self, batch: dict, loss: torch.Tensor, logits: torch.Tensor) -> None:
+        y = batch[LABEL]
+        finite = torch.isfinite(loss.detach())  # on the device: no step waits for the host
+        self.first_bad = torch.where(~finite & (self.first_bad < 0), self.steps, self.first_bad)
+        stale = stale_rows(batch[EPOCH], self.epoch).double()
+        self.sums += torch.stack([loss.detach().double() * y.shape[0], (logits.argmax(1) == y).sum().double(), stale])
+        # past the first batch (the epoch's steady part), the stages' seconds on the rows trained on
+        # (rows from the augment stage: a test's batches may have none)
+        if self.steps and all(c in batch for c in COSTS):
+            self.costs += torch.stack([batch[c].sum(dtype=torch.float64) for c in COSTS])
+        if DECODED_ON in batch:
+            self.decoded += torch.bincount(batch[DECODED_ON].long(), minlength=len(DECODE_PLACES))
+        if self.step_events and len(self.step_events[-1]) == 1:  # begin_step's: the step's end
+            self.step_events[-1].append(torch.cuda.Event(enable_timing=True))
+            self.step_events[-1][1].record()
+        self.views = (self.views + view_digest(batch[IMAGE], batch[KEY])) % KEY_MOD
+        self.keys.append(batch[KEY])
+        self.count += y.shape[0]
+        self.marks.append((time.perf_counter(), self.count))
+        self.steps += 1
+        self.side = batch[IMAGE].shape[1]  # the height trained at (progressive resizing changes it)
+        if self.first_step_at is None:  # once per epoch: when the first step finished (start-up ends there)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.first_step_at = time.time()
+
+    def summary(self) -> dict:
+        """The epoch's figures over all ranks (the epoch's host syncs are here); StaleBatch if any
+        batch was augmented for another epoch."""
+        elapsed, cpu_s = time.perf_counter() - self.start, time.process_time() - self.cpu_start
+        seen = all_gather(shard_record(self.keys, self.count, int(self.views), self.rng))
+        if self.step_events:
+            torch.cuda.synchronize(self.device)
+        gpu_s = sum(a.elapsed_time(b) for a, b in self.step_events) / 1000
+        mine = [self.count, cpu_s, inner_rate(self.marks), self.first_wait_s, gpu_s]
+        bad_ranks = (self.first_bad >= 0).double()[None]
+        loss_sum, correct, stale, count, cpu_s, inner, start_s, gpu_s, bad_ranks, *rest = all_reduce(
+            torch.cat([self.sums, self.sums.new_tensor(mine), bad_ranks, self.costs, self.decoded.double()])
+        ).tolist()
+        costs, decoded = rest[: len(COSTS)], rest[len(COSTS) :]
+        refuse_stale(stale, self.epoch)
+        self.refuse_no_images(int(count))
+        if bad_ranks:  # every rank stops alike: one whose loss stayed finite would wait for the others
+            self.refuse_non_finite(int(self.first_bad))
+        steady_s = elapsed - self.first_wait_s
+        return {
+            "train_loss": loss_sum / max(count, 1),
+            "train_acc": correct / max(count, 1),
+            "train_images": int(count),
+            "epoch_s": elapsed,
+            "data_wait_frac": self.wait_s / max(elapsed, 1e-9),  # this rank's share of time waiting for input
+            # past its first batch: its time, its share of it waiting for input, and every rank's
+            # rows' seconds in each stage: what bounds the epoch (training/bounds.py)
+            "steady_s": steady_s,
+            "steady_wait_frac": (self.wait_s - self.first_wait_s) / max(steady_s, 1e-9),
+            **dict(zip(COSTS, costs, strict=True)),
+            "trainer_gpu_s": gpu_s,  # every rank's steady steps on its CUDA stream
+            "inner_images_per_s": inner,  # the ranks' rates summed, each between INNER's marks of its epoch
+            "start_s": start_s / len(seen),  # the wait for an epoch's first batch, the ranks' mean
+            **{f"decoded_{d}": int(n) for d, n in zip(DECODE_PLACES, decoded, strict=True)},
+            "trainer_cpus": cpu_s / len(seen) / max(elapsed, 1e-9),  # CPUs a rank's process kept busy
+            "seen": seen,
+            "first_step_at": self.first_step_at,
+            "image_size": self.side,
+        }
+
+    def refuse_no_images(self, count: int) -> None:
+        if not count:
+            raise RunStopped(
+                f"epoch {self.epoch + 1} trained no image: every file of the training split that reached the "
+                "trainers failed to decode (the skipped-files line names where they are listed); no model was written"
+            )
+
+    def refuse_non_finite(self, step: int) -> None:
+        where = f"at step {step + 1} of epoch {self.epoch + 1}" if step >= 0 else f"in epoch {self.epoch + 1}"
+        raise RunStopped(
+            f"the training loss became non-finite (nan or inf) {where}; nothing of that epoch was kept. "
+            "Usually the learning rate is too high for the model and batch size: lower --lr (it scales with "
+            "--batch-size), give --warmup-epochs, or train with --amp bf16 or off instead of fp16"
+        )
+
+
+DIGEST_STRIDE = 32  # one byte of every 32 of each image goes into its view digest
+
+
+def view_digest(images: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Sum over the batch of hash(key, the image's augmented pixels), mod KEY_MOD, on the
+    device: order-free, so two epochs or runs that trained on the same views of the same
+    images have the same sum, and a reused augmentation shows as an equal sum. It reads one
+    byte in DIGEST_STRIDE of each image (every channel and every row in turn: 32 is not a
+    multiple of 3, nor a divisor of a row's bytes at the sizes trained): a 32nd of the bytes
+    that weighing all of them moved, for the same two guarantees."""
+    flat = images.reshape(images.shape[0], -1)[:, ::DIGEST_STRIDE]
+    weights = view_weights(flat.shape[1], str(images.device))
+    pixels = (flat.to(torch.int32) * weights).sum(1)  # each product < 2**23, the sum in int64
+    return ((pixels % KEY_MOD) * (keys % KEY_MOD + 1) % KEY_MOD).sum() % KEY_MOD
+
+
+@functools.lru_cache(maxsize=8)
+def view_weights(n: int, device: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(n)  # the same weights in every process and run
+    return torch.randint(1, 1 << 15, (n,), generator=g, dtype=torch.int32).to(device)
+
+
+def shard_record(keys: list[torch.Tensor], count: int, views: int, rng: str) -> dict:
+    """What this rank trained on in one epoch, for the driver's coverage check: rows, distinct
+    images and the sum of their keys, the digest of the views, the random stream's state."""
+    distinct = torch.unique(torch.cat(keys)) if keys else torch.zeros(0, dtype=torch.int64)
+    key_sum = int((distinct % KEY_MOD).sum()) % KEY_MOD
+    return {"count": count, "distinct": int(distinct.numel()), "key_sum": key_sum, "views": views, "rng": rng}
 
 
 # --------------------------------------------------------------------------- the loop
@@ -204,46 +364,3 @@ def resume_or_seed(learner: Learner, run: RunRecord, state, resumed_from: str | 
         seed_rank(cfg.seed, rank, after=run.last_epoch + 1)
     note = "" if len(run.rng) == world else f" ({len(run.rng)} rank streams saved: fresh ones)"
     return f"resumed from {resumed_from} at epoch {run.last_epoch + 2}{note}"
-
-
-def write_records(spec: WorkerSpec, run: RunRecord) -> None:
-    """Rank 0: metrics.csv and timings.csv, and the epoch's line (and, once a run, a GPU's CPU
-    decoding said) for the driver's console."""
-    cfg, last = spec.config, run.epochs[-1]
-    artifacts.write_csv(artifacts.join(cfg.run_dir, "metrics.csv"), run.history)
-    artifacts.write_csv(artifacts.join(cfg.run_dir, "timings.csv"), run.timings)
-    row = last.metrics | last.timings
-    verdict = Bound.of_row(row).describe(spec.slots)
-    say(spec.status, format_row(row, cfg.epochs, spec.sizes is not None) + verdict, last.epoch - 1)
-    fell_back = cpu_fallback(last.timings) if spec.slots.on_gpu else 0.0
-    if fell_back > CPU_FALLBACK and not run.said_fallback:  # once a run
-        run.said_fallback = True
-        say(
-            spec.status,
-            f"note: {100 * fell_back:.1f}% of epoch {last.epoch}'s images were decoded on the CPU, not the GPU "
-            "(files its decoders refuse: other formats, CMYK, progressive JPEGs the engines refuse; or a batch they "
-            "failed on); timings.csv's decoded_* columns count them per epoch",
-        )
-
-
-def report(run: RunRecord, learner_state: dict | None, epoch: int) -> None:
-    """ray.train.report from every rank (the epoch's rows as its metrics); rank 0 (the one with the
-    learner's state) attaches the checkpoint: the records and the learner."""
-    last = run.epochs[-1]
-    with tempfile.TemporaryDirectory() as tmp:
-        ckpt = None
-        if learner_state is not None:
-            torch.save({"records": run.to_state(), "learner": learner_state}, os.path.join(tmp, CHECKPOINT_FILE))
-            ckpt = ray.train.Checkpoint.from_directory(tmp)
-        metrics = last.metrics | last.timings
-        ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=f"checkpoint_epoch_{epoch + 1:04d}")
-
-
-def format_row(row: dict, epochs: int, show_size: bool = False) -> str:
-    """An epoch's line, less the verdict on what bounded it."""
-    size = f"  {row['image_size']}px" if show_size else ""
-    return (
-        f"epoch {row['epoch']:>3}/{epochs}{size}  loss {row['train_loss']:.4f}  acc {row['train_acc']:.4f}  "
-        f"val_loss {row['val_loss']:.4f}  val_acc {row['val_acc']:.4f}  "
-        f"{row['images_per_s']:.0f} img/s  waiting for data {100 * row['data_wait_frac']:.0f}%"
-    )
