@@ -8,7 +8,6 @@ preview and prediction. Byte-mutated files of every format are in tests/test_fuz
 
 from __future__ import annotations
 
-import csv
 import io
 import os
 import struct
@@ -404,33 +403,7 @@ def test_shards_written_one_after_another_into_one_file_read_whole(tmp_path):
 
 
 # --------------------------------------------------------------------------- a training run that meets them
-
-
-def test_a_run_meets_each_kind_of_bad_file_skips_and_lists_it_and_trains_on_the_rest(ray_cluster, tmp_path):
-    """jobs.train's path, end to end: a TIFF Pillow raises TypeError on, a file whose read fails
-    with EIO and a decompression bomb (among the headers --preset auto samples) each cost only
-    themselves: the run finishes, bad_files.csv names each with its reason, and the epoch
-    trained on every other image once."""
-    from tests.conftest import prepare
-    from training import job
-    from training.config import TrainConfig
-
-    root = _tree_with(tmp_path, "bomb")  # train/a/-bad.png
-    (root / "train" / "a" / "typeerror.tif").write_bytes(tiff_pillow_breaks_on())
-    os.symlink("/proc/self/mem", root / "train" / "b" / "eio.png")
-    cfg, tree, preset = prepare(
-        TrainConfig(data=str(root), epochs=1, batch_size=4, num_workers=1, storage_path=str(tmp_path), name="r")
-    )
-    summary = job.run(cfg, tree, preset, log=lambda *a: None, own_cluster=True)
-    with open(tmp_path / "r" / "bad_files.csv", newline="") as f:
-        reasons = {row["path"]: row["reason"] for row in csv.DictReader(f)}
-    train = f"{root}/train"
-    assert sorted(reasons) == [f"{train}/a/-bad.png", f"{train}/a/typeerror.tif", f"{train}/b/eio.png"]
-    assert reasons[f"{train}/b/eio.png"] == "cannot read it: [Errno 5] Input/output error"
-    assert reasons[f"{train}/a/typeerror.tif"].startswith("corrupt image")
-    assert reasons[f"{train}/a/-bad.png"].startswith("decompression bomb")
-    (cov,) = summary["coverage"]
-    assert (cov["expected"], cov["lost"], cov["exactly_once"]) == (8, 3, True), cov
+# (each kind of bad file in one run: tests/test_faults.py, test_bad_files_are_listed_and_every_good_file_is_trained_on)
 
 
 def test_the_data_gone_mid_run_ends_it_with_one_line(ray_cluster, tmp_path, capfd):

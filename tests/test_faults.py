@@ -24,6 +24,7 @@ import pytest
 from PIL import Image
 
 from tests.conftest import TEST_STEM, bar_frames, prepare, registered_checkpoint, write_tree
+from tests.test_bad_files import tiff_pillow_breaks_on
 from training import job, planning
 from training.config import TrainConfig
 from training.forms.data import DataError
@@ -64,7 +65,9 @@ def _no_leaks(ray_cluster, timeout=30.0):
 
 @pytest.fixture(scope="module")
 def messy_tree(tmp_path_factory):
-    """train/ with good images of every awkward kind and four bad files; val/ all good."""
+    """train/ with good images of every awkward kind and six bad files (among them a TIFF Pillow
+    raises TypeError on, a file whose read fails with EIO and a decompression bomb, which
+    --preset auto's header sampling meets too); val/ all good."""
     root = tmp_path_factory.mktemp("messy")
     write_tree(root / "train", {"a": 6, "b": 6})
     write_tree(root / "val", {"a": 2, "b": 2}, seed=1)
@@ -83,6 +86,8 @@ def messy_tree(tmp_path_factory):
     (bad / "not_an_image.jpg").write_bytes(b"this is a text file with a .jpg name\n" * 10)
     (bad / "empty.jpg").write_bytes(b"")
     (bad / "bomb.png").write_bytes(_png_claiming(20_000, 20_000))  # 400 Mpx claimed: over MAX_IMAGE_PIXELS
+    (bad / "typeerror.tif").write_bytes(tiff_pillow_breaks_on())  # its header reads; its pixels raise TypeError
+    os.symlink("/proc/self/mem", root / "train" / "b" / "eio.png")  # every read of it fails with EIO
     return root
 
 
@@ -91,10 +96,14 @@ EXPECTED_BAD = {
     "not_an_image.jpg": "not an image",
     "empty.jpg": "empty file",
     "bomb.png": "decompression bomb",
+    "typeerror.tif": "corrupt image",
+    "eio.png": "cannot read it: [Errno 5] Input/output error",
 }
 
 
 def test_bad_files_are_listed_and_every_good_file_is_trained_on(ray_cluster, messy_tree, tmp_path):
+    """jobs.train's path, end to end: each bad file costs only itself; the run finishes,
+    bad_files.csv names each with its reason, and the epoch trained on every other image once."""
     summary, tree, lines = _run(
         data=str(messy_tree),
         epochs=1,
@@ -108,16 +117,16 @@ def test_bad_files_are_listed_and_every_good_file_is_trained_on(ray_cluster, mes
     assert set(reasons) == set(EXPECTED_BAD)
     for name, reason in EXPECTED_BAD.items():
         assert reasons[name].startswith(reason), (name, reasons[name])
-    assert summary["bad_files"] == 4
-    assert any("skipped 4 unreadable image(s)" in line for line in lines)
+    assert summary["bad_files"] == 6
+    assert any("skipped 6 unreadable image(s)" in line for line in lines)
     (cov,) = summary["coverage"]
-    assert cov["expected"] == len(tree.train) - 4 == 12 + 5
+    assert cov["expected"] == len(tree.train) - 6 == 12 + 5
     assert cov["exactly_once"], cov  # the good neighbours of bad files, and every odd mode, were trained on
     _no_leaks(ray_cluster)
 
 
 def test_strict_makes_a_bad_file_fatal_before_training(ray_cluster, messy_tree, tmp_path):
-    with pytest.raises(DataError, match=r"4 unreadable image\(s\).*drop --strict"):
+    with pytest.raises(DataError, match=r"6 unreadable image\(s\).*drop --strict"):
         _run(
             data=str(messy_tree),
             epochs=1,
@@ -128,7 +137,7 @@ def test_strict_makes_a_bad_file_fatal_before_training(ray_cluster, messy_tree, 
             strict=True,
         )
     assert not (tmp_path / "strict" / "metrics.csv").exists()
-    assert len(list(csv.DictReader((tmp_path / "strict" / "bad_files.csv").open()))) == 4
+    assert len(list(csv.DictReader((tmp_path / "strict" / "bad_files.csv").open()))) == 6
     _no_leaks(ray_cluster)
 
 
