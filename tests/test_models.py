@@ -1,7 +1,7 @@
 """--model NAME: any classification model of torchvision.models, built at random init with the
 run's class count; the small stem stays a ResNet's; --init-weights loads a matching torchvision
 state dict into any of them; a bad name exits 2 with close matches before Ray starts; and a
-run of two other models trains, saves the name in model.pt, and jobs.predict rebuilds from it."""
+run of another model trains, saves the name in model.pt, and jobs.predict rebuilds from it."""
 
 from __future__ import annotations
 
@@ -97,14 +97,15 @@ def test_a_model_that_cannot_run_exits_2_before_ray_starts(flags, message, tree,
     assert not runs.exists()
 
 
-def test_two_other_models_train_and_predict_follows_the_saved_one(ray_cluster, tmp_path, capsys):
-    """One epoch each of mobilenet_v3_small and efficientnet_b0 at 32 px on the test cluster:
-    model.pt names the model, and jobs.predict rebuilds it from there and scores every image."""
+def test_another_model_trains_and_predict_follows_the_saved_one(ray_cluster, tmp_path, capsys):
+    """One epoch of efficientnet_b0 at 32 px on the test cluster (every model of HEADS trains a
+    step in this process above): model.pt names the model, and jobs.predict rebuilds it from
+    there and scores every image."""
     from tests.conftest import write_tree
 
     data = write_tree(tmp_path / "data", {"a": 20, "b": 20})
     runs = tmp_path / "runs"
-    for name in ("mobilenet_v3_small", "efficientnet_b0"):
+    for name in ("efficientnet_b0",):
         args = ["--data", str(data), "--model", name, "--epochs", "1", "--batch-size", "8", "--val-fraction", "0.25"]
         assert jobs.train.main([*args, "--storage-path", str(runs), "--name", name, "--quiet"]) == 0, (
             capsys.readouterr().err[-3000:]
