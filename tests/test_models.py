@@ -105,19 +105,19 @@ def test_another_model_trains_and_predict_follows_the_saved_one(ray_cluster, tmp
 
     data = write_tree(tmp_path / "data", {"a": 20, "b": 20})
     runs = tmp_path / "runs"
-    for name in ("efficientnet_b0",):
-        args = ["--data", str(data), "--model", name, "--epochs", "1", "--batch-size", "8", "--val-fraction", "0.25"]
-        assert jobs.train.main([*args, "--storage-path", str(runs), "--name", name, "--quiet"]) == 0, (
-            capsys.readouterr().err[-3000:]
-        )
-        saved = torch.load(runs / name / "model.pt", weights_only=True)
-        assert saved["arch"] == name and saved["small_stem"] is False and saved["class_names"] == ["a", "b"]
-        assert head_prefix(build_model(name, 2, small_stem=False, image_size=32)) + "weight" in saved["state_dict"]
-        summary = json.loads((runs / name / "summary.json").read_text())
-        assert summary["epochs"] == 1 and summary["coverage"][0]["exactly_once"], summary["coverage"]
-        assert json.loads((runs / name / "config.json").read_text())["config"]["model"] == name
+    name = "efficientnet_b0"
+    args = ["--data", str(data), "--model", name, "--epochs", "1", "--batch-size", "8", "--val-fraction", "0.25"]
+    assert jobs.train.main([*args, "--storage-path", str(runs), "--name", name, "--quiet"]) == 0, (
+        capsys.readouterr().err[-3000:]
+    )
+    saved = torch.load(runs / name / "model.pt", weights_only=True)
+    assert saved["arch"] == name and saved["small_stem"] is False and saved["class_names"] == ["a", "b"]
+    assert head_prefix(build_model(name, 2, small_stem=False, image_size=32)) + "weight" in saved["state_dict"]
+    summary = json.loads((runs / name / "summary.json").read_text())
+    assert summary["epochs"] == 1 and summary["coverage"][0]["exactly_once"], summary["coverage"]
+    assert json.loads((runs / name / "config.json").read_text())["config"]["model"] == name
     out = tmp_path / "predictions.csv"
-    model = str(runs / "efficientnet_b0" / "model.pt")
+    model = str(runs / name / "model.pt")
     assert jobs.predict.main(["--model", model, "--data", str(data), "--out", str(out)]) == 0, capsys.readouterr().err
     rows = list(csv.DictReader(out.open()))
     assert len(rows) == 40 and {r["label"] for r in rows} == {"a", "b"}
