@@ -500,12 +500,26 @@ def feed(scratch: str, data: str, steps: list[StepResult], sizes: Sizes, started
     }
 
 
+KIT_COMMIT = "KIT_COMMIT"  # the commit a copied tree (no .git: the device machine's copy) was copied at
+
+
+def source() -> dict:
+    """The commit the tree is at and whether it has uncommitted changes, from git; in a copy without
+    .git, or where git is missing, the commit $KIT_COMMIT names (None without it) and the changes
+    unknown (None)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        if head.returncode == 0 and head.stdout.strip():
+            dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True)
+            return {"commit": head.stdout.strip(), "uncommitted_changes": bool(dirty.stdout.strip())}
+    except OSError:  # no git on the machine
+        pass
+    return {"commit": os.environ.get(KIT_COMMIT) or None, "uncommitted_changes": None}
+
+
 def provenance(steps: list[StepResult], sizes: Sizes, started: float) -> dict:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout
     return {
-        "commit": commit or None,
-        "uncommitted_changes": bool(dirty.strip()),
+        **source(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
         "rehearsal": sizes.device != "cuda",

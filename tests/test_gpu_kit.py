@@ -49,6 +49,24 @@ def test_a_rehearsal_keeps_the_contract_and_brings_back_every_key(tmp_path):
     assert "decode_augment_images_per_s" in done.stdout  # the table printed last
 
 
+def test_a_copy_without_git_records_the_commit_it_was_given_and_changes_unknown(tmp_path, monkeypatch):
+    """The device machine runs a copy of the tree without .git (and perhaps without git): the
+    commit comes from $KIT_COMMIT, and whether the tree had changes is not guessed."""
+    here = gpu_kit.source()
+    assert (
+        here["commit"]
+        == subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    )
+    assert isinstance(here["uncommitted_changes"], bool)
+    monkeypatch.setattr(gpu_kit, "REPO", str(tmp_path))  # a folder outside any checkout
+    monkeypatch.delenv(gpu_kit.KIT_COMMIT, raising=False)
+    assert gpu_kit.source() == {"commit": None, "uncommitted_changes": None}
+    monkeypatch.setenv(gpu_kit.KIT_COMMIT, "0123abcd" * 5)
+    assert gpu_kit.source() == {"commit": "0123abcd" * 5, "uncommitted_changes": None}
+    monkeypatch.setenv("PATH", str(tmp_path))  # no git at all: the same, not a crash at the end of the run
+    assert gpu_kit.source() == {"commit": "0123abcd" * 5, "uncommitted_changes": None}
+
+
 def test_the_contract_names_every_breach(tmp_path):
     (tmp_path / "feed.json").write_text(json.dumps({k: None for k in gpu_kit.FEED_KEYS if k != "bound"}))
     (tmp_path / "model.pt").write_bytes(b"x")
