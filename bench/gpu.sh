@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU proof in one command (bench/gpu_kit.py has the steps, their caps and what comes back).
+# The GPU proof in one command (bench/gpu_kit.py has the steps and their caps, bench/kit_return.py what comes back).
 #
 #   bash bench/gpu.sh                 # a CUDA machine: install the carry set if Ray is missing, run the kit
 #   bash bench/gpu.sh --rehearse      # this machine: build or check the carry set, every step on the CPU

@@ -1,6 +1,7 @@
-"""bench/gpu_carry.py's logic on small fake wheels made here: markers and the Requires-Dist
-closure, repacking (RECORD, modes, LZMA members) with pip installing the result, the set's
-checks and the size limit. No network, no Python 3.12 needed."""
+"""bench/gpu_carry.py's logic, with bench/wheels.py's and bench/carry_set.py's, on small fake
+wheels made here: markers and the Requires-Dist closure, repacking (RECORD, modes, LZMA members)
+with pip installing the result, the set's checks and the size limit. No network, no Python 3.12
+needed."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from bench import carry_set as cs
 from bench import gpu_carry as gc
+from bench import wheels as wh
 
 WHEEL = "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: false\nTag: py3-none-manylinux_2_28_x86_64\n"
 
@@ -50,7 +53,7 @@ def make_wheel(folder: Path, name: str, version: str, files: dict, *requires: st
 
 def record_of(path: Path) -> dict[str, tuple[str, str]]:
     with zipfile.ZipFile(path) as zf:
-        text = zf.read(gc.dist_info_dir(zf) + "RECORD").decode()
+        text = zf.read(wh.dist_info_dir(zf) + "RECORD").decode()
     return {row[0]: (row[1], row[2]) for row in csv.reader(io.StringIO(text))}
 
 
@@ -66,7 +69,7 @@ def test_markers_are_evaluated_for_the_device_and_the_extras_asked_for():
         "f; platform_system == 'Linux' and platform_machine == 'x86_64'",
         'g; python_version >= "3.13"',
     )
-    names = lambda extras: sorted(r.name for r in gc.requires(meta, frozenset(extras)))  # noqa: E731
+    names = lambda extras: sorted(r.name for r in wh.requires(meta, frozenset(extras)))  # noqa: E731
     assert names(()) == ["a", "f"]
     assert names({"data"}) == ["a", "b", "f"]
     assert names({"data", "train"}) == ["a", "b", "e", "f"]
@@ -81,16 +84,16 @@ def test_the_closure_follows_carried_metadata_and_stops_at_device_packages():
         }
 
     plain = fake("mid>=2", "numpy", 'extra-only; extra == "dev"', 'mid[x]; extra == "x"')
-    needed, problems = gc.walk(["top"], plain, {"numpy"})
+    needed, problems = wh.walk(["top"], plain, {"numpy"})
     assert problems == []
     assert needed == {"top": ["the project"], "mid": ["top"], "numpy": ["top"]}  # not pkg-from-x: no extra x
     # mid reached without its extra, then with it (in either order): the extra's needs are followed
     for order in (("mid>=2", 'mid[x]; extra == "x"'), ('mid[x]; extra == "x"', "mid>=2")):
-        needed, problems = gc.walk(["top[x]"], fake(*order), set())
+        needed, problems = wh.walk(["top[x]"], fake(*order), set())
         assert problems == [] and needed["pkg-from-x"] == ["mid"], order
-    _, problems = gc.walk(["top[dev]"], plain, {"numpy"})
+    _, problems = wh.walk(["top[dev]"], plain, {"numpy"})
     assert len(problems) == 1 and "extra-only" in problems[0] and "neither carried nor on the device" in problems[0]
-    _, problems = gc.walk(["top"], plain, set())
+    _, problems = wh.walk(["top"], plain, set())
     assert problems == ["numpy (needed by top: numpy) is neither carried nor on the device"]
 
 
@@ -99,40 +102,40 @@ def test_the_closure_checks_carried_versions_and_requires_python():
         "top": ("1.0", metadata("top", "1.0", "mid>=2")),
         "mid": ("1.5", metadata("mid", "1.5", python=">=3.13")),
     }
-    _, problems = gc.walk(["top==1.0"], carried, set())
+    _, problems = wh.walk(["top==1.0"], carried, set())
     assert any("mid 1.5 is carried, but top needs mid>=2" in p for p in problems)
     assert any("mid 1.5 requires Python >=3.13" in p for p in problems)
 
 
 def test_the_project_roots_leave_ray_default_out_and_keep_the_gpu_extra():
-    Requirement, _, _ = gc._packaging()
-    roots = {gc.normalize(r.name): r for r in map(Requirement, gc.project_roots())}
+    Requirement, _, _ = wh._packaging()
+    roots = {wh.normalize(r.name): r for r in map(Requirement, wh.project_roots())}
     assert roots["ray"].extras == {"data", "train"}
     assert roots["nvidia-nvimgcodec-cu13"].extras == {"nvjpeg"}
     assert {"kornia", "simplejpeg", "torch", "numpy"} <= set(roots)
 
 
 def test_carried_pins_are_exact_and_meet_the_project_ranges():
-    Requirement, _, Version = gc._packaging()
-    roots = {gc.normalize(r.name): r for r in map(Requirement, gc.project_roots())}
-    for c in gc.CARRY:
+    Requirement, _, Version = wh._packaging()
+    roots = {wh.normalize(r.name): r for r in map(Requirement, wh.project_roots())}
+    for c in cs.CARRY:
         assert str(Version(c.version)) == c.version, c  # one release, written as pip writes it
-        if gc.normalize(c.name) in roots:
-            assert roots[gc.normalize(c.name)].specifier.contains(c.version), c
-    assert len({gc.normalize(c.name) for c in gc.CARRY}) == len(gc.CARRY)
+        if wh.normalize(c.name) in roots:
+            assert roots[wh.normalize(c.name)].specifier.contains(c.version), c
+    assert len({wh.normalize(c.name) for c in cs.CARRY}) == len(cs.CARRY)
 
 
 def test_device_packages_list_the_device_and_none_of_the_carried():
-    device = gc.device_packages()
+    device = wh.device_packages()
     assert {"torch", "torchvision", "numpy", "pyarrow", "pandas", "packaging", "typing-extensions"} <= device
     assert "ray" not in device and "opencv-python-headless" in device  # normalised names
     # only typing-extensions travels although the device has it: a newer one shadows its own (bench/gpu_carry.py)
-    assert device & {gc.normalize(c.name) for c in gc.CARRY} == {"typing-extensions"}
+    assert device & {wh.normalize(c.name) for c in cs.CARRY} == {"typing-extensions"}
 
 
 def test_trims_spare_what_ray_and_the_jpeg_decoders_run_on():
     def removed(name, path):
-        return gc._trim_of(path, gc.TRIMS[name]) is not None
+        return wh._trim_of(path, cs.TRIMS[name]) is not None
 
     for path in (
         "ray/core/src/ray/raylet/raylet",
@@ -171,13 +174,13 @@ def test_repack_drops_a_folder_rewrites_record_and_pip_installs_it(tmp_path):
     }
     src = make_wheel(tmp_path, "pkg", "1.0", files, tag="py3-none-manylinux_2_28_x86_64")
     trims = (
-        gc.Trim("pkg/jars/*", "unused"),
-        gc.Trim("pkg/mod.cpython-*.so", "one Python", keep="pkg/mod.cpython-312-*.so"),
+        cs.Trim("pkg/jars/*", "unused"),
+        cs.Trim("pkg/mod.cpython-*.so", "one Python", keep="pkg/mod.cpython-312-*.so"),
     )
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     here = f"cp{sys.version_info.major}{sys.version_info.minor}"  # the tag pip here installs (cp312 on the device)
-    path, removed = gc.repack(src, out_dir, trims, retag=f"{here}-{here}", lzma_min=4096)
+    path, removed = wh.repack(src, out_dir, trims, retag=f"{here}-{here}", lzma_min=4096)
     assert path.name == f"pkg-1.0-{here}-{here}-manylinux_2_28_x86_64.whl"
     assert [(r["files"], r["bytes"]) for r in removed] == [(2, 200), (1, 3)]
     record = record_of(path)
@@ -205,7 +208,7 @@ def test_a_trim_that_matches_nothing_is_an_error(tmp_path):
     src = make_wheel(tmp_path, "pkg", "1.0", {"pkg/__init__.py": b""})
     (tmp_path / "out").mkdir()
     with pytest.raises(ValueError, match="match nothing"):
-        gc.repack(src, tmp_path / "out", (gc.Trim("pkg/gone/*", "moved upstream"),))
+        wh.repack(src, tmp_path / "out", (cs.Trim("pkg/gone/*", "moved upstream"),))
     assert list((tmp_path / "out").iterdir()) == []
 
 
@@ -223,8 +226,8 @@ def test_tags_the_device_installs():
         "ray-2.60.0-cp312-cp312-macosx_11_0_arm64.whl",
         "x-1-cp313-abi3-manylinux2014_x86_64.whl",
     ]
-    assert [gc.tag_problem(n) for n in ok] == [None] * len(ok)
-    assert all(gc.tag_problem(n) for n in bad)
+    assert [wh.tag_problem(n) for n in ok] == [None] * len(ok)
+    assert all(wh.tag_problem(n) for n in bad)
 
 
 def test_check_set_names_missing_needs_two_versions_bad_tags_and_the_size(tmp_path):
@@ -245,17 +248,17 @@ def test_check_set_names_missing_needs_two_versions_bad_tags_and_the_size(tmp_pa
 
 
 def test_the_size_limit():
-    assert gc.size_problem(gc.LIMIT_BYTES - 1) is None
-    assert "56.00 MiB" in gc.size_problem(gc.LIMIT_BYTES)
+    assert gc.size_problem(cs.LIMIT_BYTES - 1) is None
+    assert "56.00 MiB" in gc.size_problem(cs.LIMIT_BYTES)
     assert gc.size_problem(100, limit=50) is not None
 
 
 def test_tree_bytes_counts_tracked_files_and_skips_the_carried_folder():
-    if not (gc.REPO / ".git").exists():
+    if not (cs.REPO / ".git").exists():
         pytest.skip("not a git checkout")
-    tracked, _ = gc.tree_bytes(gc.REPO)
-    assert tracked >= (gc.REPO / "pyproject.toml").stat().st_size
-    assert gc.tree_bytes(gc.REPO, skip=gc.REPO / "bench")[0] < tracked
+    tracked, _ = gc.tree_bytes(cs.REPO)
+    assert tracked >= (cs.REPO / "pyproject.toml").stat().st_size
+    assert gc.tree_bytes(cs.REPO, skip=cs.REPO / "bench")[0] < tracked
 
 
 def test_run_code_says_ok_failed_or_skipped(tmp_path):
@@ -279,5 +282,5 @@ def test_install_says_what_pip_refused(tmp_path):
 def test_the_closure_collects_version_needs_on_device_packages():
     carried = {"top": ("1.0", metadata("top", "1.0", "numpy>=1.21", "attrs", 'typing-extensions>=4.16; extra == "t"'))}
     specs: dict = {}
-    gc.walk(["top[t]", "numpy<3"], carried, {"numpy", "attrs", "typing-extensions"}, device_specs=specs)
+    wh.walk(["top[t]", "numpy<3"], carried, {"numpy", "attrs", "typing-extensions"}, device_specs=specs)
     assert specs == {"numpy": {">=1.21 (top)", "<3 (the project)"}, "typing-extensions": {">=4.16 (top)"}}

@@ -1,7 +1,8 @@
-"""The GPU kit (bench/gpu_kit.py) keeps the lent machine's contract, rehearsed here on the CPU: at
-most 8 files back with the allowed names, feed.json with every key, the whole run within its
-budget, a step past its cap stopped without losing the others' figures; and its figures are read
-from the job's own records as the job writes them."""
+"""The GPU kit (bench/gpu_kit.py, what comes back from it in bench/kit_return.py) keeps the lent
+machine's contract, rehearsed here on the CPU: at most 8 files back with the allowed names,
+feed.json with every key, the whole run within its budget, a step past its cap stopped without
+losing the others' figures; and its figures are read from the job's own records as the job
+writes them."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import gpu_kit
+from bench import gpu_kit, kit_return
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,10 +32,10 @@ def test_a_rehearsal_keeps_the_contract_and_brings_back_every_key(tmp_path):
     done = subprocess.run([sys.executable, "-m", "bench.gpu_kit", *args], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert time.monotonic() - start < 150
-    assert sorted(os.listdir(out)) == sorted(gpu_kit.OUT_FILES)
-    assert gpu_kit.check_contract(str(out), 1.0, 150) == []
+    assert sorted(os.listdir(out)) == sorted(kit_return.OUT_FILES)
+    assert kit_return.check_contract(str(out), 1.0, 150) == []
     feed = json.loads((out / "feed.json").read_text())
-    assert set(gpu_kit.FEED_KEYS) <= set(feed)
+    assert set(kit_return.FEED_KEYS) <= set(feed)
     for key in ("decode_augment_images_per_s", "synthetic_images_per_s", "seed_images_per_s"):
         assert isinstance(feed[key], float) and feed[key] > 0, (key, feed[key])
     assert feed["job_images_per_s"] is None and feed["train_images"] == gpu_kit.Sizes.rehearsal().train
@@ -52,27 +53,27 @@ def test_a_rehearsal_keeps_the_contract_and_brings_back_every_key(tmp_path):
 def test_a_copy_without_git_records_the_commit_it_was_given_and_changes_unknown(tmp_path, monkeypatch):
     """The device machine runs a copy of the tree without .git (and perhaps without git): the
     commit comes from $KIT_COMMIT, and whether the tree had changes is not guessed."""
-    here = gpu_kit.source()
+    here = kit_return.source()
     assert (
         here["commit"]
         == subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     )
     assert isinstance(here["uncommitted_changes"], bool)
-    monkeypatch.setattr(gpu_kit, "REPO", str(tmp_path))  # a folder outside any checkout
-    monkeypatch.delenv(gpu_kit.KIT_COMMIT, raising=False)
-    assert gpu_kit.source() == {"commit": None, "uncommitted_changes": None}
-    monkeypatch.setenv(gpu_kit.KIT_COMMIT, "0123abcd" * 5)
-    assert gpu_kit.source() == {"commit": "0123abcd" * 5, "uncommitted_changes": None}
+    monkeypatch.setattr(kit_return, "REPO", str(tmp_path))  # a folder outside any checkout
+    monkeypatch.delenv(kit_return.KIT_COMMIT, raising=False)
+    assert kit_return.source() == {"commit": None, "uncommitted_changes": None}
+    monkeypatch.setenv(kit_return.KIT_COMMIT, "0123abcd" * 5)
+    assert kit_return.source() == {"commit": "0123abcd" * 5, "uncommitted_changes": None}
     monkeypatch.setenv("PATH", str(tmp_path))  # no git at all: the same, not a crash at the end of the run
-    assert gpu_kit.source() == {"commit": "0123abcd" * 5, "uncommitted_changes": None}
+    assert kit_return.source() == {"commit": "0123abcd" * 5, "uncommitted_changes": None}
 
 
 def test_the_contract_names_every_breach(tmp_path):
-    (tmp_path / "feed.json").write_text(json.dumps({k: None for k in gpu_kit.FEED_KEYS if k != "bound"}))
+    (tmp_path / "feed.json").write_text(json.dumps({k: None for k in kit_return.FEED_KEYS if k != "bound"}))
     (tmp_path / "model.pt").write_bytes(b"x")
     for i in range(8):
         (tmp_path / f"log{i}.txt").write_text("x")
-    problems = gpu_kit.check_contract(str(tmp_path), 500.0, 480.0)
+    problems = kit_return.check_contract(str(tmp_path), 500.0, 480.0)
     assert "10 files in" in problems[0] and any(p.startswith("model.pt: not one of") for p in problems)
     assert "feed.json has no bound" in problems and problems[-1] == "took 500 s, over the budget of 480 s"
 
@@ -106,7 +107,7 @@ def test_the_jobs_figures_are_its_steady_epochs_from_its_timings(tmp_path):
     first = row | {"epoch_s": 30.0, "images_per_s": 300.0, "inner_images_per_s": 400.0, "start_s": 9.0}
     slow = row | {"epoch_s": 30.0, "images_per_s": 500.0, "inner_images_per_s": 600.0, "bound": "decode + augment"}
     _timings(tmp_path / "kit", [first, row, slow])
-    figures = gpu_kit.job_figures(str(tmp_path / "kit"), str(tmp_path / "train.log"))
+    figures = kit_return.job_figures(str(tmp_path / "kit"), str(tmp_path / "train.log"))
     assert figures["job_images_per_s"] == pytest.approx((1000 * 10 + 600 * 30) / 40, abs=0.1)
     assert figures["job_images_per_s_whole_epochs"] == pytest.approx((9000 + 15000) / 40, abs=0.1)
     assert figures["epoch_start_s"] == 0.5 and figures["steady_s"] == 40.0 and figures["first_step_s"] is None
