@@ -41,7 +41,8 @@ from training.stamp import EpochClock, StaleBatch
 from training.status import BadFileLog, RunStatus
 from training.worker.feed import IngestStalled
 from training.worker.learner import CheckpointMismatch
-from training.worker.loop import CHECKPOINT_FILE, RunStopped, train_loop
+from training.worker.loop import RunStopped, train_loop
+from training.worker.report import CHECKPOINT_FILE
 
 HEALTH_CHECK_ENV, HEALTH_CHECK_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", 0.5
 
