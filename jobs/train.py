@@ -86,6 +86,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(f"stopped: interrupted while Ray started; to start again: {rerun_command(argv, cfg)}", file=sys.stderr)
         return 130
+    terminated = stop_on_sigterm()  # after Ray's start, whose own handler would print a stack dump
     preset = preload.result()  # a file preset was checked above; a built-in one cannot fail
     from training import job
 
@@ -105,8 +106,10 @@ def main(argv=None) -> int:
         return 2
     except job.Interrupted as e:
         again = "to resume" if e.checkpoint else "to start it again"
-        print(f"stopped: {e}; {again}: {rerun_command(argv, cfg)}", file=sys.stderr)
-        return 130
+        how = "terminated (SIGTERM)" if terminated.is_set() else "interrupted"
+        where = str(e).removeprefix("interrupted")
+        print(f"stopped: {how}{where}; {again}: {rerun_command(argv, cfg)}", file=sys.stderr)
+        return 143 if terminated.is_set() else 130
     except job.TrainingFailed as e:
         print(error_line(e), file=sys.stderr)
         return 1
@@ -115,6 +118,23 @@ def main(argv=None) -> int:
     if summary["epochs"] < cfg.epochs:  # --stop-after
         print(f"stopped after epoch {summary['epochs']} of {cfg.epochs}; to continue: {rerun_command(argv, cfg)}")
     return 0
+
+
+def stop_on_sigterm() -> threading.Event:
+    """SIGTERM (what `ray job stop`, a scheduler or `kill` sends) stops the run as Ctrl-C does: Ray
+    Train aborts the attempt, the driver says which checkpoint the same command resumes from and
+    exits 143. The event is set once SIGTERM came."""
+    import signal
+
+    came = threading.Event()
+
+    def on_term(signum, frame):
+        came.set()
+        signal.raise_signal(signal.SIGINT)  # to whichever SIGINT handler is current: Ray Train's while it fits
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_term)
+    return came
 
 
 def rerun_command(argv, cfg) -> str:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import write_tree
+from training.worker.report import save_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,7 @@ def _as_an_older_version_wrote_it(checkpoint: Path) -> None:
     state = torch.load(checkpoint, weights_only=True)
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     state["learner"]["scheduler"] = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0).state_dict()
-    torch.save(state, checkpoint)
+    save_checkpoint(str(checkpoint.parent), state)  # sealed, as that version would have written it whole
 
 
 def test_a_checkpoint_that_does_not_fit_exits_1_with_one_line(ray_cluster, small_tree, tmp_path, capsys):
@@ -92,7 +93,7 @@ def test_a_checkpoint_that_does_not_fit_exits_1_with_one_line(ray_cluster, small
     # records of another version of the job (training/records.py): one line too, not a shim per field
     state = torch.load(tmp_path / "old" / "checkpoint_epoch_0001" / "checkpoint.pt", weights_only=True)
     state["records"]["version"] = 1
-    torch.save(state, tmp_path / "old" / "checkpoint_epoch_0001" / "checkpoint.pt")
+    save_checkpoint(str(tmp_path / "old" / "checkpoint_epoch_0001"), state)
     code, err = _main(argv, capsys)
     line = _one_error_line(err)
     assert code == 1 and "written by another version of this job (its records are of version 1" in line, line

@@ -143,7 +143,7 @@ def test_fresh_removes_the_old_run_only_once_every_input_has_passed(tree, tmp_pa
     cfg, _ = check_inputs(TrainConfig(data=str(tree), storage_path=str(tmp_path / "runs"), name="r", fresh=True))
     assert old.exists()  # checking removes nothing
     start_fresh(cfg)
-    assert not old.exists() and (tmp_path / "runs").is_dir()
+    assert os.listdir(old) == [artifacts.RUN_MARKER]  # the old run's files gone; the folder is the new run's
 
 
 # --------------------------------------------------------------------------- the files the job loads back
@@ -166,11 +166,11 @@ def test_a_checkpoint_holding_a_pickled_object_is_refused_and_never_runs(tmp_pat
 
     import ray.train
 
-    from training.worker import loop
+    from training.worker import loop, report
 
     marker = tmp_path / "trap-sprung"
     (tmp_path / "ckpt").mkdir()
-    path = _trap_file(tmp_path / "ckpt" / loop.CHECKPOINT_FILE, marker, lambda sd: {"learner": {"model": sd}})
+    path = _trap_file(tmp_path / "ckpt" / report.CHECKPOINT_FILE, marker, lambda sd: {"learner": {"model": sd}})
     checkpoint = ray.train.Checkpoint.from_directory(str(tmp_path / "ckpt"))
     monkeypatch.setattr(loop.ray.train, "get_checkpoint", lambda: checkpoint)
     with pytest.raises(pickle.UnpicklingError, match="(?s)Weights only load failed.*GLOBAL posix.mkdir"):

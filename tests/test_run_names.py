@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import exits_2
-from training import artifacts
+from training import artifacts, lease
 from training.config import TrainConfig
 from training.inputs import prepare
 
@@ -93,9 +93,13 @@ def test_fresh_removes_only_the_runs_own_directory(name, tree, tmp_path):
     top = tmp_path / "top"
     runs = _canary(top)
     before = _snapshot(tmp_path)
-    prepare(TrainConfig(data=str(tree), storage_path=str(runs), name=name, fresh=True))
+    cfg, *_ = prepare(TrainConfig(data=str(tree), storage_path=str(runs), name=name, fresh=True))
+    assert sorted(os.listdir(runs / name)) == [".lease", artifacts.RUN_MARKER]  # the new run's, under its lease
+    lease.release(cfg.run_dir)
+    after = _snapshot(tmp_path)
     expected = {k: v for k, v in before.items() if not k.startswith(f"top/runs/{name}")}
-    assert _snapshot(tmp_path) == expected
+    assert {k: v for k, v in after.items() if not k.startswith(f"top/runs/{name}")} == expected
+    assert set(after) - set(expected) <= {f"top/runs/{name}", f"top/runs/{name}/{artifacts.RUN_MARKER}"}
 
 
 def test_fresh_leaves_an_empty_folder_and_its_storage_path_alone(tree, tmp_path):
@@ -134,5 +138,7 @@ def test_on_s3_fresh_removes_only_a_run_directory_of_this_job(s3, tree, no_ray, 
     ):
         assert message in exits_2(["--data", str(tree), "--storage-path", storage, *flags], capsys)
         assert _objects(s3, prefix) == before, flags
-    prepare(TrainConfig(data=str(tree), storage_path=storage, name="ours", fresh=True))
-    assert _objects(s3, prefix) == {k: v for k, v in before.items() if "/ours/" not in k}
+    cfg, *_ = prepare(TrainConfig(data=str(tree), storage_path=storage, name="ours", fresh=True))
+    lease.release(cfg.run_dir)
+    after = {k: v for k, v in _objects(s3, prefix).items() if not k.endswith(f"/ours/{artifacts.RUN_MARKER}")}
+    assert after == {k: v for k, v in before.items() if "/ours/" not in k}

@@ -57,6 +57,32 @@ def remove_tree(uri: str) -> None:
     fs.delete_dir(path)
 
 
+def clear_dir(uri: str, keep: tuple[str, ...] = ()) -> None:
+    """Remove everything inside the folder `uri` but the entries named in `keep` (its lease). A
+    local link is removed as a link: nothing outside the folder is touched."""
+    import pyarrow.fs as pafs
+
+    fs, path = _fs(uri)
+    if not storage.is_uri(uri):
+        import shutil
+
+        for entry in os.scandir(path):
+            if entry.name in keep:
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+        return
+    for info in fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)):
+        if info.base_name in keep:
+            continue
+        if info.type == pafs.FileType.Directory:
+            fs.delete_dir(info.path)
+        else:
+            fs.delete_file(info.path)
+
+
 # Written into every run directory this job creates, before anything else: `--fresh` removes only
 # a directory that holds it (or the config.json of a run written before the marker existed).
 RUN_MARKER = ".ray-gpu-augment-run"

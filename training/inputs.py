@@ -4,8 +4,9 @@ first, so a mistake is reported in well under a second, then starts Ray while to
 The one exception is an --init-weights file: it is loaded (torch) here, as every train
 worker will load it, so that a file they would refuse is reported before Ray starts.
 
-Checking changes nothing on disk (the run directory is probed and left as it was): only
-`start_fresh`, called once every input has passed, removes a --fresh run's old directory.
+Checking changes nothing on disk (the run directory is probed and left as it was). Once every
+input has passed, `prepare` takes the run folder's lease (training/lease.py: one live run owns
+it) and `start_fresh` clears a --fresh run's old files under it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 from augment.errors import PresetError
 from augment.presets import check_preset_name
 from augment.schedule import parse_resize, parse_schedule
-from training import artifacts, storage
+from training import artifacts, lease, storage
 from training.config import ConfigError, TrainConfig, check_amp
 from training.forms.data import ImageTree
 from training.forms.formats import header_size, sample_sizes, scan_data
@@ -203,6 +204,7 @@ def check_inputs(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree]:
     # Ray Train, rank 0 and the driver all write there; the probe leaves no directory behind
     check_run_dir(cfg)  # first: the write probe below must not write through a link or into someone's folder
     storage.check_writable(cfg.run_dir, "--storage-path")
+    lease.check_free(cfg.run_dir, cfg.name)  # a live run's folder: say so before anything about its settings
     if not cfg.fresh:
         check_same_run(cfg, tree)
     if cfg.model != "resnet18":  # it imports torchvision (seconds), which the default needs not
@@ -333,7 +335,8 @@ def prepare(cfg: TrainConfig):
 
         preset = load_preset(name)
     check_sizes_and_device(cfg, name, preset)
-    start_fresh(cfg)  # --fresh: the old run goes only once every input has passed
+    lease.acquire(cfg.run_dir, cfg.name)  # held until the run ends (training.job.run) or this process does
+    start_fresh(cfg)  # --fresh: the old run goes only once every input has passed, and under the lease
     return cfg, tree, name, preset
 
 
@@ -374,4 +377,4 @@ def start_fresh(cfg: TrainConfig) -> None:
     run_dir = cfg.run_dir
     with storage.errors(run_dir, "writing"):
         if artifacts.exists(run_dir) and artifacts.is_run_dir(run_dir):
-            artifacts.remove_tree(run_dir)
+            artifacts.clear_dir(run_dir, keep=(lease.LEASE_FILE, artifacts.RUN_MARKER))

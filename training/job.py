@@ -20,12 +20,11 @@ import time
 import psutil
 import ray
 import ray.train
-import torch
 from ray.train.torch import TorchTrainer
 
 from augment.presets import Preset
 from augment.schedule import parse_resize
-from training import artifacts, ray_private
+from training import artifacts, lease, ray_private
 from training.bounds import DataSlots
 from training.config import ConfigError, TrainConfig
 from training.console import ConsoleFollower, data_gone
@@ -42,7 +41,7 @@ from training.status import BadFileLog, RunStatus
 from training.worker.feed import IngestStalled
 from training.worker.learner import CheckpointMismatch
 from training.worker.loop import RunStopped, train_loop
-from training.worker.report import CHECKPOINT_FILE
+from training.worker.report import DamagedCheckpoint, load_checkpoint
 
 HEALTH_CHECK_ENV, HEALTH_CHECK_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", 0.5
 
@@ -99,7 +98,13 @@ def run(
     cluster was started by this process and ends with it. `stall`: how long a train worker
     waits for a batch before it asks Ray why (training/worker/feed.py, IngestWatch). `bar_stream`: where
     the per-epoch progress bar is drawn (a terminal; None: no bar); the epoch lines go to `log`."""
-    start = launched_at or time.time()
+    try:
+        return _run(cfg, tree, preset, log, launched_at or time.time(), own_cluster, stall, bar_stream)
+    finally:
+        lease.release(cfg.run_dir)  # however the run ends, its folder is free for the next (training/lease.py)
+
+
+def _run(cfg, tree, preset, log, start, own_cluster, stall, bar_stream) -> dict:
     preset = sized_preset(cfg, preset)
     run_dir = cfg.run_dir
     if cfg.deterministic:  # rows reach the trainer in file order, so batches are the same every run
@@ -310,7 +315,11 @@ def _fit(
     if result.checkpoint is None:
         raise TrainingFailed("training ended without a checkpoint")
     run, model = _load(result.checkpoint)
-    best_checkpoint, best = max(result.best_checkpoints or [(result.checkpoint, {})], key=_val_acc)
+    damaged = set(run.passed_over)
+    complete = [
+        (c, m) for c, m in result.best_checkpoints or [] if c.path.rstrip("/").rsplit("/", 1)[-1] not in damaged
+    ]
+    best_checkpoint, best = max(complete or [(result.checkpoint, {})], key=_val_acc)
     best_model = model if best_checkpoint.path == result.checkpoint.path else _load(best_checkpoint)[1]
     best = {"model": best_model, "epoch": best.get("epoch", run.last_epoch + 1), "val_acc": best.get("val_acc")}
     return run, model, best, ray.get(attempt.actors["bad_log"].get.remote()), faults.records()
@@ -323,7 +332,10 @@ def _val_acc(checkpoint_and_metrics) -> float:
 def _load(checkpoint) -> tuple[RunRecord, dict]:
     """A checkpoint's records and model weights (the worker wrote them: training/worker/loop.py report)."""
     with checkpoint.as_directory() as d:
-        state = torch.load(os.path.join(d, CHECKPOINT_FILE), map_location="cpu", weights_only=True)
+        try:
+            state = load_checkpoint(d, map_location="cpu")
+        except DamagedCheckpoint as e:
+            raise TrainingFailed(f"training failed: the checkpoint {checkpoint.path} is damaged ({e})") from None
     return RunRecord.from_state(state["records"]), state["learner"]["model"]
 
 
@@ -382,5 +394,7 @@ def worker_error(error: BaseException, *, own_only: bool = False) -> str:
 
 
 def checkpoint_config() -> ray.train.CheckpointConfig:
-    """The best checkpoint by validation accuracy and the latest are kept; a rerun resumes from the latest."""
-    return ray.train.CheckpointConfig(num_to_keep=1, checkpoint_score_attribute="val_acc", checkpoint_score_order="max")
+    """The two best checkpoints by validation accuracy and the latest are kept; a rerun resumes from the
+    latest, or where that one is damaged from the newest complete one (training/worker/loop.py restore):
+    two kept means there is always another once two epochs are done."""
+    return ray.train.CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="val_acc", checkpoint_score_order="max")

@@ -56,7 +56,8 @@ class RunRecord:
     """The run so far: its epochs, the epochs at which attempts resumed, the ranks (node, initial
     weights' digest), the data slots its verdicts were judged on (training/bounds.py DataSlots, as
     a dict), whether the console said the GPU's decoders fell back to the CPU, every rank's random
-    generators (training/worker/learner.py rng_state), and the --epochs its schedule was built for."""
+    generators (training/worker/learner.py rng_state), the --epochs its schedule was built for, and
+    the damaged checkpoints a resume passed over."""
 
     epochs: list[EpochRecord]
     resumed_at_epochs: list[int]
@@ -65,6 +66,7 @@ class RunRecord:
     said_fallback: bool = False
     rng: list = dataclasses.field(default_factory=list)
     schedule_epochs: int = 0
+    passed_over: list = dataclasses.field(default_factory=list)  # damaged checkpoints' folders, passed over on resume
 
     @classmethod
     def fresh(cls) -> RunRecord:

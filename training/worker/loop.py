@@ -15,9 +15,9 @@ random streams, the stall checks.
 from __future__ import annotations
 
 import functools
-import os
 import time
 
+import pyarrow.fs as pafs
 import ray
 import ray.train
 import ray.train.torch
@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from augment.decode import DECODE_PLACES
 from augment.mix import mix_generator
+from training import storage
 from training.bounds import COSTS, DECODED_ON
 from training.config import TrainConfig
 from training.console import quiet_worker_logs
@@ -46,7 +47,7 @@ from training.worker.learner import (
     seed_rank,
     set_rng_state,
 )
-from training.worker.report import CHECKPOINT_FILE, epoch_record, inner_rate, report, write_records
+from training.worker.report import DamagedCheckpoint, epoch_record, inner_rate, load_checkpoint, report, write_records
 
 # --------------------------------------------------------------------------- a step, an epoch
 
@@ -286,7 +287,7 @@ def train_loop(config: dict) -> None:
     quiet_worker_logs(cfg.verbose)
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = setup_worker(cfg, spec.threads_per_worker)
-    run, learner_state, resumed_from = restore(cfg, device)
+    run, learner_state, resumed_from, passed_over = restore(cfg, device)
     first, last = run.last_epoch + 1, last_epoch(cfg, run.last_epoch + 1)
     data = EpochData(spec, rank, device)
     feed = data.feed(first) if first < last else None  # the first batch is on its way while the model builds
@@ -297,6 +298,8 @@ def train_loop(config: dict) -> None:
     if feed is not None:
         feed.watch = data.watch
     resumed = resume_or_seed(learner, run, learner_state, resumed_from, rank, world)
+    if passed_over and rank == 0:
+        say(spec.status, passed_over)
     if resumed and rank == 0:
         say(spec.status, resumed)
         spec.status.checkpointed.remote(resumed_from)  # what a stop before the next checkpoint resumes from
@@ -326,15 +329,25 @@ def setup_worker(cfg: TrainConfig, threads: int) -> torch.device:
     return device
 
 
-def restore(cfg: TrainConfig, device: torch.device) -> tuple[RunRecord, dict | None, str | None]:
-    """The last checkpoint's records and learner state and where it lies, or a fresh record, None
-    and None. A resumed run knows where to start before anything else: that decides the first
-    epoch's data. A checkpoint of another version of this job is CheckpointMismatch, one line."""
-    checkpoint = ray.train.get_checkpoint()
-    if not checkpoint:
-        return RunRecord.fresh(), None, None
-    with checkpoint.as_directory() as d:
-        state = torch.load(os.path.join(d, CHECKPOINT_FILE), map_location=device, weights_only=True)
+def restore(cfg: TrainConfig, device: torch.device) -> tuple[RunRecord, dict | None, str | None, str | None]:
+    """The newest complete checkpoint's records and learner state and where it lies, or a fresh
+    record, None and None; and the line that names the damaged checkpoints passed over (None: none).
+    A resumed run knows where to start before anything else: that decides the first epoch's data.
+    A checkpoint of another version of this job is CheckpointMismatch, one line."""
+    damaged, state, where = [], None, None
+    for checkpoint in resume_candidates(cfg.run_dir):
+        try:
+            with checkpoint.as_directory() as d:
+                state = load_checkpoint(d, map_location=device)
+            where = checkpoint.path
+            break
+        except DamagedCheckpoint as e:
+            damaged.append((checkpoint.path.rstrip("/").rsplit("/", 1)[-1], str(e)))
+    note = passed_over_line(damaged, where)
+    if state is None:
+        run = RunRecord.fresh()
+        run.passed_over += [name for name, _ in damaged]
+        return run, None, None, note
     try:
         run = RunRecord.from_state(state.get("records") if isinstance(state, dict) else None)
     except StaleRecords as e:
@@ -342,7 +355,32 @@ def restore(cfg: TrainConfig, device: torch.device) -> tuple[RunRecord, dict | N
             f"the last checkpoint of --name {cfg.name} was written by another version of this job ({e}); rerun "
             "with --fresh to start over"
         ) from None
-    return run, state["learner"], checkpoint.path
+    run.passed_over += [name for name, _ in damaged]
+    return run, state["learner"], where, note
+
+
+def resume_candidates(run_dir: str):
+    """Ray Train's checkpoint to resume from first, then the other checkpoint folders of the run,
+    newest epoch first (where the latest is damaged, the next one)."""
+    latest = ray.train.get_checkpoint()
+    if not latest:
+        return
+    yield latest
+    fs, path, _ = storage.filesystem(run_dir)
+    found = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    names = sorted((i.base_name for i in found if i.base_name.startswith("checkpoint_epoch_")), reverse=True)
+    for name in names:
+        candidate = f"{path}/{name}"
+        if candidate.rstrip("/") != latest.path.rstrip("/"):
+            yield ray.train.Checkpoint(candidate, filesystem=fs)
+
+
+def passed_over_line(damaged: list[tuple[str, str]], where: str | None) -> str | None:
+    if not damaged:
+        return None
+    names = "; ".join(f"{name} ({why})" for name, why in damaged)
+    then = f"resuming from {where.rstrip('/').rsplit('/', 1)[-1]}" if where else "no complete checkpoint: starting over"
+    return f"note: passed over damaged checkpoint {names}; {then}"
 
 
 def last_epoch(cfg: TrainConfig, first: int) -> int:

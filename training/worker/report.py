@@ -6,6 +6,8 @@ Train (report). Per epoch, never per batch: the batch's bookkeeping is loop.py's
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import tempfile
 
@@ -20,6 +22,12 @@ from training.spec import WorkerSpec
 from training.status import say
 
 CHECKPOINT_FILE = "checkpoint.pt"
+CHECKPOINT_SEAL = "checkpoint.json"  # the size and digest of CHECKPOINT_FILE, written after it
+
+
+class DamagedCheckpoint(ValueError):
+    """A checkpoint whose file is missing, cut short or changed since it was written."""
+
 
 # wall-clock, never deterministic: timings.csv's, not metrics.csv's
 TIMING_COLUMNS = (
@@ -111,10 +119,61 @@ def report(run: RunRecord, learner_state: dict | None, epoch: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = None
         if learner_state is not None:
-            torch.save({"records": run.to_state(), "learner": learner_state}, os.path.join(tmp, CHECKPOINT_FILE))
+            save_checkpoint(tmp, {"records": run.to_state(), "learner": learner_state})
             ckpt = ray.train.Checkpoint.from_directory(tmp)
         metrics = last.metrics | last.timings
-        ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=f"checkpoint_epoch_{epoch + 1:04d}")
+        ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=checkpoint_name(epoch, tuple(run.passed_over)))
+
+
+def checkpoint_name(epoch: int, passed_over: tuple[str, ...] = ()) -> str:
+    """The folder of epoch `epoch`'s checkpoint (0-based). An epoch trained again after its checkpoint
+    was found damaged gets a folder of its own: Ray Train still lists the damaged one, and removes
+    its folder when it drops it."""
+    name = f"checkpoint_epoch_{epoch + 1:04d}"
+    again = sum(1 for p in passed_over if p == name or p.startswith(f"{name}_again"))
+    return f"{name}_again{again}" if again else name
+
+
+def save_checkpoint(folder: str, state: dict) -> None:
+    """CHECKPOINT_FILE, then its seal (size and SHA-256): a file cut short by a crash or a full disk, or
+    a seal missing, is found on load instead of failing deep inside torch.load."""
+    path = os.path.join(folder, CHECKPOINT_FILE)
+    torch.save(state, path)
+    seal = {"file": CHECKPOINT_FILE, "bytes": os.path.getsize(path), "sha256": file_digest(path)}
+    with open(os.path.join(folder, CHECKPOINT_SEAL), "w") as f:
+        json.dump(seal, f)
+
+
+def load_checkpoint(folder: str, map_location) -> dict:
+    """The state in a checkpoint folder, once its file matches its seal; DamagedCheckpoint (why) if not.
+    A checkpoint of a version before seals is taken where torch reads it whole."""
+    path = os.path.join(folder, CHECKPOINT_FILE)
+    try:
+        size = os.path.getsize(path)
+        with open(os.path.join(folder, CHECKPOINT_SEAL)) as f:
+            seal = json.load(f)
+    except FileNotFoundError as e:
+        if e.filename != os.path.join(folder, CHECKPOINT_SEAL):
+            raise DamagedCheckpoint(f"no {CHECKPOINT_FILE}") from None
+        seal = None
+    except (OSError, ValueError) as e:
+        raise DamagedCheckpoint(f"its seal does not read: {getattr(e, 'strerror', None) or e}") from None
+    if seal is not None and size != seal.get("bytes"):
+        raise DamagedCheckpoint(f"{CHECKPOINT_FILE} has {size} of its {seal.get('bytes')} bytes")
+    if seal is not None and file_digest(path) != seal.get("sha256"):
+        raise DamagedCheckpoint(f"{CHECKPOINT_FILE} changed since it was written (its SHA-256 differs)")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except (RuntimeError, EOFError, ValueError, OSError) as e:  # torch's zip reader, the unpickler
+        raise DamagedCheckpoint(f"{CHECKPOINT_FILE} does not read: {str(e).splitlines()[0][:120]}") from None
+
+
+def file_digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def format_row(row: dict, epochs: int, show_size: bool = False) -> str:

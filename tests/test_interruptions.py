@@ -1,0 +1,119 @@
+"""Every way a run can stop resumes with the same command: SIGTERM (what `ray job stop` or a
+scheduler sends) and `kill -9` of the driver's process group, each followed by the same command
+reaching the last epoch with coverage exact and no process of the first attempt left; and a
+damaged last checkpoint passed over with one line. (Ctrl-C: tests/test_faults.py, on S3.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import TEST_STEM, prepare, registered_checkpoint, write_tree
+from training import job
+from training.config import TrainConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def small_tree(tmp_path_factory):
+    return write_tree(tmp_path_factory.mktemp("stops"), {"a": 32, "b": 32})
+
+
+def _args(data: Path, runs: Path, epochs: int = 3) -> list[str]:
+    return [
+        *(sys.executable, "-m", "jobs.train", "--data", str(data), "--epochs", str(epochs)),
+        *("--batch-size", "16", "--small-stem", TEST_STEM, "--storage-path", str(runs), "--name", "stopped"),
+    ]
+
+
+def _descendants(pid: int) -> set[int]:
+    try:
+        return {p.pid for p in psutil.Process(pid).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def _alive(pids: set[int]) -> set[int]:
+    def up(pid):
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    return {p for p in pids if up(p)}
+
+
+@pytest.mark.parametrize("how", ["sigterm", "kill-9-group"])
+def test_a_stopped_run_resumes_with_the_same_command(ray_cluster, small_tree, tmp_path, how):
+    runs = tmp_path / "runs"
+    args = _args(small_tree, runs)
+    env = {**os.environ, "RAY_ADDRESS": ""}  # a plain local run: its own cluster
+    first = subprocess.Popen(
+        args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    deadline = time.time() + 300
+    while registered_checkpoint(runs / "stopped") != "checkpoint_epoch_0001" and first.poll() is None:
+        assert time.time() < deadline, "no checkpoint in 300 s"
+        time.sleep(0.2)
+    assert first.poll() is None, first.stdout.read()[-3000:]
+    ours = _descendants(first.pid)
+    assert ours  # its embedded cluster's processes
+    if how == "sigterm":
+        # a second run with the same name, --fresh included, is refused and touches nothing
+        second = subprocess.run([*args, "--fresh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
+        assert f"is in use by a running jobs.train (pid {first.pid} on " in second.stderr, second.stderr
+        assert "Traceback" not in second.stderr and (runs / "stopped" / "checkpoint_epoch_0001").is_dir()
+        first.send_signal(signal.SIGTERM)
+        out, _ = first.communicate(timeout=180)
+        assert first.returncode == 143, out[-3000:]
+        assert "stopped: terminated (SIGTERM); the last checkpoint is checkpoint_epoch_000" in out, out[-2000:]
+        assert "to resume: " in out and "SIGTERM received" not in out, out[-2000:]  # no stack dump from Ray
+    else:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.communicate(timeout=60)
+    deadline = time.time() + 60
+    while _alive(ours) and time.time() < deadline:  # its cluster and workers went with it
+        time.sleep(0.5)
+    assert not _alive(ours), [psutil.Process(p).cmdline()[:3] for p in _alive(ours)]
+
+    again = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    summary = json.loads((runs / "stopped" / "summary.json").read_text())
+    assert summary["epochs"] == 3 and summary["resumed_at_epochs"], summary["resumed_at_epochs"]
+    assert all(c["exactly_once"] for c in summary["coverage"]), summary["coverage"]
+    assert "took over the lease" not in again.stdout or how == "kill-9-group"
+
+
+def test_a_damaged_last_checkpoint_is_passed_over_in_one_line(ray_cluster, small_tree, tmp_path):
+    """checkpoint.pt of the last epoch cut in half (a crash or a full disk mid-write): the same command
+    resumes from the newest complete checkpoint, says which one it passed over, and never needs --fresh."""
+    cfg = TrainConfig(
+        data=str(small_tree), epochs=3, stop_after=2, batch_size=16, storage_path=str(tmp_path), name="torn"
+    )
+    job.run(*prepare(cfg), log=lambda *a: None, own_cluster=True)
+    torn = tmp_path / "torn" / "checkpoint_epoch_0002" / "checkpoint.pt"
+    size = torn.stat().st_size
+    with open(torn, "r+b") as f:
+        f.truncate(size // 2)
+    lines = []
+    summary = job.run(*prepare(dataclasses.replace(cfg, stop_after=0)), log=lines.append, own_cluster=True)
+    said = [line for line in lines if line.startswith("note: passed over")]
+    assert said == [
+        f"note: passed over damaged checkpoint checkpoint_epoch_0002 (checkpoint.pt has {size // 2} of its {size} "
+        "bytes); resuming from checkpoint_epoch_0001"
+    ], lines
+    assert summary["epochs"] == 3 and summary["resumed_at_epochs"] == [2]
+    assert all(c["exactly_once"] for c in summary["coverage"])
+    # epoch 2 trained again into a folder of its own: Ray Train still lists the damaged one
+    assert (tmp_path / "torn" / "checkpoint_epoch_0002_again1" / "checkpoint.pt").exists()
