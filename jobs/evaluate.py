@@ -15,6 +15,8 @@ import sys
 from jobs.predict import add_inference_arguments
 from training.config import FlagParser, error_line
 
+OUTPUTS = ("confusion.png", "per_class.csv", "predictions.csv")  # what an evaluation writes into --out
+
 
 def parse(argv=None):
     ap = FlagParser(prog="python -m jobs.evaluate", description=__doc__.split("\n")[0])
@@ -54,6 +56,12 @@ def main(argv=None) -> int:
                 "(use jobs.predict for unlabelled images)"
             )
         storage.check_writable(out, "--out")
+        there = [f for f in OUTPUTS if artifacts.exists(artifacts.join(out, f))]
+        if there and not args.overwrite:
+            raise storage.StorageError(
+                f"--out {out} holds {', '.join(there)} already (an earlier evaluation's?); nothing was written; give "
+                "another --out, or --overwrite to replace them"
+            )
     except (inference.ModelFileError, DataError, storage.StorageError) as e:
         print(error_line(e), file=sys.stderr)
         return 2

@@ -38,6 +38,11 @@ def add_inference_arguments(ap: argparse.ArgumentParser) -> None:
         choices=("auto", "cpu", "cuda"),
         help="auto: cuda if the cluster has GPUs (one GPU per actor), else cpu (default: auto)",
     )
+    ap.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace output files that exist already (default: an existing output is refused, nothing written)",
+    )
 
 
 def parse(argv=None):
@@ -65,6 +70,11 @@ def main(argv=None) -> int:
         if artifacts.is_dir(args.out):  # else found only after the whole inference, a temporary file left behind
             out = args.out.rstrip("/")
             raise storage.StorageError(f"--out {out}: a folder; give a file to write, e.g. {out}/predictions.csv")
+        if artifacts.exists(args.out) and not args.overwrite:
+            raise storage.StorageError(
+                f"--out {args.out} exists already; nothing was written; give another --out, or --overwrite to "
+                "replace it"
+            )
     except (inference.ModelFileError, DataError, storage.StorageError) as e:
         print(error_line(e), file=sys.stderr)
         return 2

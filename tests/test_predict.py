@@ -46,7 +46,9 @@ def test_predict_writes_one_row_per_image_and_the_accuracy_of_the_csv(ray_cluste
 
     model, data = model_and_tree
     out = tmp_path / "predictions.csv"
-    assert main(["--model", str(model), "--data", str(data), "--out", str(out), "--batch-size", "8"]) == 0
+    out.write_text("an older result\n")  # replaced only because --overwrite says so (the refusal: below)
+    argv = ["--model", str(model), "--data", str(data), "--out", str(out), "--batch-size", "8", "--overwrite"]
+    assert main(argv) == 0
     printed = capsys.readouterr().out
     rows = _csv(out)
     files = sorted(str(p.relative_to(data)) for p in data.rglob("*.png"))
@@ -117,7 +119,9 @@ def test_evaluate_on_a_prepared_directory(ray_cluster, s3, model_and_tree, tmp_p
     labelled_only = shutil.copytree(data, tmp_path / "labelled", ignore=shutil.ignore_patterns("unsorted"))
     assert prepare([str(labelled_only), str(tmp_path / "prep")]) == 0
     out = tmp_path / "eval"
-    assert main(["--model", str(model), "--data", str(tmp_path / "prep"), "--out", str(out)]) == 0
+    out.mkdir()
+    (out / "predictions.csv").write_text("an older evaluation\n")
+    assert main(["--model", str(model), "--data", str(tmp_path / "prep"), "--out", str(out), "--overwrite"]) == 0
     printed = capsys.readouterr().out
     assert (out / "confusion.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = _csv(out / "predictions.csv")
@@ -213,3 +217,29 @@ def test_predict_out_naming_a_folder_is_one_line_before_ray(model_and_tree, tmp_
     out = tmp_path / "results"
     assert err == f"error: --out {out}: a folder; give a file to write, e.g. {out}/predictions.csv\n"
     assert os.listdir(out) == []
+
+
+@pytest.mark.parametrize("module", ["jobs.predict", "jobs.evaluate"])
+def test_an_existing_output_is_kept_and_refused_in_one_line_before_ray(
+    module, model_and_tree, tmp_path, capsys, monkeypatch
+):
+    """The user's files are never replaced without a word: an existing --out (predict's CSV, any of
+    evaluate's three files) is refused before Ray unless --overwrite is given (the tests above)."""
+    import importlib
+
+    from training import session
+
+    monkeypatch.setattr(session, "connect", lambda *a, **k: pytest.fail("Ray was started"))
+    model, data = model_and_tree
+    if module == "jobs.predict":
+        out, mine = tmp_path / "mine.csv", tmp_path / "mine.csv"
+        expected = f"error: --out {out} exists already; nothing was written; give another --out, or --overwrite"
+    else:
+        out, mine = tmp_path / "eval", tmp_path / "eval" / "per_class.csv"
+        out.mkdir()
+        expected = f"error: --out {out} holds per_class.csv already (an earlier evaluation's?); nothing was written"
+    mine.write_text("my own results\n")
+    assert importlib.import_module(module).main(["--model", str(model), "--data", str(data), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(expected), err
+    assert mine.read_text() == "my own results\n"
