@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -66,6 +67,8 @@ def test_a_stopped_run_resumes_with_the_same_command(ray_cluster, small_tree, tm
         assert time.time() < deadline, "no checkpoint in 300 s"
         time.sleep(0.2)
     assert first.poll() is None, first.stdout.read()[-3000:]
+    pause = random.Random().uniform(0, 3)  # a random step of epoch 2: the stop may come anywhere in it
+    time.sleep(pause)
     ours = _descendants(first.pid)
     assert ours  # its embedded cluster's processes
     if how == "sigterm":
@@ -88,11 +91,14 @@ def test_a_stopped_run_resumes_with_the_same_command(ray_cluster, small_tree, tm
     assert not _alive(ours), [psutil.Process(p).cmdline()[:3] for p in _alive(ours)]
 
     again = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert again.returncode == 0, (
+        f"stopped {pause:.2f} s after the first checkpoint: " + again.stdout[-3000:] + again.stderr[-3000:]
+    )
     summary = json.loads((runs / "stopped" / "summary.json").read_text())
     assert summary["epochs"] == 3 and summary["resumed_at_epochs"], summary["resumed_at_epochs"]
-    assert all(c["exactly_once"] for c in summary["coverage"]), summary["coverage"]
-    assert "took over the lease" not in again.stdout or how == "kill-9-group"
+    assert all(c["exactly_once"] for c in summary["coverage"]), (pause, summary["coverage"])
+    # a killed owner never released its lease: the rerun says it took it over; a stopped one did
+    assert ("took over the lease of pid" in again.stdout) == (how == "kill-9-group"), again.stdout[-2000:]
 
 
 def test_a_damaged_last_checkpoint_is_passed_over_in_one_line(ray_cluster, small_tree, tmp_path):
@@ -117,3 +123,50 @@ def test_a_damaged_last_checkpoint_is_passed_over_in_one_line(ray_cluster, small
     assert all(c["exactly_once"] for c in summary["coverage"])
     # epoch 2 trained again into a folder of its own: Ray Train still lists the damaged one
     assert (tmp_path / "torn" / "checkpoint_epoch_0002_again1" / "checkpoint.pt").exists()
+
+
+def test_a_checkpoint_is_read_only_where_it_matches_its_seal(tmp_path):
+    """training/worker/report.py: the seal finds a file cut short or changed; a checkpoint of a version
+    before seals is read where torch reads it whole."""
+    import torch
+
+    from training.worker.report import CHECKPOINT_SEAL, DamagedCheckpoint, load_checkpoint, save_checkpoint
+
+    save_checkpoint(str(tmp_path), {"learner": {"w": torch.arange(1000)}})
+    assert load_checkpoint(str(tmp_path), "cpu")["learner"]["w"].sum() == 499500
+    path = tmp_path / "checkpoint.pt"
+    data = path.read_bytes()
+    path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one bit
+    with pytest.raises(DamagedCheckpoint, match="changed since it was written"):
+        load_checkpoint(str(tmp_path), "cpu")
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(DamagedCheckpoint, match=rf"has {len(data) // 2} of its {len(data)} bytes"):
+        load_checkpoint(str(tmp_path), "cpu")
+    (tmp_path / CHECKPOINT_SEAL).unlink()  # as versions before seals wrote it: torch's own reader decides
+    with pytest.raises(DamagedCheckpoint, match="checkpoint.pt does not read: "):
+        load_checkpoint(str(tmp_path), "cpu")
+    path.write_bytes(data)
+    assert load_checkpoint(str(tmp_path), "cpu")["learner"]["w"].sum() == 499500
+    path.unlink()
+    with pytest.raises(DamagedCheckpoint, match="no checkpoint.pt"):
+        load_checkpoint(str(tmp_path), "cpu")
+
+
+def test_a_run_whose_only_checkpoint_is_damaged_starts_over_with_one_line(tmp_path, monkeypatch):
+    import ray.train
+    import torch
+
+    from training.worker import loop
+    from training.worker.report import save_checkpoint
+
+    folder = tmp_path / "only" / "checkpoint_epoch_0001"
+    folder.mkdir(parents=True)
+    save_checkpoint(str(folder), {"records": {}, "learner": {}})
+    (folder / "checkpoint.pt").write_bytes(b"")
+    monkeypatch.setattr(loop.ray.train, "get_checkpoint", lambda: ray.train.Checkpoint(str(folder)))
+    cfg = TrainConfig(storage_path=str(tmp_path), name="only")
+    run, state, where, note = loop.restore(cfg, torch.device("cpu"))
+    assert run.last_epoch == -1 and state is None and where is None
+    assert run.passed_over == ["checkpoint_epoch_0001"]  # epoch 1's next checkpoint gets a folder of its own
+    assert note.startswith("note: passed over damaged checkpoint checkpoint_epoch_0001 (checkpoint.pt has 0 of its")
+    assert note.endswith("; no complete checkpoint: starting over")
