@@ -170,3 +170,35 @@ def test_a_run_whose_only_checkpoint_is_damaged_starts_over_with_one_line(tmp_pa
     assert run.passed_over == ["checkpoint_epoch_0001"]  # epoch 1's next checkpoint gets a folder of its own
     assert note.startswith("note: passed over damaged checkpoint checkpoint_epoch_0001 (checkpoint.pt has 0 of its")
     assert note.endswith("; no complete checkpoint: starting over")
+
+
+@pytest.fixture()
+def small_disk(tmp_path):
+    """A filesystem of 150 MB of its own (a tmpfs; mounting one needs root): room for one checkpoint of
+    the tests' ResNet18 (about 90 MB with its optimiser state), not two."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=150m", "tmpfs", str(disk)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"a full disk needs a small filesystem of its own, and mounting a tmpfs failed here: {made.stderr}")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_full_disk_stops_the_run_in_one_line_and_the_same_command_resumes_once_there_is_room(
+    ray_cluster, small_tree, small_disk, capsys
+):
+    from jobs.train import main
+
+    argv = ["--data", str(small_tree), "--epochs", "3", "--batch-size", "16", "--small-stem", TEST_STEM]
+    argv += ["--storage-path", str(small_disk / "runs"), "--name", "full", "--quiet", "--max-failures", "1"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "No space left on device" in lines[0] and "Traceback" not in err, err[-3000:]
+    assert registered_checkpoint(small_disk / "runs" / "full") == "checkpoint_epoch_0001"
+    subprocess.run(["mount", "-o", "remount,size=700m", str(small_disk)], check=True)  # room again
+    assert main(argv) == 0, capsys.readouterr().err[-3000:]
+    summary = json.loads((small_disk / "runs" / "full" / "summary.json").read_text())
+    assert summary["epochs"] == 3 and summary["resumed_at_epochs"] == [2]
+    assert all(c["exactly_once"] for c in summary["coverage"]), summary["coverage"]

@@ -160,6 +160,25 @@ def error_detail(error: BaseException) -> str:
     return "\n".join(parts)
 
 
+FULL = ("No space left on device", "Disk quota exceeded")  # ENOSPC's and EDQUOT's words, in any layer's message
+
+
+def storage_full(error: BaseException) -> str | None:
+    """The words of a full disk or quota in a failed attempt (its ranks' exceptions and tracebacks),
+    or None: a run whose checkpoint cannot be written fails the same way on every restart."""
+    text = f"{error}\n{error_detail(error)}"
+    return next((words for words in FULL if words in text), None)
+
+
+def full_storage_line(storage_path: str, words: str, checkpoint: str | None) -> str:
+    resume = (
+        f"the same command resumes from {checkpoint.rstrip('/').rsplit('/', 1)[-1]}"
+        if checkpoint
+        else "the same command starts it again"
+    )
+    return f"training failed: {storage_path}: {words} (writing the run's files); make room there, then {resume}"
+
+
 class FaultLog:
     """The faults of this invocation: the console's lines, faults.log in the run directory (each
     fault with its full detail, after those of earlier invocations) and summary.json's list."""
@@ -184,7 +203,11 @@ class FaultLog:
             entry += node_deaths(lost) + "\n"
         entry += error_detail(error) + "\n\n"
         old = artifacts.read_bytes(self.path).decode() if artifacts.exists(self.path) else ""
-        artifacts.write_bytes(self.path, (old + entry).encode())
+        try:
+            artifacts.write_bytes(self.path, (old + entry).encode())
+        except OSError as e:  # a full disk: the fault is still told, on the console
+            if not any(words in str(e) for words in FULL):
+                raise
 
     def give_up(self, fault: Fault) -> str | None:
         """Why the run stops after `fault` (one line), or None: restart. An error that comes back

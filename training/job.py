@@ -28,7 +28,17 @@ from training import artifacts, lease, ray_private
 from training.bounds import DataSlots
 from training.config import ConfigError, TrainConfig
 from training.console import ConsoleFollower, data_gone
-from training.faults import CheckpointNotice, FaultLog, alive_nodes, describe, driver_actor, lost_nodes
+from training.faults import (
+    FULL,
+    CheckpointNotice,
+    FaultLog,
+    alive_nodes,
+    describe,
+    driver_actor,
+    full_storage_line,
+    lost_nodes,
+    storage_full,
+)
 from training.forms.data import DataError, ImageTree
 from training.ingest import DecodePlan, SplitValUnequally, augment_rows, build_datasets, choose_decode
 from training.inputs import auto_preset, data_place, few_steps_warning, sized_preset
@@ -100,6 +110,14 @@ def run(
     the per-epoch progress bar is drawn (a terminal; None: no bar); the epoch lines go to `log`."""
     try:
         return _run(cfg, tree, preset, log, launched_at or time.time(), own_cluster, stall, bar_stream)
+    except OSError as e:  # the driver's own files (faults.log, the results) on a full disk: one line too
+        words = next((w for w in FULL if w in str(e)), None)
+        if words is None:
+            raise
+        raise TrainingFailed(
+            f"training failed: {cfg.storage_path}: {words} ({e}); make room there, then the same command resumes "
+            "from the run's last checkpoint"
+        ) from None
     finally:
         lease.release(cfg.run_dir)  # however the run ends, its folder is free for the next (training/lease.py)
 
@@ -359,6 +377,9 @@ def _after_fault(attempt: Attempt, plan: ResourcePlan, error, nodes: dict, fault
     checkpoint = ray.get(status.last_checkpoint.remote())
     fault = describe(error, lost, progress, checkpoint, plan.batch_per_worker(cfg.batch_size))
     faults.add(fault, error, lost)
+    full = storage_full(error)
+    if full:  # every restart would fail writing the same way
+        raise TrainingFailed(full_storage_line(cfg.storage_path, full, checkpoint))
     own = worker_error(error, own_only=True)
     if own:  # the train loop's own verdict (a stall, a stale batch, a checkpoint that does not fit), or the data gone
         raise TrainingFailed(f"training failed: {own}")
