@@ -108,3 +108,25 @@ def test_a_loss_that_turns_non_finite_exits_1_with_one_line_and_no_model(ray_clu
     assert code == 1, err[-3000:]
     assert line.startswith("error: training failed: the training loss became non-finite (nan or inf) at step "), line
     assert "lower --lr" in line and not (tmp_path / "nan" / "model.pt").exists()
+
+
+def test_ray_that_does_not_start_is_one_line_and_exit_1(small_tree, tmp_path, capsys, monkeypatch):
+    """ray.init's own failures (a node that timed out starting on a loaded machine, an address with no
+    cluster) are a fault outside the job: one line naming what was asked and where to look."""
+    from training import session
+
+    def fails(*args, **kwargs):
+        raise Exception("The current node timed out during startup. This could happen because ...\nmore")
+
+    monkeypatch.setattr(session, "connect", fails)
+    monkeypatch.setattr("jobs.train.connect", fails)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    code, err = _main(["--data", str(small_tree), "--storage-path", str(tmp_path), "--name", "r", "--quiet"], capsys)
+    assert code == 1 and err.count("\n") == 1, err
+    assert err == (
+        "error: Ray did not start: The current node timed out during startup. This could happen because ...; its "
+        "logs are in /tmp/ray/session_latest/logs; on a busy machine a second try often starts\n"
+    )
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.9:6379")
+    code, err = _main(["--data", str(small_tree), "--storage-path", str(tmp_path), "--name", "r", "--quiet"], capsys)
+    assert code == 1 and "Ray did not start: joining RAY_ADDRESS=10.0.0.9:6379: The current node" in err, err
