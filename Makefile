@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make run    create .venv if needed, then train on the bundled default data
 #   make test   create .venv if needed, then lint (ruff) and run the test suite
+#   make test-fast  lint and the tests that need no Ray cluster: the edit-test loop
 #   make bench  augment-stage img/s against the seed's torchvision pipeline (not a test)
 #   make bench-train  end-to-end training img/s: jobs.train vs the seed's plain script vs synthetic batches
 PYTHON ?= python3
@@ -9,7 +10,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: run test bench bench-train clean venv
+.PHONY: run test test-fast bench bench-train clean venv
 
 venv: $(STAMP)
 
@@ -35,6 +36,11 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(BYTECODE)
 	$(PY) -m pytest -q --durations=10 tests $(ARGS)
+
+test-fast: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(BYTECODE)
+	$(PY) -m pytest -q --durations=10 -m "not ray" tests $(ARGS)
 
 bench: $(STAMP)
 	$(PY) -m bench.augment $(ARGS)

@@ -176,9 +176,16 @@ def gpu_node(ray_cluster, request):
     cluster.wait_for_nodes()
 
 
+RAY_FIXTURES = {"ray_cluster", "own_cluster", "gpu_node"}  # a test that asks for one of these runs Ray
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `own_cluster` start and stop whole Ray clusters (`ray start`, `ray stop`),
-    which would take the shared cluster down with them: they run last, after it is stopped."""
+    which would take the shared cluster down with them: they run last, after it is stopped.
+    A test that needs a Ray cluster is marked `ray` (`make test-fast` leaves those out)."""
+    for item in items:
+        if RAY_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("own_cluster"):
+            item.add_marker(pytest.mark.ray)
     items.sort(key=lambda item: item.get_closest_marker("own_cluster") is not None)
 
 
