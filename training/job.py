@@ -28,6 +28,7 @@ from training import artifacts, lease, ray_private
 from training.bounds import DataSlots
 from training.config import ConfigError, TrainConfig
 from training.console import ConsoleFollower, data_gone
+from training.epochs import EpochFollower
 from training.faults import (
     FULL,
     CheckpointNotice,
@@ -101,15 +102,18 @@ def run(
     own_cluster: bool = False,
     stall: StallLimits | None = None,
     bar_stream=None,
+    callbacks: tuple | list = (),
 ) -> dict:
     """Train on a connected Ray cluster; returns the summary written to summary.json.
     `launched_at` (a time.time() value, e.g. process_started_at()) is when start-up began;
     summary.json's startup_s and wall_s count from it (default: now). `own_cluster`: the
     cluster was started by this process and ends with it. `stall`: how long a train worker
     waits for a batch before it asks Ray why (training/worker/feed.py, IngestWatch). `bar_stream`: where
-    the per-epoch progress bar is drawn (a terminal; None: no bar); the epoch lines go to `log`."""
+    the per-epoch progress bar is drawn (a terminal; None: no bar); the epoch lines go to `log`.
+    `callbacks`: called on the driver with each epoch's record (training/epochs.py)."""
     try:
-        return _run(cfg, tree, preset, log, launched_at or time.time(), own_cluster, stall, bar_stream)
+        start = launched_at or time.time()
+        return _run(cfg, tree, preset, log, start, own_cluster, stall, bar_stream, tuple(callbacks))
     except OSError as e:  # the driver's own files (faults.log, the results) on a full disk: one line too
         words = next((w for w in FULL if w in str(e)), None)
         if words is None:
@@ -122,7 +126,7 @@ def run(
         lease.release(cfg.run_dir)  # however the run ends, its folder is free for the next (training/lease.py)
 
 
-def _run(cfg, tree, preset, log, start, own_cluster, stall, bar_stream) -> dict:
+def _run(cfg, tree, preset, log, start, own_cluster, stall, bar_stream, callbacks) -> dict:
     preset = sized_preset(cfg, preset)
     run_dir = cfg.run_dir
     if cfg.deterministic:  # rows reach the trainer in file order, so batches are the same every run
@@ -162,6 +166,7 @@ def _run(cfg, tree, preset, log, start, own_cluster, stall, bar_stream) -> dict:
         autoscaling=capacity.autoscaling or not capacity.bounded,
         stall=stall or StallLimits(),
         own_cluster=own_cluster,
+        callbacks=callbacks,
     )
     try:
         datasets = attempt.datasets(plan, strict=cfg.strict)
@@ -206,6 +211,7 @@ class Attempt:
     autoscaling: bool  # the cluster may grow: the ingest watch only waits
     stall: StallLimits
     own_cluster: bool
+    callbacks: tuple = ()  # the driver's epoch callbacks (training/epochs.py)
 
     @property
     def resizes(self) -> bool:
@@ -230,6 +236,7 @@ class Attempt:
             stall=self.stall,
             clock=self.actors["clock"],
             status=self.actors["status"],
+            follow_epochs=bool(self.callbacks),
         )
 
     def trainer(self, plan: ResourcePlan, datasets: dict):
@@ -316,9 +323,15 @@ def _fit(
         stream=bar_stream,
         sizes=attempt.preset.train_sides(cfg.progressive_resize, cfg.epochs) if attempt.resizes else None,
     )
+    epochs = EpochFollower(
+        lambda seen: ray.get(status.records_since.remote(seen)),
+        lambda epoch, verdict: status.decide.remote(epoch, verdict),
+        attempt.callbacks,
+        warn=follower.say,
+    )
     built_for = plan
     try:
-        with follower:
+        with follower, epochs:
             while True:
                 if plan != built_for:
                     datasets, built_for = attempt.datasets(plan, strict=False), plan

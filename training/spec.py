@@ -76,6 +76,7 @@ class WorkerSpec:
     stall: StallLimits
     clock: Any  # the EpochClock actor (training/stage.py): rank 0 advances it before each epoch
     status: Any  # the RunStatus actor (training/status.py): progress and lines go to the driver through it
+    follow_epochs: bool = False  # the driver has epoch callbacks (training/epochs.py): wait for its verdict
 
     @property
     def num_classes(self) -> int:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 
 PROGRESS_INTERVAL_S = 0.5  # how often a rank posts its progress, and the driver redraws
+STOP = "stop"  # an epoch callback's verdict (training/epochs.py): end the run after this epoch
+VERDICT_POLL_S = 0.05  # how often the ranks ask for the driver's verdict on an epoch
 
 
 class RunStatus:
@@ -19,6 +21,8 @@ class RunStatus:
         self.ranks: dict[int, tuple[int, int, float]] = {}  # rank -> (epoch, images, loss sum) so far
         self.lines: list[tuple[int, str]] = []  # (epoch, line) in the order rank 0 finished them
         self.checkpoint: str | None = None  # the last checkpoint registered: where a restart resumes
+        self.records: list = []  # rank 0's EpochRecords, for the driver's epoch callbacks (training/epochs.py)
+        self.verdicts: dict[int, str] = {}  # epoch (1-based) -> the callbacks' verdict: STOP or "go"
 
     def post(self, rank: int, epoch: int, images: int, loss_sum: float) -> None:
         self.ranks[rank] = (epoch, images, loss_sum)
@@ -28,6 +32,18 @@ class RunStatus:
 
     def read(self, lines_seen: int) -> tuple[dict, list]:
         return self.ranks, self.lines[lines_seen:]
+
+    def record(self, record) -> None:
+        self.records.append(record)
+
+    def records_since(self, seen: int) -> list:
+        return self.records[seen:]
+
+    def decide(self, epoch: int, verdict: str) -> None:
+        self.verdicts[epoch] = verdict
+
+    def verdict(self, epoch: int) -> str | None:
+        return self.verdicts.get(epoch)
 
     def new_attempt(self) -> None:
         """The trainer (re)starts: the ranks' counts so far belong to the attempt that failed."""
@@ -87,6 +103,23 @@ def say(status, line: str, epoch: int = -1) -> None:
         ray.get(status.say.remote(epoch, line))
     except ray.exceptions.RayActorError:
         pass
+
+
+def driver_verdict(status, record, *, rank: int, timeout_s: float = 600.0) -> str:
+    """After an epoch, where the driver has epoch callbacks: rank 0 hands it the epoch's record, and
+    every rank waits for its verdict (STOP or "go"), so that all ranks end the run at the same epoch.
+    A driver that does not answer within `timeout_s` is taken as "go"."""
+    import ray
+
+    if rank == 0:
+        status.record.remote(record)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        verdict = ray.get(status.verdict.remote(record.epoch))
+        if verdict is not None:
+            return verdict
+        time.sleep(VERDICT_POLL_S)
+    return "go"
 
 
 class BadFileLog:

@@ -34,7 +34,7 @@ from training.records import KEY_MOD, RunRecord, StaleRecords
 from training.rows import EPOCH, IMAGE, KEY, LABEL
 from training.spec import WorkerSpec
 from training.stamp import check_stamp, refuse_stale, stale_rows
-from training.status import EpochProgress, say
+from training.status import STOP, EpochProgress, driver_verdict, say
 from training.worker.feed import EpochData, IngestWatch
 from training.worker.learner import (
     CheckpointMismatch,
@@ -318,6 +318,10 @@ def train_loop(config: dict) -> None:
         if rank == 0:
             write_records(spec, run)
         report(run, learner.state_dict() if rank == 0 else None, epoch)  # rank 0's checkpoint
+        if spec.follow_epochs and driver_verdict(spec.status, run.epochs[-1], rank=rank) == STOP:
+            if rank == 0:
+                say(spec.status, f"stopped after epoch {epoch + 1} by an epoch callback")
+            break
 
 
 def setup_worker(cfg: TrainConfig, threads: int) -> torch.device:

@@ -1,0 +1,87 @@
+"""training.fit, the job driven from Python (training/api.py): the guide's example as written, epoch
+callbacks (a stop rule, one that fails), and bad input raising the CLI's own line."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TEST_STEM, exits_2, write_tree
+from training import STOP, JobError, fit
+from training.records import EpochRecord
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _guide_example() -> str:
+    guide = (REPO / "docs" / "guide.md").read_text()
+    section = guide.split("### From Python", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S)[1]
+
+
+def test_the_guides_example_runs_as_written(ray_cluster, tmp_path, capsys, monkeypatch):
+    data = write_tree(tmp_path / "photos", {"cat": 10, "dog": 10})
+    code = _guide_example()
+    assert '"~/photos"' in code
+    monkeypatch.setenv("HOME", str(tmp_path))  # ~/photos is the tree above; runs/ goes under tmp_path
+    with contextlib.chdir(tmp_path):
+        exec(compile(code, "guide.md", "exec"), {})
+    printed = capsys.readouterr().out
+    epochs = re.findall(r"^epoch (\d): val_acc (\d\.\d{3})$", printed, re.M)
+    assert [int(e) for e, _ in epochs] == list(range(1, len(epochs) + 1)) and 1 <= len(epochs) <= 3, printed
+    result_line = printed.strip().splitlines()[-1]
+    best, model = result_line.split(" ", 1)
+    assert 0 <= float(best) <= 1 and model == str(tmp_path / "runs" / "photos-r18" / "model.pt")
+    assert Path(model).is_file() and data.is_dir()
+
+
+def test_callbacks_get_typed_records_a_stop_rule_ends_the_run_and_a_failing_one_costs_a_line(ray_cluster, tmp_path):
+    data = write_tree(tmp_path / "data", {"a": 8, "b": 8})
+    seen, lines = [], []
+
+    class Tracker:
+        def on_epoch_end(self, record):
+            seen.append(record)
+
+    def broken(record):
+        raise ValueError("the tracker's server is down")
+
+    def stop_at_two(record):
+        return STOP if record.epoch == 2 else None
+
+    config = {"data": str(data), "epochs": 4, "batch_size": 8, "small_stem": TEST_STEM}
+    config |= {"storage_path": str(tmp_path / "runs"), "name": "cb"}
+    result = fit(config, callbacks=[Tracker(), broken, stop_at_two], log=lines.append)
+    assert [r.epoch for r in seen] == [1, 2] and all(isinstance(r, EpochRecord) for r in seen)
+    assert seen[-1].metrics["val_acc"] == result.val_acc and result.epochs == 2
+    warned = [line for line in lines if line.startswith("warning: epoch callback")]
+    assert warned == [
+        "warning: epoch callback test_callbacks_get_typed_records_a_stop_rule_ends_the_run_and_a_failing_one_costs_a_"
+        "line.<locals>.broken failed at epoch 1 (ValueError: the tracker's server is down); the run goes on without it"
+    ], lines
+    assert "stopped after epoch 2 by an epoch callback" in lines
+    assert Path(result.model_path).is_file() and Path(result.best_model_path).is_file()
+    assert result.summary["epochs"] == 2 and result.run_dir == str(tmp_path / "runs" / "cb")
+
+
+def test_bad_input_raises_the_clis_line_never_exits(tmp_path, capsys, no_ray):
+    tree = write_tree(tmp_path / "data", {"a": 4, "b": 4})
+    args = {"data": str(tmp_path / "nowhere"), "storage_path": str(tmp_path / "runs"), "name": "r"}
+    with pytest.raises(JobError) as err:
+        fit(args)
+    assert err.value.exit_code == 2
+    cli = exits_2(["--data", args["data"], "--storage-path", args["storage_path"], "--name", "r"], capsys)
+    assert str(err.value) == cli.strip()
+    for config, words in (
+        ({"data": str(tree), "epoch": 3}, "fit: unknown setting 'epoch'; valid settings: "),
+        ({"data": str(tree), "epochs": "three"}, "--epochs: invalid int value: 'three'"),
+        (42, "fit: config is a int; give a TrainConfig, a dict or a YAML file's path"),
+        (str(tmp_path / "missing.yaml"), "--config"),
+    ):
+        with pytest.raises(JobError) as err:
+            fit(config)
+        assert err.value.exit_code == 2 and words in str(err.value), str(err.value)
+        assert str(err.value).startswith("error: ") and "\n" not in str(err.value)

@@ -1,0 +1,140 @@
+"""The job driven from Python: a notebook, a pipeline's step or a sweep's trial calls `fit` and gets
+a typed result back, with the checks, the run folder and the figures of `python -m jobs.train`.
+
+    from training import fit
+
+    result = fit({"data": "~/photos", "epochs": 10, "name": "photos-r18"},
+                 callbacks=[lambda record: print(record.epoch, record.metrics["val_acc"])])
+    print(result.best_val_acc, result.model_path)
+
+`config`: a TrainConfig, a dict of its fields (as a --config file has them), or the path of a YAML
+file. A mistake raises JobError with the line the CLI prints (`exit_code` 2 before training, 1 when
+training fails, 130/143 when stopped), never SystemExit. Callbacks are called on the driver after
+each epoch, in epoch order, with the epoch's typed record (training/records.py EpochRecord); one that
+returns STOP ends the run after that epoch, as --stop-after does (the same call resumes it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+from training.config import ConfigError, FlagParser, TrainConfig, add_arguments, error_line, parse_config
+from training.epochs import EpochCallback
+from training.status import STOP
+
+__all__ = ["fit", "RunResult", "JobError", "STOP", "EpochCallback"]
+
+
+class JobError(RuntimeError):
+    """The job refused or failed: `str(e)` is the CLI's one line, `exit_code` its exit code."""
+
+    def __init__(self, line: str, exit_code: int):
+        super().__init__(line)
+        self.exit_code = exit_code
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    """A finished (or --stop-after / STOP-ended) run: where it lies and its summary.json."""
+
+    run_dir: str
+    config: TrainConfig
+    summary: dict  # summary.json's figures
+    model_path: str  # model.pt: the last epoch's weights
+    best_model_path: str  # model_best.pt: the best validation accuracy's
+
+    @property
+    def epochs(self) -> int:
+        return int(self.summary["epochs"])
+
+    @property
+    def val_acc(self) -> float:
+        return float(self.summary["val_acc"])
+
+    @property
+    def best_val_acc(self) -> float:
+        return float(self.summary["best_val_acc"])
+
+
+class _Parser(FlagParser):
+    """jobs.train's flags, whose mistakes raise ConfigError instead of exiting."""
+
+    def exit(self, status=0, message=None):
+        raise ConfigError((message or "").strip().removeprefix("error: "))
+
+
+def as_config(config) -> TrainConfig:
+    """`config` as a TrainConfig, through the checks the CLI makes (ConfigError for a mistake)."""
+    if isinstance(config, TrainConfig):
+        return config
+    ap = _Parser(prog="training.fit")
+    ap.add_argument("--config")
+    add_arguments(ap)
+    if isinstance(config, (str, os.PathLike)):
+        return parse_config(ap, ["--config", os.fspath(config)])[0]
+    if not isinstance(config, dict):
+        raise ConfigError(f"fit: config is a {type(config).__name__}; give a TrainConfig, a dict or a YAML file's path")
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    argv = []
+    for key, value in config.items():
+        name = str(key).replace("-", "_")
+        if name not in fields:
+            raise ConfigError(f"fit: unknown setting {str(key)[:80]!r}; valid settings: {', '.join(sorted(fields))}")
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            argv += [flag, str(value)]
+    return parse_config(ap, argv)[0]
+
+
+def fit(config, callbacks: list[EpochCallback] | tuple = (), *, log=None) -> RunResult:
+    """Train as `python -m jobs.train` does with `config`; the run's lines go to `log` (default: print)."""
+    from augment.errors import PresetError
+    from training import lease
+    from training.forms.data import DataError
+    from training.inputs import prepare
+    from training.session import connect
+    from training.storage import StorageError
+
+    log = log or (lambda *a: print(*a, flush=True))
+    try:
+        cfg, tree, name, preset = prepare(as_config(config))
+    except (DataError, ConfigError, PresetError, StorageError) as e:
+        raise JobError(error_line(e), 2) from None
+    try:
+        return _train(cfg, tree, name, preset, list(callbacks), log, connect)
+    finally:
+        lease.release(cfg.run_dir)
+
+
+def _train(cfg, tree, name, preset, callbacks, log, connect) -> RunResult:
+    from augment.presets import load_preset
+    from training import artifacts, job
+    from training.forms.data import DataError
+    from training.storage import StorageError
+
+    started = time.time()
+    try:
+        own = connect(cfg.verbose, cfg.dashboard)
+    except Exception as e:  # noqa: BLE001  (Ray's own start-up; one line, as the CLI says it)
+        raise JobError(error_line(f"Ray did not start: {str(e).strip().splitlines()[0][:300]}"), 1) from None
+    preset = preset or load_preset(name)
+    try:
+        summary = job.run(cfg, tree, preset, log=log, launched_at=started, own_cluster=own, callbacks=callbacks)
+    except (ConfigError, DataError, StorageError) as e:
+        raise JobError(error_line(e), 2) from None
+    except job.Interrupted as e:
+        raise JobError(f"stopped: {e}", 130) from None
+    except job.TrainingFailed as e:
+        raise JobError(error_line(e), 1) from None
+    run_dir = cfg.run_dir
+    return RunResult(
+        run_dir=run_dir,
+        config=cfg,
+        summary=summary,
+        model_path=artifacts.join(run_dir, "model.pt"),
+        best_model_path=artifacts.join(run_dir, "model_best.pt"),
+    )
