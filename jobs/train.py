@@ -116,6 +116,10 @@ def main(argv=None) -> int:
     except job.TrainingFailed as e:
         print(error_line(e), file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # outside the trainer's fit: planning, the datasets, the results
+        how = "terminated (SIGTERM)" if terminated.is_set() else "interrupted"
+        print(f"stopped: {how} outside training; to go on: {rerun_command(argv, cfg)}", file=sys.stderr)
+        return 143 if terminated.is_set() else 130
     print(console.summary_table(summary))
     print(f"done: {cfg.run_dir} (summary.json has every figure)")
     if summary["epochs"] < cfg.epochs:  # --stop-after

@@ -202,3 +202,22 @@ def test_a_full_disk_stops_the_run_in_one_line_and_the_same_command_resumes_once
     summary = json.loads((small_disk / "runs" / "full" / "summary.json").read_text())
     assert summary["epochs"] == 3 and summary["resumed_at_epochs"] == [2]
     assert all(c["exactly_once"] for c in summary["coverage"]), summary["coverage"]
+
+
+def test_ctrl_c_outside_the_trainer_is_one_line_and_exit_130(small_tree, tmp_path, capsys, monkeypatch):
+    """Ctrl-C while the run is planned or its datasets built (bench.interrupt found exit 1 and a
+    traceback there): the same line as in training, and the command that goes on."""
+    from jobs.train import main
+    from training import job, session
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(session, "connect", lambda *a, **k: False)
+    monkeypatch.setattr("jobs.train.connect", lambda *a, **k: False)
+    monkeypatch.setattr(job, "run", interrupted)
+    argv = ["--data", str(small_tree), "--storage-path", str(tmp_path), "--name", "early", "--quiet"]
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("stopped: interrupted outside training; to go on: ") and err.count("\n") == 1, err
+    assert "--name early" in err and "Traceback" not in err
