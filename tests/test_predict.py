@@ -148,7 +148,7 @@ def test_evaluate_on_a_prepared_directory(ray_cluster, s3, model_and_tree, tmp_p
 
 
 def test_predict_and_evaluate_read_names_that_are_not_utf8(ray_cluster, model_and_tree, tmp_path, capsys):
-    """A file, a sub-folder and a folder that is no class named in Latin-1 bytes: read, scored, and
+    """Two files and a folder that is no class named in Latin-1 bytes: read, scored, and
     written to predictions.csv by their escaped names (training/storage.py shown_name)."""
     import shutil
 
@@ -159,14 +159,13 @@ def test_predict_and_evaluate_read_names_that_are_not_utf8(ray_cluster, model_an
     tree = shutil.copytree(data, tmp_path / "d")
     raw = os.fsencode(tree)
     os.rename(raw + b"/cat/000.png", raw + b"/cat/caf\xe9.png")
-    os.mkdir(raw + b"/dog/\xe9t\xe9")
-    os.rename(raw + b"/dog/000.png", raw + b"/dog/\xe9t\xe9/000.png")
+    os.rename(raw + b"/dog/000.png", raw + b"/dog/\xe9t\xe9.png")
     os.rename(raw + b"/unsorted", raw + b"/\xff\xfeunsorted")
     out = tmp_path / "p.csv"
     assert predict(["--model", str(model), "--data", str(tree), "--out", str(out)]) == 0, capsys.readouterr().err
     rows = {r["path"]: r for r in _csv(out)}
     assert len(rows) == 20 and "skipped" not in capsys.readouterr().out
-    assert rows["cat/caf\\xe9.png"]["label"] == "cat" and rows["dog/\\xe9t\\xe9/000.png"]["label"] == "dog"
+    assert rows["cat/caf\\xe9.png"]["label"] == "cat" and rows["dog/\\xe9t\\xe9.png"]["label"] == "dog"
     assert {r["label"] for p, r in rows.items() if p.startswith("\\xff\\xfeunsorted/")} == {""}
     shutil.rmtree(raw + b"/\xff\xfeunsorted")
     assert evaluate(["--model", str(model), "--data", str(tree), "--out", str(tmp_path / "eval")]) == 0
