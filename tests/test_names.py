@@ -209,3 +209,19 @@ def test_shard_members_named_in_bytes_are_read_and_a_shard_so_named_is_one_line(
     os.rename(os.fsencode(root / "train-0000.tar"), os.fsencode(root) + b"/train-\xe9.tar")
     with pytest.raises(ValueError, match=r"wds/train-\\xe9.tar: a shard whose name is not UTF-8 text; rename it"):
         scan_data(str(root), 0.0)
+
+
+def test_an_output_or_input_path_that_is_not_utf8_is_one_line_before_ray(tmp_path, capsys, no_ray):
+    """pyarrow, which writes every output, takes no such path: refused before anything is written."""
+    from jobs.prepare import main as prepare
+
+    root = str(_byte_tree(tmp_path))
+    odd = os.fsdecode(os.fsencode(tmp_path) + b"/\xe9")
+    err = exits_2(["--data", root, "--storage-path", odd], capsys)
+    assert f"{tmp_path}/\\xe9/run-" in err and "a path that is not UTF-8 text" in err
+    err = exits_2(["--data", root, "--class-names", odd], capsys)
+    assert f"{tmp_path}/\\xe9: a path that is not UTF-8 text" in err
+    assert prepare([root, odd]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{tmp_path}/\\xe9: a path that is not UTF-8 text" in err
+    assert sorted(os.listdir(os.fsencode(tmp_path))) == [b"d"]  # nothing written

@@ -44,7 +44,13 @@ def filesystem(path: str):
     import pyarrow.fs as pafs
 
     if not is_uri(path):
-        return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(path)), ""
+        local = os.path.abspath(os.path.expanduser(path))
+        if shown_name(local) != local:  # pyarrow's local filesystem neither lists nor opens it
+            raise StorageError(
+                f"{shown_name(path)}: a path that is not UTF-8 text; rename that folder or file, or make a link to it "
+                "with a UTF-8 name (ln -s) and give that"
+            )
+        return pafs.LocalFileSystem(), local, ""
     try:
         with errors(path):  # resolving an AWS bucket's region is already a request
             fs, inner = pafs.FileSystem.from_uri(path)
@@ -203,6 +209,10 @@ def check_writable(path: str, flag: str) -> None:
     first write fails. It leaves nothing behind: a local directory it had to create for the
     probe is removed again, so a run that stops at a later check has written nothing."""
     probe = f"{_PROBE}-{os.getpid()}"
+    if not is_uri(path) and shown_name(path) != path:  # every file written there would fail in pyarrow
+        raise StorageError(
+            f"{flag} {shown_name(path)}: a path that is not UTF-8 text; choose a folder whose name is UTF-8"
+        )
     if not is_uri(path):
         created = missing_dirs(path)
         try:
