@@ -4,7 +4,9 @@
                               cat/001.jpg,cat          then the first two columns are path, label)
     --data DIR/train.jsonl    {"path": "cat/001.jpg", "label": "cat"}
 
-Paths are relative to the manifest's folder (`..` allowed, on object storage too). Labels are
+Paths are relative to the manifest's folder (`..` allowed, on object storage too), or s3:// and gs://
+URIs, read from that storage (one storage for all the files of a manifest; http(s):// refused); a
+local name that is not UTF-8 as storage.shown_name writes it (cat/caf\\xe9.jpg). Labels are
 class names, or class indices (then the names are "0".."N-1"), one kind for the whole source
 (training.forms.labels.index_labels); --label-key names another label column. The datasets library's
 imagefolder `metadata.csv` (a `file_name` column) is a manifest too. UTF-8, or UTF-16 with its
