@@ -15,14 +15,20 @@ from augment.presets import Preset
 
 
 def read_examples(
-    split, *, classes: int, per_class: int, skipped: list | None = None
+    split, *, classes: int, per_class: int, skipped: list | None = None, read=None
 ) -> tuple[list[np.ndarray], list[int], list[int]]:
     """The first `per_class` files (in path order) of each of the first `classes` labels that read
     and decode: decoded images, labels and keys, read the way training reads them (any pyarrow
-    filesystem). A file that does not is passed over, and added to `skipped` as (path, reason)."""
+    filesystem; `read(fs, path) -> bytes` where given: training.storage.read_file, which also opens a
+    local name that is not UTF-8). A file that does not is passed over, and added to `skipped` as
+    (path, reason)."""
     import pyarrow.fs as pafs
 
     from augment.decode import BadImage, decode_image
+
+    def read_all(fs, path: str) -> bytes:
+        with fs.open_input_file(path) as f:
+            return f.read()
 
     chosen: dict[int, list[tuple[int, np.ndarray]]] = {}
     paths = split.paths
@@ -32,8 +38,7 @@ def read_examples(
             continue
         fs, path = pafs.FileSystem.from_uri(paths[i]) if "://" in paths[i] else (pafs.LocalFileSystem(), paths[i])
         try:
-            with fs.open_input_file(path) as f:
-                chosen[label].append((i, decode_image(f.read())))
+            chosen[label].append((i, decode_image((read or read_all)(fs, path))))
         except (OSError, BadImage) as e:
             if skipped is not None:
                 skipped.append((paths[i], str(e) if isinstance(e, BadImage) else f"cannot read it: {e}"))

@@ -5,6 +5,7 @@ tests/test_fuzz.py runs a few dozen mutants of each format).
 
     python -m bench.fuzz --fuzz 500                      # 500 mutants of each format, seed 0
     python -m bench.fuzz --fuzz 2000 --seed 7 --formats tiff,tar --json fuzz.json
+    python -m bench.fuzz --fuzz 300 --formats names      # 300 trees of names in random bytes
 
 Seeds, written with Pillow and pyarrow in the layouts the job reads:
 
@@ -19,6 +20,10 @@ Seeds, written with Pillow and pyarrow in the layouts the job reads:
   parquet                      jobs.prepare's shards: its scan, then read_units, then decoding
   hf                           a Hugging Face export (an Image struct column, ClassLabel
                                metadata): the same
+  names                        not a file's bytes but its name's: trees whose class, folder and
+                               file names are random bytes (mostly not UTF-8), through the
+                               tree's scan and reads, a manifest naming the files as the job shows
+                               them, and jobs.prepare, its shards then scanned and read (fuzz_names)
 
 A mutation is one to three of: bytes set to random or boundary values, the file cut short, a
 chunk of it repeated somewhere else, random bytes inserted, a range zeroed. Half of them aim
@@ -49,6 +54,7 @@ from bench import write_json
 IMAGES = ("jpeg", "jpeg-progressive", "png", "gif", "webp", "bmp", "tiff", "tiff-lzw", "tiff-pages")
 CONTAINERS = ("tar", "parquet", "hf")
 FORMATS = IMAGES + CONTAINERS
+NAMES = ("names",)  # trees whose file and folder names are random bytes (fuzz_names); --formats takes it too
 BOUNDARY = (0, 1, 2, 3, 4, 0x7F, 0x80, 0xFF)  # values that break lengths, counts and type codes
 
 
@@ -243,6 +249,8 @@ def fuzz_format(fmt: str, mutants: int, seed: int, work: Path) -> dict:
     """{format, mutants, decoded, bad, other, examples}: `examples` holds the first few other
     exceptions (the mutation's seed and the traceback's last lines)."""
     work.mkdir(parents=True, exist_ok=True)
+    if fmt in NAMES:
+        return fuzz_names(mutants, seed, work)
     if fmt in IMAGES:
         seed_data, folder = image_seed(fmt), None
     else:
@@ -266,6 +274,94 @@ def fuzz_format(fmt: str, mutants: int, seed: int, work: Path) -> dict:
     return {"format": fmt, "mutants": mutants, **counts, "examples": examples}
 
 
+# --------------------------------------------------------------------------- names as bytes
+
+
+def byte_name(rng: random.Random, suffix: bytes = b"") -> bytes:
+    """A file or folder name of 1 to 12 random bytes (any but "/" and NUL, which no name holds),
+    half of them at or above 0x80 (most such runs are not UTF-8), and `suffix`."""
+    size = rng.randint(1, 12)
+    raw = bytes(rng.choice((rng.randint(1, 0x7F), rng.randint(0x80, 0xFF))) for _ in range(size))
+    return raw.replace(b"/", b"_") + suffix
+
+
+def byte_tree(root: Path, rng: random.Random) -> None:
+    """root/<class>/[<folder>/]<file>.png: 2 or 3 classes of 3 files, every name random bytes."""
+    import os
+
+    png = image_seed("png")
+    top = os.fsencode(root)
+    os.makedirs(top)
+    for _ in range(rng.randint(2, 3)):
+        folder = top + b"/" + byte_name(rng)
+        if rng.random() < 0.5:
+            folder += b"/" + byte_name(rng)
+        os.makedirs(folder, exist_ok=True)
+        for _ in range(3):
+            with open(folder + b"/" + byte_name(rng, b".png"), "wb") as f:
+                f.write(png)
+
+
+def check_names(root: Path, work: Path) -> str:
+    """A byte-named tree through the scan (--data a tree), a manifest naming its files by the names
+    the job shows, and jobs.prepare, then the prepared shards' scan and read task: "decoded" where
+    every file is read by each, "bad" where a scan refused in one line (the tree: a class folder
+    that is hidden, one class; the manifest: labels that differ only in case, a name beside an
+    index); anything else raises, SilentLoss among it."""
+    import csv
+
+    from training import storage
+    from training.forms.data import DataError
+    from training.forms.formats import read_units, scan_data
+    from training.forms.parquet import prepare_tree
+
+    try:
+        tree = scan_data(str(root), 0.0)
+    except DataError:
+        return "bad"
+    files = sorted(tree.train.rel_paths)
+    fs = storage.filesystem(str(root))[0]
+    for rel in files:  # as jobs.prepare and the header sampling read them
+        storage.read_file(fs, f"{root}/{rel}")
+    manifest = work / "names.csv"
+    with open(manifest, "w", newline="", encoding="utf-8") as f:
+        csv.writer(f).writerows([("path", "label"), *((f"{root.name}/{r}", r.split("/")[0]) for r in files)])
+    refused = False
+    try:
+        listed = scan_data(str(manifest), 0.0)
+    except DataError:  # by its labels: two that differ only in case, a name beside an index ("7")
+        refused = True
+    else:
+        if sorted(listed.train.rel_paths) != files:
+            raise SilentLoss("names: the manifest's scan lists other files than the tree's")
+    out = work / "prepared"
+    prepare_tree(str(root), str(out), val_fraction=0.0, log=lambda *a: None)
+    prepared = scan_data(str(out), 0.0)
+    table = read_units(prepared.train.units, prepared.train.root, prepared.train.shards, prepared.train.form)
+    if sorted(table.column("path").to_pylist()) != files:
+        raise SilentLoss(f"names: the prepared shards hold {table.num_rows} images, the tree {len(files)}")
+    return "bad" if refused else "decoded"
+
+
+def fuzz_names(cases: int, seed: int, work: Path) -> dict:
+    """fuzz_format's figures for `cases` trees of random byte names (byte_tree, check_names)."""
+    counts, examples = {"decoded": 0, "bad": 0, "other": 0}, []
+    for i in range(cases):
+        case = work / f"names-{i}"
+        try:
+            byte_tree(case / "data", random.Random(f"{seed}:names:{i}"))
+            outcome = check_names(case / "data", case)
+        except Exception as e:  # noqa: BLE001 - what this counts: anything but a read or a one-line refusal
+            outcome = "other"
+            if len(examples) < 5:
+                tail = traceback.format_exc().strip().splitlines()[-6:]
+                examples.append({"mutant": i, "error": f"{type(e).__name__}: {e}"[:300], "traceback": tail})
+        finally:
+            shutil.rmtree(case, ignore_errors=True)
+        counts[outcome] += 1
+    return {"format": "names", "mutants": cases, **counts, "examples": examples}
+
+
 def run(formats, mutants: int, seed: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         return [fuzz_format(f, mutants, seed, Path(tmp) / f) for f in formats]
@@ -281,13 +377,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.fuzz", description=__doc__.split("\n")[0])
     ap.add_argument("--fuzz", type=int, default=200, metavar="N", help="mutants of each format (default: 200)")
     ap.add_argument("--seed", type=int, default=0, help="the mutations' seed (default: 0)")
-    ap.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {', '.join(FORMATS)}")
+    known = FORMATS + NAMES
+    ap.add_argument("--formats", default=",".join(known), help=f"comma-separated, of {', '.join(known)}")
     ap.add_argument("--json", metavar="FILE", help="write the figures, and the other exceptions' tracebacks")
     args = ap.parse_args(argv)
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    unknown = sorted(set(formats) - set(FORMATS))
+    unknown = sorted(set(formats) - set(known))
     if unknown:
-        ap.error(f"--formats: unknown {', '.join(unknown)}; choose among {', '.join(FORMATS)}")
+        ap.error(f"--formats: unknown {', '.join(unknown)}; choose among {', '.join(known)}")
     results = run(formats, args.fuzz, args.seed)
     print(table(results))
     for r in results:

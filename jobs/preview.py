@@ -10,6 +10,7 @@ Exit codes: 0 written; 2 bad input (unknown preset, unreadable data), one line o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 
 from training.config import FlagParser, error_line
@@ -45,7 +46,7 @@ def main(argv=None) -> int:
     from training.forms.formats import scan_data, shard_examples
     from training.forms.tree import default_dataset_dir
     from training.inputs import auto_preset, typical_size
-    from training.storage import StorageError
+    from training.storage import StorageError, read_file
 
     try:
         tree = scan_data(args.data or str(default_dataset_dir()))
@@ -54,7 +55,8 @@ def main(argv=None) -> int:
             name, why = auto_preset(dataclasses.replace(tree, typical_size=typical_size(tree.train)))
             chosen = f" (--preset auto: {why})"
         preset = load_preset(name if args.preset == "auto" else args.preset)
-        examples, skipped = shard_examples if tree.train.grouped else read_examples, []
+        files = functools.partial(read_examples, read=read_file)  # a name that is not UTF-8 too
+        examples, skipped = shard_examples if tree.train.grouped else files, []
         images, labels, keys = examples(tree.train, classes=args.classes, per_class=args.per_class, skipped=skipped)
     except (PresetError, DataError, StorageError) as e:
         print(error_line(e), file=sys.stderr)

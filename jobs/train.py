@@ -81,6 +81,8 @@ def main(argv=None) -> int:
     preload.start()
     log = (lambda *a: None) if cfg.quiet else (lambda *a: print(*a, flush=True))
     log(console.format_config(cfg.to_dict(), sources))
+    for note in tree.notes:  # the scan's warnings (one file under two names): before Ray, even with --quiet
+        print(note, file=sys.stderr, flush=True)
     try:
         own_cluster = connect(cfg.verbose, cfg.dashboard)
     except KeyboardInterrupt:

@@ -32,3 +32,10 @@ def test_the_script_prints_its_table_writes_json_and_exits_1_on_another_exceptio
     monkeypatch.setattr(fuzz, "check_image", lambda *a: 1 / 0)
     assert fuzz.main(["--fuzz", "2", "--formats", "png"]) == 1
     assert "ZeroDivisionError" in capsys.readouterr().err
+
+
+def test_trees_named_in_random_bytes_are_read_or_refused_in_one_line(tmp_path):
+    """Names as bytes (bench.fuzz --formats names): a tree, a manifest of its files, jobs.prepare."""
+    result = fuzz.fuzz_names(10, seed=0, work=tmp_path)
+    assert result["other"] == 0, result["examples"]
+    assert result["decoded"] > 0  # most trees are read whole: the check is not all refusals

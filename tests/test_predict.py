@@ -151,6 +151,31 @@ def test_evaluate_on_a_prepared_directory(ray_cluster, s3, model_and_tree, tmp_p
     ]
 
 
+def test_predict_and_evaluate_read_names_that_are_not_utf8(ray_cluster, model_and_tree, tmp_path, capsys):
+    """Two files and a folder that is no class named in Latin-1 bytes: read, scored, and
+    written to predictions.csv by their escaped names (training/storage.py shown_name)."""
+    import shutil
+
+    from jobs.evaluate import main as evaluate
+    from jobs.predict import main as predict
+
+    model, data = model_and_tree
+    tree = shutil.copytree(data, tmp_path / "d")
+    raw = os.fsencode(tree)
+    os.rename(raw + b"/cat/000.png", raw + b"/cat/caf\xe9.png")
+    os.rename(raw + b"/dog/000.png", raw + b"/dog/\xe9t\xe9.png")
+    os.rename(raw + b"/unsorted", raw + b"/\xff\xfeunsorted")
+    out = tmp_path / "p.csv"
+    assert predict(["--model", str(model), "--data", str(tree), "--out", str(out)]) == 0, capsys.readouterr().err
+    rows = {r["path"]: r for r in _csv(out)}
+    assert len(rows) == 20 and "skipped" not in capsys.readouterr().out
+    assert rows["cat/caf\\xe9.png"]["label"] == "cat" and rows["dog/\\xe9t\\xe9.png"]["label"] == "dog"
+    assert {r["label"] for p, r in rows.items() if p.startswith("\\xff\\xfeunsorted/")} == {""}
+    shutil.rmtree(raw + b"/\xff\xfeunsorted")
+    assert evaluate(["--model", str(model), "--data", str(tree), "--out", str(tmp_path / "eval")]) == 0
+    assert len(_csv(tmp_path / "eval" / "predictions.csv")) == 18
+
+
 @pytest.mark.parametrize("module", ["jobs.predict", "jobs.evaluate"])
 def test_bad_input_is_one_line_and_exit_2(module, model_and_tree, tmp_path, capsys):
     import importlib

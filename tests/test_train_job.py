@@ -30,7 +30,12 @@ def _run(bar_stream=None, log=lambda *a: None, **overrides):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return write_tree(tmp_path_factory.mktemp("data"), {"red": 24, "green": 24, "blue": 24, "cyan": 24, "gray": 24})
+    root = write_tree(tmp_path_factory.mktemp("data"), {"red": 24, "green": 24, "blue": 24, "cyan": 24, "gray": 24})
+    red = os.fsencode(root / "red")  # names in Latin-1 bytes, as older cameras write them: read as any other
+    os.mkdir(red + b"/\xe9t\xe9")
+    for i in range(4):
+        os.rename(red + b"/%03d.png" % i, red + (b"/r\xf6d-%d.png" if i % 2 else b"/\xe9t\xe9/%d.png") % i)
+    return root
 
 
 def _perturbed_resnet18() -> dict:
@@ -130,6 +135,8 @@ def test_run_directory_has_sane_contents(two_worker_run):
     assert float(timing["inner_images_per_s"]) > 0 and float(timing["start_s"]) >= 0
 
     assert json.loads((run_dir / "summary.json").read_text()) == summary
+    assert not (run_dir / "bad_files.csv").exists()  # the names in bytes (the `data` fixture) were read
+    assert sum("\\x" in p for p in [*tree.train.rel_paths, *tree.val.rel_paths]) == 4
     assert summary["world_size"] == 2 and summary["device"] == "cpu" and summary["num_classes"] == 5
     assert summary["epochs"] == 1 and summary["val_images"] == len(tree.val) > 0
     assert 0.0 <= summary["val_acc"] <= summary["val_top5"] <= 1.0

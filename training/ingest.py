@@ -270,7 +270,7 @@ def _read_all(fs, paths: list[str], *, threads: bool) -> list:
             if threads:
                 with fs.open_input_file(path) as f:
                     return f.read()
-            with open(path, "rb") as f:
+            with open(storage.disk_path(path), "rb") as f:  # a name that is not UTF-8 comes escaped
                 return f.read()
         except OSError as e:  # a bad sector, a stale NFS handle, a file gone: this file's; _read_files sorts it out
             return e

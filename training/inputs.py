@@ -55,8 +55,7 @@ def _header_size(fs, path: str) -> tuple[int, int] | None:
     read_header); None for a file that cannot be read or whose header is bad (a decompression bomb
     among them): such a file is listed when training meets it, and the sample goes on without it."""
     try:
-        with fs.open_input_file(path) as f:
-            return header_size(f.read(256 * 1024))
+        return header_size(storage.read_file(fs, path, 256 * 1024))
     except OSError:
         return None
 

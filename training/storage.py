@@ -15,6 +15,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import os
+import re
 
 # (substrings of the SDK's error, what they mean). The AWS SDK names errors in upper case
 # (ACCESS_DENIED), S3-compatible servers and GCS in their own words; the first match wins.
@@ -43,7 +44,13 @@ def filesystem(path: str):
     import pyarrow.fs as pafs
 
     if not is_uri(path):
-        return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(path)), ""
+        local = os.path.abspath(os.path.expanduser(path))
+        if shown_name(local) != local:  # pyarrow's local filesystem neither lists nor opens it
+            raise StorageError(
+                f"{shown_name(path)}: a path that is not UTF-8 text; rename that folder or file, or make a link to it "
+                "with a UTF-8 name (ln -s) and give that"
+            )
+        return pafs.LocalFileSystem(), local, ""
     try:
         with errors(path):  # resolving an AWS bucket's region is already a request
             fs, inner = pafs.FileSystem.from_uri(path)
@@ -69,6 +76,40 @@ def decode_text(raw: bytes) -> str:
     except UnicodeDecodeError as e:
         line = raw.count(b"\n", 0, e.start) + 1
         raise ValueError(f"not UTF-8 text (byte 0x{raw[e.start]:02x} on line {line})") from None
+
+
+_ESCAPE = re.compile(r"\\x([89a-fA-F][0-9a-fA-F])")  # shown_name's escape of one byte (never one below 0x80)
+
+
+def shown_name(path: str) -> str:
+    """A local path as text that every file, table and message can hold: where a name on disk is not
+    UTF-8 (os.fsdecode keeps each such byte as a lone surrogate, which Arrow, CSV and JSON writers
+    refuse), each such byte as \\xNN (Latin-1 "café" -> "caf\\xe9"); any other path as it is."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return path
+
+
+def disk_path(path: str) -> str:
+    """The local path that a shown_name names, for open() and os calls: `path` itself where it has no
+    \\xNN or exists as written, else with those escapes turned back into the bytes they stand for."""
+    if "\\x" not in path or os.path.lexists(path):
+        return path
+    return _ESCAPE.sub(lambda m: chr(0xDC00 + int(m.group(1), 16)), path)  # os.fsdecode's surrogate of the byte
+
+
+def read_file(fs, path: str, limit: int = -1) -> bytes:
+    """The bytes of the file at `path` inside `fs` (storage.filesystem's), up to `limit` of them (-1:
+    all); a local one through its disk_path, which pyarrow's local filesystem cannot open."""
+    import pyarrow.fs as pafs
+
+    if isinstance(fs, pafs.LocalFileSystem):
+        with open(disk_path(path), "rb") as f:
+            return f.read(limit)
+    with fs.open_input_file(path) as f:
+        return f.read() if limit < 0 else f.read(limit)
 
 
 def parent(path: str) -> str:
@@ -168,6 +209,10 @@ def check_writable(path: str, flag: str) -> None:
     first write fails. It leaves nothing behind: a local directory it had to create for the
     probe is removed again, so a run that stops at a later check has written nothing."""
     probe = f"{_PROBE}-{os.getpid()}"
+    if not is_uri(path) and shown_name(path) != path:  # every file written there would fail in pyarrow
+        raise StorageError(
+            f"{flag} {shown_name(path)}: a path that is not UTF-8 text; choose a folder whose name is UTF-8"
+        )
     if not is_uri(path):
         created = missing_dirs(path)
         try:

@@ -14,6 +14,10 @@ forms apart.
 
     label  position of the class name in the class list
     key    int64, stable hash of the path relative to DIR; seeds per-image augmentation
+
+A name on local disk that is not UTF-8 is carried as its storage.shown_name (each such byte as
+\\xNN: "caf\\xe9.jpg"), in paths, class names and every file the jobs write; reading turns it back
+into the name on disk (storage.disk_path).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import hashlib
 import re
 
 import numpy as np
+
+from training import storage
 
 
 class DataError(ValueError):
@@ -34,9 +40,21 @@ def below(root: str, rel: str) -> str:
     return f"{root.rstrip('/')}/{rel}"
 
 
+def check_root_name(root: str) -> None:
+    """DataError for a --data whose own path is not UTF-8 (the shell handed over bytes that os.fsdecode
+    keeps as surrogates): every path the jobs write begins with it. Names below it may be any bytes."""
+    shown = storage.shown_name(root)
+    if shown != root:
+        raise DataError(
+            f"{shown}: the path of --data is not UTF-8 text; rename that folder, or make a link to it with a UTF-8 "
+            "name (ln -s) and give that"
+        )
+
+
 def stable_hash(text: str) -> int:
-    """63-bit hash of a string, identical on every machine and Python process."""
-    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
+    """63-bit hash of a string, identical on every machine and Python process: of its UTF-8 bytes (a
+    name os.fsdecode read from disk that is not UTF-8: of the bytes the disk has)."""
+    digest = hashlib.blake2b(text.encode("utf-8", "surrogateescape"), digest_size=8).digest()
     return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
@@ -197,6 +215,7 @@ class ImageTree:
     typical_size: tuple[int, int] | None = None  # median (width, height) of a sample of train headers; None: unread
     unreadable: tuple[tuple[str, str], ...] = ()  # (path, reason) of images the listing already found unusable
     lost_train: int = 0  # training images among them (a shard's samples that its damage cost), for coverage
+    notes: tuple[str, ...] = ()  # warning lines the scan has for the user (one file under two names), shown before Ray
 
     @property
     def num_classes(self) -> int:

@@ -24,12 +24,12 @@ import pyarrow.fs as pafs
 
 from training import storage
 from training.forms import huggingface, webdataset
-from training.forms.data import DataError, ImageTree, on_side
+from training.forms.data import DataError, ImageTree, check_root_name, on_side
 from training.forms.huggingface import EXPORT_SUFFIXES, read_export_units, scan_export
 from training.forms.labels import by_index, name_classes, read_class_names
 from training.forms.manifest import is_manifest, scan_manifest
 from training.forms.parquet import first_prepared_sizes, is_prepared, read_prepared_units, scan_prepared
-from training.forms.tree import IMAGE_EXTENSIONS, list_images, scan_tree
+from training.forms.tree import IMAGE_EXTENSIONS, check_utf8_names, entries, list_images, scan_tree
 from training.forms.webdataset import (
     classes_file,
     is_shard,
@@ -120,6 +120,7 @@ def header_size(data: bytes) -> tuple[int, int] | None:
 def data_kind(root: str) -> tuple[str, list[str] | None]:
     """(kind, for a Hugging Face export its files relative to `root`: None where `root` is one).
     DataError for a file that is none of the forms."""
+    check_root_name(root)
     if is_shard_pattern(root):  # a URI with braces is none to pyarrow: its folder is
         storage.check_bucket(shard_names(root)[0])
         return "webdataset", None
@@ -160,12 +161,11 @@ def _walk(fs, base: str) -> str:
     for _ in range(WALK_DEPTH + 1):
         below = []
         for folder in level:
-            infos = fs.get_file_info(pafs.FileSelector(folder, recursive=False, allow_not_found=True))
-            shown = [i for i in infos if not PurePosixPath(i.path).name.startswith(".")]
-            found |= {_suffix(i.path) for i in shown if i.type == pafs.FileType.File}
+            shown = entries(fs, folder)  # hidden ones left out
+            found |= {_suffix(p) for p, kind in shown if kind == pafs.FileType.File}
             if found & set(IMAGE_EXTENSIONS):  # images win: a stray archive beside class folders stays a tree
                 return "tree"
-            below += sorted(i.path for i in shown if i.type == pafs.FileType.Directory)[:WALK_WIDTH]
+            below += sorted(p for p, kind in shown if kind == pafs.FileType.Directory)[:WALK_WIDTH]
         level = below
     return "webdataset" if ".tar" in found else next((s for s in EXPORT_SUFFIXES if s in found), "tree")
 
@@ -176,7 +176,9 @@ def _suffix(path: str) -> str:
 
 
 def _export_files(fs, base: str, suffix: str) -> list[str]:
-    return [str(PurePosixPath(p).relative_to(base)) for p, _ in list_images(fs, base, (suffix,))]
+    found = [p for p, _ in list_images(fs, base, (suffix,))]
+    check_utf8_names(found, f"{suffix} file")
+    return [str(PurePosixPath(p).relative_to(base)) for p in found]
 
 
 def shard_examples(split, *, classes: int, per_class: int, skipped: list | None = None) -> tuple[list, list, list]:

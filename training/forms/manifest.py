@@ -4,7 +4,9 @@
                               cat/001.jpg,cat          then the first two columns are path, label)
     --data DIR/train.jsonl    {"path": "cat/001.jpg", "label": "cat"}
 
-Paths are relative to the manifest's folder (`..` allowed, on object storage too). Labels are
+Paths are relative to the manifest's folder (`..` allowed, on object storage too), or s3:// and gs://
+URIs, read from that storage (one storage for all the files of a manifest; http(s):// refused); a
+local name that is not UTF-8 as storage.shown_name writes it (cat/caf\\xe9.jpg). Labels are
 class names, or class indices (then the names are "0".."N-1"), one kind for the whole source
 (training.forms.labels.index_labels); --label-key names another label column. The datasets library's
 imagefolder `metadata.csv` (a `file_name` column) is a manifest too. UTF-8, or UTF-16 with its
@@ -24,8 +26,10 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import posixpath
 import re
+import stat
 
 import pyarrow.fs as pafs
 
@@ -38,6 +42,7 @@ PATH_COLUMNS = ("path", "file", "filename", "file_name", "filepath", "file_path"
 LABEL_COLUMNS = ("label", "class", "class_name", "class_id", "label_id", "category", "target")
 VAL_NAMES = ("val", "validation", "valid")
 DEFAULT_LABEL = "label"  # --label-key's default: then any of LABEL_COLUMNS
+URI_SCHEMES = ("s3", "gs", "gcs")  # what a manifest's path may name besides local files (training/storage.py)
 LOOKUP_PATHS = 2_000  # a manifest of at most this many files looks each one up instead of listing their folder
 
 
@@ -150,14 +155,17 @@ def scan_manifest(root: str, val_fraction: float, label_key: str = DEFAULT_LABEL
     or a split that leaves a class without training images."""
     with storage.errors(root):
         val_path = sibling(root)
-        _, inner, prefix = storage.filesystem(root)
-        folder = posixpath.dirname(inner)
         manifests = {"train": root, "val": val_path}
-        resolved = {  # (line, the path inside the filesystem, label); paths relative to their manifest's folder
+        resolved = {  # (line, the path inside the files' filesystem, label, the URI given or "")
             side: _resolve(path, label_key) if path else [] for side, path in manifests.items()
         }
-        top = _common_folder([p for rows in resolved.values() for _, p, _ in rows])
-        sizes = _sizes(root, top, prefix, [p for rows in resolved.values() for _, p, _ in rows])
+    folder = posixpath.dirname(storage.filesystem(root)[1])  # keys: paths relative to it
+    files = _files_storage(root, manifests, resolved)  # the manifest's own storage, or the one its URIs name
+    storage.check_bucket(files)
+    with storage.errors(files):
+        _, _, prefix = storage.filesystem(files)
+        top = _common_folder([p for rows in resolved.values() for _, p, _, _ in rows])
+        sizes = _sizes(files, top, prefix, [p for rows in resolved.values() for _, p, _, _ in rows])
     _check_listed(resolved, sizes, manifests, prefix)
     shown = {
         "train": posixpath.basename(root),
@@ -169,15 +177,15 @@ def scan_manifest(root: str, val_fraction: float, label_key: str = DEFAULT_LABEL
         side, i = ("train", i) if i < entries else ("val", i - entries)
         return f"{shown[side]}:{resolved[side][i][0]}"
 
-    train_labels, val_labels = ([lab for _, _, lab in resolved[side]] for side in ("train", "val"))
+    train_labels, val_labels = ([lab for _, _, lab, _ in resolved[side]] for side in ("train", "val"))
     names, *labels = index_labels(train_labels, val_labels, root, line)
     train, val = (
         make_split(
             prefix + top,
-            [posixpath.relpath(p, top) for _, p, _ in resolved[side]],
+            [posixpath.relpath(p, top) for _, p, _, _ in resolved[side]],
             side_labels,
-            [sizes[p] for _, p, _ in resolved[side]],
-            keys=[stable_hash(posixpath.relpath(p, folder)) for _, p, _ in resolved[side]],
+            [sizes[p] for _, p, _, _ in resolved[side]],
+            keys=[stable_hash(uri or posixpath.relpath(p, folder)) for _, p, _, uri in resolved[side]],
         )
         for side, side_labels in zip(("train", "val"), labels, strict=True)
     )
@@ -194,10 +202,46 @@ def scan_manifest(root: str, val_fraction: float, label_key: str = DEFAULT_LABEL
     return check_classes(tree, None if val_path else val_fraction)
 
 
-def _resolve(path: str, label_key: str) -> list[tuple[int, str, str]]:
-    """(line, the listed file's path inside the filesystem, label) of each entry of a manifest."""
-    folder = posixpath.dirname(storage.filesystem(path)[1])
-    return [(n, posixpath.normpath(posixpath.join(folder, p)), lab) for n, p, lab in _load(path, label_key)]
+def _resolve(path: str, label_key: str) -> list[tuple[int, str, str, str]]:
+    """(line, the listed file's path inside its filesystem, label, the URI it gives: "" for a path
+    relative to the manifest's folder) of each entry of a manifest. A URI
+    is taken as one, never joined to the folder: s3:// and gs:// are read as the manifest's own
+    storage is; DataError for any other (a web address)."""
+    fs_path = storage.filesystem(path)[1]
+    folder = posixpath.dirname(fs_path)
+    rows = []
+    for n, p, label in _load(path, label_key):
+        if storage.is_uri(p):
+            scheme = p.split("://", 1)[0].lower()
+            if scheme not in URI_SCHEMES:
+                raise DataError(
+                    f"{path}:{n}: {p}: a {scheme}:// address; a manifest's files are read from local disk, s3:// or "
+                    "gs:// only: copy them there and list those paths"
+                )
+            inner = posixpath.normpath(p.split("://", 1)[1])
+            rows.append((n, inner, label, f"{scheme}://{inner}"))
+        else:
+            inner = posixpath.normpath(posixpath.join(folder, p))
+            rows.append((n, inner, label, ""))
+    return rows
+
+
+def _files_storage(root: str, manifests: dict, resolved: dict) -> str:
+    """Where the listed files are: `root` (the manifest; paths relative to it), or the URI its entries
+    give. DataError for entries on two storages (a local path beside an s3:// one, s3:// beside gs://)."""
+    first, where = None, root
+    for side, rows in resolved.items():
+        for n, _, _, given in rows:
+            uri = given or root
+            scheme = uri.split("://", 1)[0] if storage.is_uri(uri) else "local disk"
+            if first is None:
+                first, where = (f"{manifests[side]}:{n}", scheme), uri
+            elif scheme != first[1]:
+                raise DataError(
+                    f"{manifests[side]}:{n}: a file on {scheme}, but {first[0]} lists one on {first[1]}; list the "
+                    "files of one manifest on one storage"
+                )
+    return where
 
 
 def _common_folder(paths: list[str]) -> str:
@@ -210,7 +254,7 @@ def _check_listed(resolved: dict, sizes: dict, manifests: dict, prefix: str) -> 
     """DataError naming FILE:LINE for a listed file that is not there, or one listed before."""
     seen: dict[str, str] = {}
     for side, rows in resolved.items():
-        for n, path, _ in rows:
+        for n, path, _, _ in rows:
             where = f"{manifests[side]}:{n}"
             if path not in sizes:
                 raise DataError(
@@ -228,6 +272,9 @@ def _sizes(root: str, top: str, prefix: str, paths: list[str]) -> dict[str, int]
     from concurrent.futures import ThreadPoolExecutor
 
     fs, _, _ = storage.filesystem(root)
+    if isinstance(fs, pafs.LocalFileSystem):  # pyarrow's: no name that is not UTF-8, listed or looked up
+        with ThreadPoolExecutor(16) as pool:
+            return {p: size for p, size in zip(paths, pool.map(_local_size, paths), strict=True) if size is not None}
     if len(paths) <= LOOKUP_PATHS or top in ("", "/") or (prefix and "/" not in top):  # a root or a whole bucket
         with ThreadPoolExecutor(16) as pool:  # object storage: a request each
             infos = list(pool.map(fs.get_file_info, paths))
@@ -236,3 +283,12 @@ def _sizes(root: str, top: str, prefix: str, paths: list[str]) -> dict[str, int]
     else:
         raise DataError(f"{root}: {prefix}{top}: no such folder; the manifest's paths are relative to its own folder")
     return {i.path: i.size or 0 for i in infos if i.type == pafs.FileType.File}
+
+
+def _local_size(path: str) -> int | None:
+    """The bytes of a local file (a name that is not UTF-8 given as its storage.shown_name); None for none."""
+    try:
+        st = os.stat(storage.disk_path(path))
+    except (OSError, ValueError):  # ValueError: a NUL in the path
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None

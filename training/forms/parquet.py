@@ -64,8 +64,7 @@ def _image_size(data: bytes) -> tuple[int | None, int | None]:
 
 def _read_all(fs, paths: list[str], threads: int) -> list[bytes]:
     def read(path: str) -> bytes:
-        with fs.open_input_file(path.split("://", 1)[-1]) as f:
-            return f.read()
+        return storage.read_file(fs, path.split("://", 1)[-1])
 
     with ThreadPoolExecutor(max_workers=threads) as pool:  # object storage: latency-bound, so threads
         return list(pool.map(read, paths))
@@ -108,6 +107,8 @@ def prepare_tree(
 
     fs, base, prefix = _check_out(out)  # before listing the tree, which can take minutes on object storage
     tree = scan_tree(root, val_fraction)
+    for note in tree.notes:  # one file under two names: said before the shards are written
+        log(note)
     src_fs, src_base, _ = storage.filesystem(root)
     shard_bytes = max(1, int(shard_mb * 2**20))
     manifest = {

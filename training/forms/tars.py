@@ -101,7 +101,7 @@ def members(tar: tarfile.TarFile, broken: list, size: int | None):
             broken.append(Broken(end, member.offset - end, _header_name(tried[0])))
         if size is not None and member.offset_data + member.size > size:
             cut = "a member cut off by the end of the shard"
-            broken.append(Broken(member.offset, size - member.offset, member.name, cut))
+            broken.append(Broken(member.offset, size - member.offset, storage.shown_name(member.name), cut))
             return
         end = member.offset_data + -(-member.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
         yield member

@@ -62,7 +62,7 @@ from training.forms.data import (
 )
 from training.forms.labels import index_labels, is_index, label_text, read_class_names
 from training.forms.tars import GZIPPED, Broken, Gunzipped, is_gzipped, member_key, members, open_tar, read_run
-from training.forms.tree import list_images
+from training.forms.tree import check_utf8_names, list_images
 from training.rows import BYTES, KEY, LABEL, PATH, read_types
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "tiff", "gif")
@@ -148,7 +148,8 @@ def samples(tar: tarfile.TarFile, label_key: str, *, images: bool, size: int, br
     for member in members(tar, [] if broken is None else broken, size):
         if not member.isfile():
             continue
-        name = member.name[2:] if member.name.startswith("./") else member.name
+        name = storage.shown_name(member.name)  # tarfile keeps a name's bytes that are not UTF-8 as surrogates
+        name = name[2:] if name.startswith("./") else name
         folder, _, file = name.rpartition("/")
         stem, ext = member_key(file)
         key = f"{folder}/{stem}" if folder else stem
@@ -229,6 +230,7 @@ def list_shards(fs, base: str) -> list[str]:
     """The shards (.tar, .tar.gz, .tgz) below `base`, relative to it, sorted; hidden files and folders
     skipped."""
     found = list_images(fs, base, (".tar", ".gz", ".tgz"))  # by the last suffix, then the whole name
+    check_utf8_names([p for p, _ in found], "shard")
     return [str(PurePosixPath(p).relative_to(base)) for p, _ in found if is_shard(p)]
 
 
