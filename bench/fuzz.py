@@ -50,6 +50,12 @@ IMAGES = ("jpeg", "jpeg-progressive", "png", "gif", "webp", "bmp", "tiff", "tiff
 CONTAINERS = ("tar", "parquet", "hf")
 FORMATS = IMAGES + CONTAINERS
 BOUNDARY = (0, 1, 2, 3, 4, 0x7F, 0x80, 0xFF)  # values that break lengths, counts and type codes
+# "billion laughs": 9 lists of 9 aliases of the list before, 9**9 items once expanded, as `data:` (about 300 bytes)
+ALIAS_BOMB = (
+    "data: [&a [x,x,x,x,x,x,x,x,x], "
+    + ", ".join(f"&{c} [{','.join(['*' + p] * 9)}]" for p, c in zip("abcdefgh", "bcdefghi", strict=True))
+    + "]\n"
+)
 
 
 def _picture():
