@@ -47,6 +47,49 @@ def check_run_name(name: str) -> None:
         )
 
 
+# The most each setting may be: far beyond any real run, so that a slip (a few zeros too many, a size
+# in bytes) is refused before Ray starts instead of failing on the workers or running for ever.
+LIMITS = {
+    "epochs": 100_000,  # passes over the training set (--stop-after and --warmup-epochs too)
+    "batch_size": 1 << 20,  # images per step, summed over the workers
+    "image_size": 8192,  # px, the side the model sees
+    "num_workers": 4096,  # train workers
+    "threads_per_worker": 1024,  # torch threads
+    "cpus_per_worker": 1024,  # CPUs (and no more than the biggest node has: training/inputs.py, planning.py)
+    "augment_actors": 4096,  # per split
+    "augment_batch_size": 1 << 16,  # images per augment call
+    "augment_gpus": 64,  # GPUs per augment task or actor
+    "max_failures": 100_000,  # restarts
+    "node_wait_s": 7 * 24 * 3600.0,  # s: a week
+}
+SEED_RANGE = 2**64  # torch.manual_seed takes 0 .. 2**64 - 1 (and negatives, which NumPy refuses)
+DETERMINISTIC_SEED_RANGE = 2**32  # --deterministic: Ray Train's enable_reproducibility seeds NumPy with it too
+
+
+def check_limits(cfg) -> None:
+    """ConfigError for a setting of `cfg` beyond LIMITS, or a --seed outside what the workers'
+    generators take."""
+    limits = {**LIMITS, "stop_after": LIMITS["epochs"], "warmup_epochs": LIMITS["epochs"]}
+    for name, limit in limits.items():
+        if getattr(cfg, name) > limit:
+            raise ConfigError(
+                f"--{name.replace('_', '-')} {number(getattr(cfg, name))}: more than {number(limit)}, the most this "
+                "job takes (training/config.py LIMITS); give a smaller value"
+            )
+    top = DETERMINISTIC_SEED_RANGE if cfg.deterministic else SEED_RANGE
+    if not 0 <= cfg.seed < top:
+        why = " with --deterministic (NumPy's seeds)" if cfg.deterministic else " (torch.manual_seed's range)"
+        raise ConfigError(
+            f"--seed {number(cfg.seed)}: must be 0 .. 2**{top.bit_length() - 1} - 1{why}; give another seed"
+        )
+
+
+def number(value) -> str:
+    """A setting's number for a message: an int as it is (cut short where it is very long), a float by :g."""
+    text = f"{value:g}" if isinstance(value, float) else str(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} digits)"
+
+
 def _f(default, help: str, **meta):
     return dataclasses.field(default=default, metadata={"help": help, **meta})
 
@@ -245,6 +288,12 @@ class TrainConfig:
         if self.image_size and self.image_size < MIN_IMAGE_SIZE:
             raise ConfigError(
                 f"--image-size must be 0 (the preset's) or at least {MIN_IMAGE_SIZE} px, got {self.image_size}"
+            )
+        check_limits(self)
+        if self.augment_gpus and self.device == "cpu":
+            raise ConfigError(
+                f"--augment-gpus {self.augment_gpus:g} with --device cpu: augmenting on GPUs needs training on them; "
+                "drop --augment-gpus, or use --device cuda or auto"
             )
         if self.quiet and self.verbose:
             raise ConfigError("--quiet and --verbose contradict each other; give one")
