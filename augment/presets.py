@@ -245,6 +245,9 @@ def load_preset(name_or_path: str) -> Preset:
             "machine and give its path"
         )
     path = Path(name_or_path)
+    if path.is_dir() or (path.exists() and not path.is_file()):  # a pipe too: a resume reads the file again
+        what = "a folder" if path.is_dir() else "a pipe or device"
+        raise PresetError(f"{path} is {what}, not a file; give a .yaml/.json preset file")
     if not path.is_file():
         raise PresetError(f"{path}: preset file not found")
     data = parse_preset_file(path)

@@ -244,3 +244,23 @@ def test_the_largest_seed_and_the_most_cpus_the_machine_has_are_taken(tree, tmp_
     check_local_machine(cfg)
     with pytest.raises(ConfigError, match=r"^--cpus-per-worker 3: this machine has 2 CPUs"):
         check_local_machine(TrainConfig(cpus_per_worker=3))
+
+
+def test_a_folder_or_a_pipe_named_as_a_file_is_refused_for_what_it_is(tree, tmp_path, capsys, no_ray):
+    """Issue 53: a folder or a pipe given for a file was "no such file" (or "not found"). A pipe is
+    refused, not read: the run records these paths and a resume reads them again."""
+    folder, pipe = tmp_path / "weights.pt", tmp_path / "names.txt"
+    folder.mkdir()
+    os.mkfifo(pipe)
+    base = ["--data", str(tree), "--storage-path", str(tmp_path / "runs")]
+    cases = [
+        (["--init-weights", str(folder)], f"--init-weights {folder} is a folder, not a file; give a torchvision"),
+        (["--init-weights", str(pipe)], f"--init-weights {pipe} is a pipe, not a file; give a torchvision resnet18"),
+        (["--class-names", str(folder)], f"{folder} is a folder, not a file; give a text file with one class name"),
+        (["--class-names", str(pipe)], f"{pipe} is a pipe, not a file; give a text file with one class name a line"),
+        (["--preset", str(tmp_path / "p.yaml")], f"{tmp_path / 'p.yaml'} is a folder, not a file; give a .yaml/.json"),
+    ]
+    (tmp_path / "p.yaml").mkdir()
+    for flags, line in cases:
+        assert exits_2([*base, *flags], capsys).startswith(f"error: {line}"), flags
+    assert not (tmp_path / "runs").exists()

@@ -16,7 +16,7 @@ import os
 from augment.errors import PresetError
 from augment.presets import check_preset_name
 from augment.schedule import parse_resize, parse_schedule
-from training import artifacts, storage
+from training import artifacts, storage, userfiles
 from training.config import ConfigError, TrainConfig, check_amp
 from training.forms.data import ImageTree
 from training.forms.formats import header_size, sample_sizes, scan_data
@@ -272,9 +272,10 @@ def check_init_weights(path: str, model: str = "resnet18") -> None:
             f"--init-weights {path}: read from local disk only, not object storage; copy the file to this machine "
             "and give its path"
         )
-    if not os.path.isfile(path):
+    what = userfiles.what_is_at(path)  # a pipe too: torch.load seeks, and a resume reads the file again
+    if what:
         raise ConfigError(
-            f"--init-weights {path}: no such file; give a torchvision {model} state_dict saved with torch.save"
+            userfiles.refusal("--init-weights", path, what, f"a torchvision {model} state_dict saved with torch.save")
         )
     from training.model import build_model, load_init_weights
 

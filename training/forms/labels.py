@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 
-from training import storage
+from training import storage, userfiles
 from training.forms.data import DataError, ImageTree
 
 
@@ -117,6 +117,9 @@ def read_class_names(path: str) -> tuple[str, ...]:
     name, or a name given twice."""
     import pyarrow.fs as pafs
 
+    what = None if storage.is_uri(path) else userfiles.what_is_at(path)
+    if what and what != "no such file":  # a pipe too: a resume reads the file again
+        raise DataError(f"{path} is {what}, not a file; give a text file with one class name a line")
     fs, inner, _ = storage.filesystem(path)
     with storage.errors(path):
         if fs.get_file_info(inner).type != pafs.FileType.File:
