@@ -153,7 +153,7 @@ def test_an_alias_bomb_is_refused_at_once_in_one_short_line(tmp_path, capsys, no
     machine's memory for 35-50 s and ended in a MemoryError traceback."""
     import time
 
-    from bench.fuzz import ALIAS_BOMB
+    from bench.fuzz_yaml import ALIAS_BOMB
     from tests.conftest import exits_2
 
     path = _write(tmp_path, ALIAS_BOMB)

@@ -32,3 +32,12 @@ def test_the_script_prints_its_table_writes_json_and_exits_1_on_another_exceptio
     monkeypatch.setattr(fuzz, "check_image", lambda *a: 1 / 0)
     assert fuzz.main(["--fuzz", "2", "--formats", "png"]) == 1
     assert "ZeroDivisionError" in capsys.readouterr().err
+
+
+def test_every_settings_file_is_read_as_meant_or_refused_in_one_line_within_a_second(tmp_path):
+    """bench/fuzz_yaml.py: the alias bomb, aliases, anchors, tags, keys given twice, YAML 1.1's
+    number forms and long values, some mutated; the job's reading of --config takes each as
+    meant or refuses it in one line (issue 53)."""
+    result = fuzz.fuzz_settings(150, seed=0, work=tmp_path)
+    assert result["other"] == 0, result["examples"]
+    assert result["decoded"] > 30 and result["bad"] > 30  # both outcomes reached: not vacuous
