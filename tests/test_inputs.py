@@ -208,7 +208,7 @@ def test_a_checkpoint_holding_a_pickled_object_is_refused_and_never_runs(tmp_pat
         (
             ["--augment-gpus", "1"],
             "--augment-gpus 1: this machine has no GPU that CUDA shows, and a run without RAY_ADDRESS starts its "
-            "cluster here; use no --augment-gpus, or set RAY_ADDRESS",
+            "cluster here; drop --augment-gpus, or set RAY_ADDRESS",
         ),
         (["--augment-gpus", "0.25", "--device", "cpu"], "--augment-gpus 0.25 with --device cpu: augmenting on GPUs"),
         (
@@ -256,8 +256,14 @@ def test_a_folder_or_a_pipe_named_as_a_file_is_refused_for_what_it_is(tree, tmp_
     cases = [
         (["--init-weights", str(folder)], f"--init-weights {folder} is a folder, not a file; give a torchvision"),
         (["--init-weights", str(pipe)], f"--init-weights {pipe} is a pipe, not a file; give a torchvision resnet18"),
-        (["--class-names", str(folder)], f"{folder} is a folder, not a file; give a text file with one class name"),
-        (["--class-names", str(pipe)], f"{pipe} is a pipe, not a file; give a text file with one class name a line"),
+        (
+            ["--class-names", str(folder)],
+            f"--class-names {folder} is a folder, not a file; give a text file with one class name",
+        ),
+        (
+            ["--class-names", str(pipe)],
+            f"--class-names {pipe} is a pipe, not a file; give a text file with one class name a line",
+        ),
         (["--preset", str(tmp_path / "p.yaml")], f"{tmp_path / 'p.yaml'} is a folder, not a file; give a .yaml/.json"),
     ]
     (tmp_path / "p.yaml").mkdir()

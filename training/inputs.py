@@ -157,12 +157,11 @@ def check_local_machine(cfg: TrainConfig) -> None:
     asked = [f"--device {cfg.device}"] if cfg.device == "cuda" else []
     asked += [f"--augment-gpus {cfg.augment_gpus:g}"] if cfg.augment_gpus else []
     if asked and not gpus and not cuda_devices():
-        fixes = (["--device cpu or auto"] if cfg.device == "cuda" else []) + (
-            ["no --augment-gpus"] * bool(cfg.augment_gpus)
-        )
+        fixes = ["use --device cpu or auto"] if cfg.device == "cuda" else []
+        fixes += ["drop --augment-gpus"] if cfg.augment_gpus else []
         raise ConfigError(
             f"{' and '.join(asked)}: this machine has no GPU that CUDA shows, and a run without RAY_ADDRESS starts "
-            f"its cluster here; use {' and '.join(fixes)}, or set RAY_ADDRESS to join a cluster with GPUs"
+            f"its cluster here; {' and '.join(fixes)}, or set RAY_ADDRESS to join a cluster with GPUs"
         )
     cores = os.cpu_count() or 1
     if cfg.cpus_per_worker > cores:
