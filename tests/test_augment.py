@@ -15,6 +15,7 @@ from augment.ops import OPS, Normalize
 from augment.pipeline import Pipeline, to_canvas
 from augment.presets import PRESETS, PresetError, load_preset, preset_from_dict
 from augment.rng import KeyedRng, reference_seed, reference_uniform
+from bench import fuzz_yaml
 from training.stage import AugmentStage, StageArgs
 
 B = 64
@@ -218,6 +219,15 @@ def test_preset_files_and_their_errors(tmp_path):
         "unknown key": (
             "train: [{random_crop: {size: 8}}]\neval: [{center_crop: {size: 8}}]\nnormalise: 1",
             "unknown key(s) ['normalise']",
+        ),
+        # issue 53: an alias bomb as a name took the machine's memory; anchors, aliases and tags are refused
+        "alias bomb": (
+            fuzz_yaml.ALIAS_BOMB.replace("data:", "name:") + "train: []\neval: []",
+            "line 1: an alias or anchor (a)",
+        ),
+        "tag": (
+            "name: !!python/name:os.system\ntrain: []",
+            "line 1: a tag (!!python/name:os.system); tags are not read",
         ),
     }
     for name, (text, message) in cases.items():
