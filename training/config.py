@@ -404,15 +404,19 @@ def load_config_file(path: str) -> dict:
             userfiles.refusal("--config", path, what, "a YAML file of settings such as configs/cifar-local.yaml")
         )
     try:
-        raw = userfiles.read_pipe(path) if what else open(path, "rb").read()
+        raw = userfiles.read_file(path)
+    except ValueError as e:  # a pipe that sent nothing
+        raise ConfigError(f"--config {path}: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot be read ({e.strerror or e})") from None
+    try:
         text = decode_text(raw)
+    except ValueError as e:  # not UTF-8, nor UTF-16 with its byte order mark
+        raise ConfigError(f"--config {path}: {e}; save it as UTF-8") from None
+    try:
         settings = userfiles.read_settings(text)  # JSON is YAML too
     except userfiles.SettingsError as e:
         raise ConfigError(f"--config {path}: {e}") from None
-    except ValueError as e:  # not UTF-8, nor UTF-16 with its byte order mark; a pipe that sent nothing
-        raise ConfigError(f"--config {path}: {e}" + ("; save it as UTF-8" if "UTF" in str(e) else "")) from None
-    except OSError as e:
-        raise ConfigError(f"--config {path}: cannot be read ({e.strerror or e})") from None
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     out = {}
     for raw_key, value in (settings or {}).items():

@@ -58,6 +58,14 @@ def refusal(flag: str, path: str, what: str, give: str) -> str:
     return f"{flag} {path} is {what}, not a file; give {give}"
 
 
+def read_file(path: str) -> bytes:
+    """The bytes of a file, or of a pipe (read_pipe)."""
+    if what_is_at(path) == "a pipe":
+        return read_pipe(path)
+    with open(path, "rb") as f:
+        return f.read()
+
+
 def read_pipe(path: str, wait_s: float = PIPE_WAIT_S) -> bytes:
     """All a pipe holds until its writer closes it (`--config <(...)`: the shell's process
     substitution, whose writer holds the pipe open from the start). Opened without waiting for
