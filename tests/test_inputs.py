@@ -46,7 +46,11 @@ PARSE_ERRORS = {
     "yaml": ("bad.yaml", "train: [", "bad.yaml: not valid YAML (expected the node content, but found '<stream end>'"),
     "json": ("bad.json", '{"train": [', "bad.json: not valid JSON (Expecting value at line 1, column 12)"),
     "empty json": ("empty.json", "", "empty.json: not valid JSON (Expecting value at line 1, column 1)"),
-    "yaml tag": ("tag.yml", "train: !!python/object/apply:os.system [id]\n", "tag.yml: not valid YAML (could not"),
+    "yaml tag": (
+        "tag.yml",
+        "train: !!python/object/apply:os.system [id]\n",
+        "tag.yml: line 1: a tag (!!python/object/apply:os.system); tags are not read, write a plain value",
+    ),
     "binary": ("photo.yaml", b"\xff\xd8\xff\xe0 a JPEG", "photo.yaml: not UTF-8 text; a preset file is YAML or JSON"),
 }
 
