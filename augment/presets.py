@@ -245,6 +245,9 @@ def load_preset(name_or_path: str) -> Preset:
             "machine and give its path"
         )
     path = Path(name_or_path)
+    if path.is_dir() or (path.exists() and not path.is_file()):  # a pipe too: a resume reads the file again
+        what = "a folder" if path.is_dir() else "a pipe or device"
+        raise PresetError(f"{path} is {what}, not a file; give a .yaml/.json preset file")
     if not path.is_file():
         raise PresetError(f"{path}: preset file not found")
     data = parse_preset_file(path)
@@ -254,6 +257,23 @@ def load_preset(name_or_path: str) -> Preset:
         return preset_from_dict(data, where=str(path))
     except (TypeError, ValueError) as e:
         raise PresetError(str(e)) from None
+
+
+def refuse_alias_or_tag(event, path: Path) -> None:
+    """PresetError for a YAML event that is an alias, an anchor or a tag: a preset file has no use
+    for them, and an alias bomb (a few hundred bytes, billions of items once expanded) would take
+    the machine's memory as soon as a message showed a value."""
+    import yaml
+
+    line = event.start_mark.line + 1
+    if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+        raise PresetError(
+            f"{path}: line {line}: an alias or anchor ({event.anchor}); they are not read, write the value"
+        )
+    tag = getattr(event, "tag", None)
+    if tag is not None:
+        tag = tag.replace("tag:yaml.org,2002:", "!!")[:80]
+        raise PresetError(f"{path}: line {line}: a tag ({tag}); tags are not read, write a plain value")
 
 
 def parse_preset_file(path: Path):
@@ -273,6 +293,8 @@ def parse_preset_file(path: Path):
     import yaml
 
     try:
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):  # before anything is built, or expanded
+            refuse_alias_or_tag(event, path)
         return yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)

@@ -24,6 +24,10 @@ Seeds, written with Pillow and pyarrow in the layouts the job reads:
                                file names are random bytes (mostly not UTF-8), through the
                                tree's scan and reads, a manifest naming the files as the job shows
                                them, and jobs.prepare, its shards then scanned and read (fuzz_names)
+  yaml                         --config files (bench/fuzz_yaml.py): the alias bomb, aliases,
+                               tags, keys given twice, YAML 1.1's number forms, long values,
+                               some mutated; each read as meant or refused in one line, in a
+                               second (decoded: read; bad: refused)
 
 A mutation is one to three of: bytes set to random or boundary values, the file cut short, a
 chunk of it repeated somewhere else, random bytes inserted, a range zeroed. Half of them aim
@@ -47,6 +51,7 @@ import sys
 import tempfile
 import traceback
 import warnings
+from functools import partial
 from pathlib import Path
 
 from bench import write_json
@@ -56,6 +61,7 @@ CONTAINERS = ("tar", "parquet", "hf")
 FORMATS = IMAGES + CONTAINERS
 NAMES = ("names",)  # trees whose file and folder names are random bytes (fuzz_names); --formats takes it too
 BOUNDARY = (0, 1, 2, 3, 4, 0x7F, 0x80, 0xFF)  # values that break lengths, counts and type codes
+SETTINGS = ("yaml",)  # --config files (bench/fuzz_yaml.py), read or refused in one line
 
 
 def _picture():
@@ -362,9 +368,31 @@ def fuzz_names(cases: int, seed: int, work: Path) -> dict:
     return {"format": "names", "mutants": cases, **counts, "examples": examples}
 
 
+def fuzz_settings(cases: int, seed: int, work: Path) -> dict:
+    """fuzz_format's figures for --config files (bench/fuzz_yaml.py): the alias bomb, then cases
+    drawn from `seed`; decoded: read (as meant, where the case says), bad: refused in one line."""
+    from bench.fuzz_yaml import check_settings, settings_cases
+
+    work.mkdir(parents=True, exist_ok=True)
+    counts = {"decoded": 0, "bad": 0, "other": 0}
+    examples = []
+    for i, (text, meant) in enumerate(settings_cases(cases, seed)):
+        try:
+            outcome = check_settings(text, meant, work)
+        except Exception as e:  # noqa: BLE001 - what this counts: anything but a reading or a one-line refusal
+            outcome = "other"
+            if len(examples) < 5:
+                tail = traceback.format_exc().strip().splitlines()[-6:]
+                examples.append({"mutant": i, "error": f"{type(e).__name__}: {e}"[:300], "traceback": tail})
+        counts[outcome] += 1
+    return {"format": "yaml", "mutants": cases, **counts, "examples": examples}
+
+
 def run(formats, mutants: int, seed: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
-        return [fuzz_format(f, mutants, seed, Path(tmp) / f) for f in formats]
+        return [
+            (fuzz_settings if f in SETTINGS else partial(fuzz_format, f))(mutants, seed, Path(tmp) / f) for f in formats
+        ]
 
 
 def table(results: list[dict]) -> str:
@@ -377,7 +405,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.fuzz", description=__doc__.split("\n")[0])
     ap.add_argument("--fuzz", type=int, default=200, metavar="N", help="mutants of each format (default: 200)")
     ap.add_argument("--seed", type=int, default=0, help="the mutations' seed (default: 0)")
-    known = FORMATS + NAMES
+    known = FORMATS + NAMES + SETTINGS
     ap.add_argument("--formats", default=",".join(known), help=f"comma-separated, of {', '.join(known)}")
     ap.add_argument("--json", metavar="FILE", help="write the figures, and the other exceptions' tracebacks")
     args = ap.parse_args(argv)

@@ -112,6 +112,19 @@ def test_an_autoscaler_without_published_limits_is_not_refused():
         plan_resources(TrainConfig(device="cuda", num_workers=4), Capacity(cpus=1, gpus=0, hosts=1))
 
 
+def test_a_joined_cluster_refuses_gpu_flags_without_gpus_and_a_worker_bigger_than_its_biggest_node():
+    """Issue 53: --augment-gpus on a cluster without GPUs was dropped without a word, and
+    --cpus-per-worker beyond every node (but within their sum) reached Ray."""
+    no_gpus = Capacity(cpus=8, gpus=0, hosts=2, nodes=((4.0, 0.0), (4.0, 0.0)))
+    with pytest.raises(ConfigError, match=r"^--augment-gpus 1: the Ray cluster has no GPUs and cannot get any; drop"):
+        plan_resources(TrainConfig(augment_gpus=1), no_gpus)
+    with pytest.raises(ConfigError, match=r"^--cpus-per-worker 6: the cluster's biggest node has 4 CPUs and a worker"):
+        plan_resources(TrainConfig(cpus_per_worker=6), no_gpus)
+    assert plan_resources(TrainConfig(cpus_per_worker=3), no_gpus).cpus_per_worker == 3
+    growing = Capacity(cpus=8, gpus=0, hosts=2, autoscaling=True, bounded=False, nodes=((4.0, 0.0), (4.0, 0.0)))
+    assert plan_resources(TrainConfig(cpus_per_worker=6), growing).cpus_per_worker == 6  # a bigger node may join
+
+
 GPU4 = Capacity(cpus=32, gpus=4, hosts=1, autoscaling=False)
 
 

@@ -36,7 +36,7 @@ def test_without_a_file_the_defaults_stand(tmp_path):
     "text, fragment",
     [
         ("epochz: 3\n", "unknown key 'epochz'; valid keys: amp, augment_actors"),
-        ("epochs: three\n", "epochs must be int"),
+        ("epochs: three\n", "epochs must be a whole number such as 30, got 'three'"),
         ("optimizer: lamb\n", "optimizer must be one of sgd, adamw"),
         ("fresh: yes please\n", "fresh must be true or false"),
         ("- epochs\n", "expected a mapping"),
@@ -103,3 +103,99 @@ def test_an_error_is_one_line_with_one_prefix_whatever_its_message_holds():
     assert error_line(ValueError("error: --data x\nthe rest")) == "error: --data x\\nthe rest"
     assert error_line("error: error: a\tb") == "error: a\\tb"
     assert error_line(ConfigError("--lr must be positive")) == "error: --lr must be positive"
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("name: 0123\n", {"name": "0123"}),  # YAML 1.1: the octal 83
+        ("name: 1.10\n", {"name": "1.10"}),  # the float 1.1
+        ("name: 2024\ndata: 007\nstorage_path: 1e3\n", {"name": "2024", "data": "007", "storage_path": "1e3"}),
+        ("name: '0123'\n", {"name": "0123"}),
+        ('{"name": "0123", "lr": 1e-3}\n', {"name": "0123", "lr": 0.001}),  # JSON is YAML too
+        ("lr: 1e-3\n", {"lr": 0.001}),  # YAML 1.1: text, having no dot
+        ("lr: 1E5\nmomentum: .5\nweight_decay: 5.\n", {"lr": 1e5, "momentum": 0.5, "weight_decay": 5.0}),
+        ("lr: 1\nwarmup_epochs: 1_000.5\n", {"lr": 1.0, "warmup_epochs": 1000.5}),
+        ("epochs: 010\nbatch_size: 1e3\n", {"epochs": 10, "batch_size": 1000}),  # YAML 1.1: octal 8; a float
+        ("fresh: yes\nstrict: off\nquiet: True\n", {"fresh": True, "strict": False, "quiet": True}),
+        ("amp: off\ndata: null\n", {"amp": "off", "data": None}),  # YAML 1.1: the bool False
+    ],
+)
+def test_settings_are_read_as_written(tmp_path, text, expected):
+    values = load_config_file(_write(tmp_path, text))
+    assert values == expected and all(type(values[k]) is type(v) for k, v in expected.items()), values
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("epochs: 3\nlr: 0.1\nepochs: 5\n", "line 3: epochs is given twice; give each setting once"),
+        ("batch_size: 8\nbatch-size: 16\n", "batch_size is given twice (as batch-size too); give each setting once"),
+        ("base: &b 0.1\nlr: *b\n", "line 1: an anchor (&b); anchors are not read, write the value"),
+        ("lr: !!float 1\n", "line 1: a tag (!!float); tags are not read, write a plain value"),
+        ("name: !!python/object/apply:os.system [id]\n", "line 1: a tag (!!python/object/apply:os.system); tags"),
+        ("epochs: 1.5\n", "epochs must be a whole number such as 30, got '1.5'"),
+        ("lr: fast\n", "lr must be a number such as 0.1 or 1e-3, got 'fast'"),
+        ("epochs:\n", "epochs has no value; give a whole number such as 30, or leave the key out"),
+        ("epochs: [1, 2]\n", "epochs must be one value, got a list"),
+        ("epochs: 1\n---\nepochs: 2\n", "not valid YAML (but found another document at line 2, column 1)"),
+    ],
+)
+def test_duplicates_aliases_tags_and_bad_numbers_are_refused_by_their_rule(tmp_path, text, message):
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_config_file(path)
+    assert str(e.value) == f"--config {path}: {message}" or str(e.value).startswith(f"--config {path}: {message}")
+
+
+def test_an_alias_bomb_is_refused_at_once_in_one_short_line(tmp_path, capsys, no_ray):
+    """A 300-byte file whose `data:` expands to 9**9 items: its "must be str" message took the
+    machine's memory for 35-50 s and ended in a MemoryError traceback."""
+    import time
+
+    from bench.fuzz_yaml import ALIAS_BOMB
+    from tests.conftest import exits_2
+
+    path = _write(tmp_path, ALIAS_BOMB)
+    start = time.monotonic()
+    err = exits_2(["--config", path], capsys)
+    assert time.monotonic() - start < 1
+    assert err == f"error: --config {path}: line 1: an anchor (&a); anchors are not read, write the value\n"
+
+
+def test_a_long_value_is_shown_cut_short(tmp_path):
+    path = _write(tmp_path, f"epochs: {'x' * 100_000}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config_file(path)
+    assert len(str(e.value)) < len(path) + 200 and str(e.value).endswith("...")
+    path = _write(tmp_path, f"{'k' * 1000}: 1\n")  # YAML's longest key
+    with pytest.raises(ConfigError) as e:
+        load_config_file(path)
+    assert "unknown key 'kkkk" in str(e.value) and "k" * 100 not in str(e.value)
+
+
+def test_a_config_that_is_a_folder_says_so_and_one_from_a_pipe_is_read(tmp_path, capsys, no_ray):
+    """`--config somedir/` and `--config <(...)` were "no such file": the first is refused for
+    what it is, the second (the shell's process substitution: a pipe) is read."""
+    import os
+    import threading
+
+    from tests.conftest import exits_2
+
+    err = exits_2(["--config", str(tmp_path)], capsys)
+    assert (
+        err == f"error: --config {tmp_path} is a folder, not a file; give a YAML file of settings such as "
+        "configs/cifar-local.yaml\n"
+    )
+    read_end, write_end = os.pipe()  # as the shell's <(...) makes it: /dev/fd/63, the writer there first
+    writer = threading.Thread(target=lambda: os.write(write_end, b"epochs: 3\nname: 0123\n") and os.close(write_end))
+    writer.start()
+    cfg, sources = parse_config(parser(), ["--config", f"/proc/self/fd/{read_end}"])
+    writer.join()
+    os.close(read_end)
+    assert (cfg.epochs, cfg.name, sources["name"]) == (3, "0123", "file")
+    fifo = tmp_path / "settings"
+    os.mkfifo(fifo)
+    # a named pipe nobody writes to is refused, not waited on for ever
+    err = exits_2(["--config", str(fifo)], capsys)
+    assert err == f"error: --config {fifo}: a pipe with nothing written to it\n"

@@ -98,3 +98,21 @@ def test_only_a_fault_where_every_rank_lost_a_peer_waits_for_ray_to_declare_a_no
     assert time.monotonic() - t0 >= 1.5
     monkeypatch.setattr(faults, "alive_nodes", lambda: {"a": "10.0.0.1"})
     assert faults.lost_nodes(nodes, _group(GLOO, GLOO), wait_s=30) == {"b": "10.0.0.2"}
+
+
+def test_a_run_stopped_by_an_error_says_error_training_failed_once(tmp_path):
+    """Issue 53: "error: training failed: error: RuntimeError: PytorchStreamReader failed ..."."""
+    from training.config import error_line
+
+    log = FaultLog(str(tmp_path), max_failures=-1)
+    cause = RuntimeError("PytorchStreamReader failed reading zip archive: failed finding central directory")
+    for _ in range(2):
+        fault = describe(_group(cause), {}, {0: (0, 8, 1.0)}, None, per_worker=8)
+        log.add(fault, _group(cause), {})
+        stop = log.give_up(fault)
+    line = error_line(f"training failed: {stop}")
+    assert line.startswith(
+        "error: training failed: RuntimeError: PytorchStreamReader failed reading zip archive: failed finding "
+        "central directory at epoch 1, step 1; the same error twice in a row"
+    ), line
+    assert line.count("error:") == 1 and fault.line(-1).startswith("fault: RuntimeError: PytorchStreamReader")

@@ -39,3 +39,12 @@ def test_trees_named_in_random_bytes_are_read_or_refused_in_one_line(tmp_path):
     result = fuzz.fuzz_names(10, seed=0, work=tmp_path)
     assert result["other"] == 0, result["examples"]
     assert result["decoded"] > 0  # most trees are read whole: the check is not all refusals
+
+
+def test_every_settings_file_is_read_as_meant_or_refused_in_one_line_within_a_second(tmp_path):
+    """bench/fuzz_yaml.py: the alias bomb, aliases, anchors, tags, keys given twice, YAML 1.1's
+    number forms and long values, some mutated; the job's reading of --config takes each as
+    meant or refuses it in one line (issue 53)."""
+    result = fuzz.fuzz_settings(150, seed=0, work=tmp_path)
+    assert result["other"] == 0, result["examples"]
+    assert result["decoded"] > 30 and result["bad"] > 30  # both outcomes reached: not vacuous

@@ -13,7 +13,7 @@ import torchvision  # noqa: F401  (imported here so that the timings below measu
 
 from tests.conftest import exits_2
 from training import artifacts
-from training.config import TrainConfig
+from training.config import ConfigError, TrainConfig
 from training.inputs import check_inputs, start_fresh
 
 
@@ -46,7 +46,11 @@ PARSE_ERRORS = {
     "yaml": ("bad.yaml", "train: [", "bad.yaml: not valid YAML (expected the node content, but found '<stream end>'"),
     "json": ("bad.json", '{"train": [', "bad.json: not valid JSON (Expecting value at line 1, column 12)"),
     "empty json": ("empty.json", "", "empty.json: not valid JSON (Expecting value at line 1, column 1)"),
-    "yaml tag": ("tag.yml", "train: !!python/object/apply:os.system [id]\n", "tag.yml: not valid YAML (could not"),
+    "yaml tag": (
+        "tag.yml",
+        "train: !!python/object/apply:os.system [id]\n",
+        "tag.yml: line 1: a tag (!!python/object/apply:os.system); tags are not read, write a plain value",
+    ),
     "binary": ("photo.yaml", b"\xff\xd8\xff\xe0 a JPEG", "photo.yaml: not UTF-8 text; a preset file is YAML or JSON"),
 }
 
@@ -176,3 +180,97 @@ def test_a_checkpoint_holding_a_pickled_object_is_refused_and_never_runs(tmp_pat
     with pytest.raises(pickle.UnpicklingError, match="(?s)Weights only load failed.*GLOBAL posix.mkdir"):
         loop.restore(TrainConfig(), torch.device("cpu"))
     assert not marker.exists() and _sprung(path, marker)
+
+
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        (
+            ["--seed", str(2**64)],
+            f"--seed {2**64}: must be 0 .. 2**64 - 1 (torch.manual_seed's range); give another seed",
+        ),
+        (["--seed", "-1"], "--seed -1: must be 0 .. 2**64 - 1 (torch.manual_seed's range); give another seed"),
+        (
+            ["--seed", str(2**32), "--deterministic"],
+            f"--seed {2**32}: must be 0 .. 2**32 - 1 with --deterministic (NumPy's seeds); give another seed",
+        ),
+        (
+            ["--epochs", "1000000000"],
+            "--epochs 1000000000: more than 100000, the most this job takes (training/config.py LIMITS); give a "
+            "smaller value",
+        ),
+        (["--image-size", "100000"], "--image-size 100000: more than 8192, the most this job takes"),
+        (["--batch-size", "100000000"], "--batch-size 100000000: more than 1048576, the most this job takes"),
+        (["--num-workers", "100000"], "--num-workers 100000: more than 4096, the most this job takes"),
+        (["--stop-after", "1000000"], "--stop-after 1000000: more than 100000, the most this job takes"),
+        (["--node-wait-s", "1e9"], "--node-wait-s 1e+09: more than 604800, the most this job takes"),
+        (
+            ["--device", "cuda"],
+            "--device cuda: this machine has no GPU that CUDA shows, and a run without RAY_ADDRESS starts its cluster "
+            "here; use --device cpu or auto, or set RAY_ADDRESS to join a cluster with GPUs",
+        ),
+        (
+            ["--augment-gpus", "1"],
+            "--augment-gpus 1: this machine has no GPU that CUDA shows, and a run without RAY_ADDRESS starts its "
+            "cluster here; drop --augment-gpus, or set RAY_ADDRESS",
+        ),
+        (["--augment-gpus", "0.25", "--device", "cpu"], "--augment-gpus 0.25 with --device cpu: augmenting on GPUs"),
+        (
+            ["--cpus-per-worker", "64"],
+            "--cpus-per-worker 64: this machine has 2 CPUs, and a run without RAY_ADDRESS starts its cluster here; "
+            "give 2 or less, or 0 for the plan's share",
+        ),
+    ],
+)
+def test_flags_that_passed_every_check_and_failed_later_exit_2_before_ray(
+    flags, line, tree, tmp_path, capsys, no_ray, monkeypatch
+):
+    """Issue 53: a --seed torch.manual_seed refuses on the workers, GPU flags on a machine without
+    one, more CPUs per worker than the machine has, sizes and counts beyond sense."""
+    from training import inputs
+
+    monkeypatch.setattr(inputs, "local_gpus", lambda: 0)  # this machine as CI's: no GPU
+    monkeypatch.setattr(inputs, "cuda_devices", lambda: 0)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    for name in ("RAY_ADDRESS", "RAY_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    err = exits_2(["--data", str(tree), "--storage-path", str(tmp_path / "runs"), *flags], capsys)
+    assert err.startswith(f"error: {line}"), err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_largest_seed_and_the_most_cpus_the_machine_has_are_taken(tree, tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    from training.inputs import check_local_machine
+
+    cfg = TrainConfig(data=str(tree), seed=2**64 - 1, cpus_per_worker=2, epochs=100_000, image_size=8192)
+    check_local_machine(cfg)
+    with pytest.raises(ConfigError, match=r"^--cpus-per-worker 3: this machine has 2 CPUs"):
+        check_local_machine(TrainConfig(cpus_per_worker=3))
+
+
+def test_a_folder_or_a_pipe_named_as_a_file_is_refused_for_what_it_is(tree, tmp_path, capsys, no_ray):
+    """Issue 53: a folder or a pipe given for a file was "no such file" (or "not found"). A pipe is
+    refused, not read: the run records these paths and a resume reads them again."""
+    folder, pipe = tmp_path / "weights.pt", tmp_path / "names.txt"
+    folder.mkdir()
+    os.mkfifo(pipe)
+    base = ["--data", str(tree), "--storage-path", str(tmp_path / "runs")]
+    cases = [
+        (["--init-weights", str(folder)], f"--init-weights {folder} is a folder, not a file; give a torchvision"),
+        (["--init-weights", str(pipe)], f"--init-weights {pipe} is a pipe, not a file; give a torchvision resnet18"),
+        (
+            ["--class-names", str(folder)],
+            f"--class-names {folder} is a folder, not a file; give a text file with one class name",
+        ),
+        (
+            ["--class-names", str(pipe)],
+            f"--class-names {pipe} is a pipe, not a file; give a text file with one class name a line",
+        ),
+        (["--preset", str(tmp_path / "p.yaml")], f"{tmp_path / 'p.yaml'} is a folder, not a file; give a .yaml/.json"),
+    ]
+    (tmp_path / "p.yaml").mkdir()
+    for flags, line in cases:
+        assert exits_2([*base, *flags], capsys).startswith(f"error: {line}"), flags
+    assert not (tmp_path / "runs").exists()

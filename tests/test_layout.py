@@ -23,6 +23,7 @@ LIGHT = {
     "augment.decode": ("torch",),
     "training.bounds": ("torch", "ray"),
     "training.config": ("torch", "ray"),
+    "training.userfiles": ("torch", "ray", "yaml"),
     "training.spec": ("torch", "ray"),
     "training.session": ("torch", "ray"),
     "training.inputs": ("torch", "ray.train"),

@@ -47,6 +47,49 @@ def check_run_name(name: str) -> None:
         )
 
 
+# The most each setting may be: far beyond any real run, so that a slip (a few zeros too many, a size
+# in bytes) is refused before Ray starts instead of failing on the workers or running for ever.
+LIMITS = {
+    "epochs": 100_000,  # passes over the training set (--stop-after and --warmup-epochs too)
+    "batch_size": 1 << 20,  # images per step, summed over the workers
+    "image_size": 8192,  # px, the side the model sees
+    "num_workers": 4096,  # train workers
+    "threads_per_worker": 1024,  # torch threads
+    "cpus_per_worker": 1024,  # CPUs (and no more than the biggest node has: training/inputs.py, planning.py)
+    "augment_actors": 4096,  # per split
+    "augment_batch_size": 1 << 16,  # images per augment call
+    "augment_gpus": 64,  # GPUs per augment task or actor
+    "max_failures": 100_000,  # restarts
+    "node_wait_s": 7 * 24 * 3600.0,  # s: a week
+}
+SEED_RANGE = 2**64  # torch.manual_seed takes 0 .. 2**64 - 1 (and negatives, which NumPy refuses)
+DETERMINISTIC_SEED_RANGE = 2**32  # --deterministic: Ray Train's enable_reproducibility seeds NumPy with it too
+
+
+def check_limits(cfg) -> None:
+    """ConfigError for a setting of `cfg` beyond LIMITS, or a --seed outside what the workers'
+    generators take."""
+    limits = {**LIMITS, "stop_after": LIMITS["epochs"], "warmup_epochs": LIMITS["epochs"]}
+    for name, limit in limits.items():
+        if getattr(cfg, name) > limit:
+            raise ConfigError(
+                f"--{name.replace('_', '-')} {number(getattr(cfg, name))}: more than {number(limit)}, the most this "
+                "job takes (training/config.py LIMITS); give a smaller value"
+            )
+    top = DETERMINISTIC_SEED_RANGE if cfg.deterministic else SEED_RANGE
+    if not 0 <= cfg.seed < top:
+        why = " with --deterministic (NumPy's seeds)" if cfg.deterministic else " (torch.manual_seed's range)"
+        raise ConfigError(
+            f"--seed {number(cfg.seed)}: must be 0 .. 2**{top.bit_length() - 1} - 1{why}; give another seed"
+        )
+
+
+def number(value) -> str:
+    """A setting's number for a message: an int as it is (cut short where it is very long), a float by :g."""
+    text = f"{value:g}" if isinstance(value, float) else str(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} digits)"
+
+
 def _f(default, help: str, **meta):
     return dataclasses.field(default=default, metadata={"help": help, **meta})
 
@@ -246,6 +289,12 @@ class TrainConfig:
             raise ConfigError(
                 f"--image-size must be 0 (the preset's) or at least {MIN_IMAGE_SIZE} px, got {self.image_size}"
             )
+        check_limits(self)
+        if self.augment_gpus and self.device == "cpu":
+            raise ConfigError(
+                f"--augment-gpus {self.augment_gpus:g} with --device cpu: augmenting on GPUs needs training on them; "
+                "drop --augment-gpus, or use --device cuda or auto"
+            )
         if self.quiet and self.verbose:
             raise ConfigError("--quiet and --verbose contradict each other; give one")
         if self.name:
@@ -336,59 +385,70 @@ def _field_kind(field) -> type:
 def load_config_file(path: str) -> dict:
     """A YAML (or JSON) file of TrainConfig fields -> {field: value}, checked like the flags.
 
-    Keys are field names, with `_` or `-` (`batch_size` or `batch-size`). An unknown key, a
-    value of the wrong type or outside a field's choices is a ConfigError naming the file.
+    Keys are field names, with `_` or `-` (`batch_size` or `batch-size`), each given once. Values
+    are read as written (training.userfiles: `name: 0123` stays "0123", `lr: 1e-3` is 0.001), with
+    no aliases, anchors or tags. Anything else is a ConfigError naming the file and the rule.
+    `path` may be a pipe (`--config <(...)`), read once.
     """
-    import yaml
+    from training import userfiles
+    from training.storage import decode_text
 
     if "://" in path:
         raise ConfigError(
             f"--config {path}: read from local disk only, not object storage; copy the file to this machine and "
             "give its path"
         )
-    if not os.path.isfile(path):
+    what = userfiles.what_is_at(path)
+    if what not in (None, "a pipe"):
         raise ConfigError(
-            f"--config {path}: no such file; give a YAML file of settings such as configs/cifar-local.yaml"
+            userfiles.refusal("--config", path, what, "a YAML file of settings such as configs/cifar-local.yaml")
         )
-    from training.storage import decode_text
-
-    with open(path, "rb") as f:
-        raw = f.read()
+    try:
+        raw = userfiles.read_file(path)
+    except ValueError as e:  # a pipe that sent nothing
+        raise ConfigError(f"--config {path}: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot be read ({e.strerror or e})") from None
     try:
         text = decode_text(raw)
     except ValueError as e:  # not UTF-8, nor UTF-16 with its byte order mark
         raise ConfigError(f"--config {path}: {e}; save it as UTF-8") from None
     try:
-        data = yaml.safe_load(text)  # JSON is YAML too
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config {path}: expected a mapping of setting: value, got a {type(data).__name__}")
+        settings = userfiles.read_settings(text)  # JSON is YAML too
+    except userfiles.SettingsError as e:
+        raise ConfigError(f"--config {path}: {e}") from None
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     out = {}
-    for raw_key, value in data.items():
-        key = str(raw_key).replace("-", "_")
+    for raw_key, value in (settings or {}).items():
+        key = raw_key.replace("-", "_")
         if key not in fields:
-            raise ConfigError(f"--config {path}: unknown key {raw_key!r}; valid keys: {', '.join(sorted(fields))}")
-        field, kind = fields[key], _field_kind(fields[key])
-        if value is None and field.default is None:
-            out[key] = None
-            continue
-        if kind is bool:
-            if not isinstance(value, bool):
-                raise ConfigError(f"--config {path}: {raw_key} must be true or false, got {value!r}")
-        elif kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = float(value)
-        elif kind is str and isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = str(value)  # e.g. `name: 2024` or a numeric path
-        elif not isinstance(value, kind) or isinstance(value, bool):
-            raise ConfigError(f"--config {path}: {raw_key} must be {kind.__name__}, got {value!r}")
-        choices = field.metadata.get("choices")
-        if choices and value not in choices:
-            raise ConfigError(f"--config {path}: {raw_key} must be one of {', '.join(choices)}; got {value!r}")
-        out[key] = value
+            raise ConfigError(
+                f"--config {path}: unknown key {userfiles.shown(raw_key)}; valid keys: {', '.join(sorted(fields))}"
+            )
+        if key in out:
+            raise ConfigError(f"--config {path}: {key} is given twice (as {raw_key} too); give each setting once")
+        out[key] = setting_value(fields[key], raw_key, value, f"--config {path}")
+    return out
+
+
+def setting_value(field, raw_key: str, value, where: str):
+    """A settings file's `value` (training.userfiles.Scalar, or what else it was) of `field`."""
+    from training import userfiles
+
+    if isinstance(value, str):  # a list or a mapping
+        raise ConfigError(f"{where}: {raw_key} must be one value, got {value}")
+    if userfiles.is_null(value) and field.default is None:
+        return None
+    kind = _field_kind(field)
+    if userfiles.is_null(value):
+        raise ConfigError(f"{where}: {raw_key} has no value; give {userfiles.RULES[kind]}, or leave the key out")
+    try:
+        out = userfiles.as_kind(kind, value)
+    except ValueError as e:
+        raise ConfigError(f"{where}: {raw_key} {e}") from None
+    choices = field.metadata.get("choices")
+    if choices and out not in choices:
+        raise ConfigError(f"{where}: {raw_key} must be one of {', '.join(choices)}; got {userfiles.shown(out)}")
     return out
 
 

@@ -105,8 +105,11 @@ class Fault:
         return f"at epoch {self.epoch}, step {self.step}"
 
     def summary(self) -> str:
-        """What failed, and when: "node lost: 10.0.0.7 (node 1f2e3d4c) at epoch 2, step 37"."""
-        return f"{self.kind}: {self.node or self.message} {self.where()}"
+        """What failed, and when: "node lost: 10.0.0.7 (node 1f2e3d4c) at epoch 2, step 37"; an
+        error of no other kind by itself ("RuntimeError: ... at epoch 2, step 37"): the line it
+        ends in already begins "error: "."""
+        what = self.node or self.message
+        return f"{what if self.kind == 'error' else f'{self.kind}: {what}'} {self.where()}"
 
     def line(self, left: int) -> str:
         """The console's line for a fault the run survives; left: failures --max-failures still allows (-1: any)."""

@@ -17,12 +17,13 @@ import os
 from augment.errors import PresetError
 from augment.presets import check_preset_name
 from augment.schedule import parse_resize, parse_schedule
-from training import artifacts, lease, storage
+from training import artifacts, lease, storage, userfiles
 from training.config import ConfigError, TrainConfig, check_amp
 from training.forms.data import ImageTree
 from training.forms.formats import header_size, sample_sizes, scan_data
 from training.forms.parquet import read_manifest
 from training.forms.tree import default_dataset_dir
+from training.session import starts_local_cluster
 
 SAMPLED_HEADERS = 16  # images whose headers give a tree's typical size
 THUMBNAIL_SIDE = 64  # --preset auto: a shorter side of at most this (typically) is a thumbnail: the cifar recipe
@@ -103,6 +104,14 @@ def local_gpus() -> int:
     return found if visible is None else min(found, len(visible.split(",")))
 
 
+def cuda_devices() -> int:
+    """The CUDA devices torch sees here (seconds: it imports torch; for where local_gpus found none,
+    on systems whose driver is not listed in /proc, such as WSL)."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def sized_preset(cfg: TrainConfig, preset):
     """The preset at --image-size, checked at every side the run trains and evaluates at
     (--progressive-resize's, epoch by epoch): ConfigError for one that does not fit."""
@@ -133,10 +142,33 @@ def check_sizes_and_device(cfg: TrainConfig, name: str, preset=None) -> None:
 
         sized = sized_preset(cfg, preset or PRESETS[name])
         check_model_sizes(cfg.model, [*sized.train_sides(cfg.progressive_resize, cfg.epochs), sized.image_size])
-    local = not (os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"))
-    if cfg.device == "auto" and local:
-        check_amp(cfg.amp, on_gpu=local_gpus() > 0)
+    if starts_local_cluster():
+        check_local_machine(cfg)
     check_gpu_decoder(cfg.gpu_decoder, cfg.device)
+
+
+def check_local_machine(cfg: TrainConfig) -> None:
+    """For a run that starts its cluster on this machine, what this machine cannot give: a GPU
+    where none is (--device cuda, --augment-gpus, --amp fp16), or more CPUs per worker than it
+    has. A joined cluster is checked once connected (training/planning.py plan_resources)."""
+    gpus = local_gpus()
+    if cfg.device == "auto":
+        check_amp(cfg.amp, on_gpu=gpus > 0)
+    asked = [f"--device {cfg.device}"] if cfg.device == "cuda" else []
+    asked += [f"--augment-gpus {cfg.augment_gpus:g}"] if cfg.augment_gpus else []
+    if asked and not gpus and not cuda_devices():
+        fixes = ["use --device cpu or auto"] if cfg.device == "cuda" else []
+        fixes += ["drop --augment-gpus"] if cfg.augment_gpus else []
+        raise ConfigError(
+            f"{' and '.join(asked)}: this machine has no GPU that CUDA shows, and a run without RAY_ADDRESS starts "
+            f"its cluster here; {' and '.join(fixes)}, or set RAY_ADDRESS to join a cluster with GPUs"
+        )
+    cores = os.cpu_count() or 1
+    if cfg.cpus_per_worker > cores:
+        raise ConfigError(
+            f"--cpus-per-worker {cfg.cpus_per_worker}: this machine has {cores} CPUs, and a run without RAY_ADDRESS "
+            f"starts its cluster here; give {cores} or less, or 0 for the plan's share"
+        )
 
 
 def check_gpu_decoder(setting: str, device: str = "auto") -> None:
@@ -240,9 +272,10 @@ def check_init_weights(path: str, model: str = "resnet18") -> None:
             f"--init-weights {path}: read from local disk only, not object storage; copy the file to this machine "
             "and give its path"
         )
-    if not os.path.isfile(path):
+    what = userfiles.what_is_at(path)  # a pipe too: torch.load seeks, and a resume reads the file again
+    if what:
         raise ConfigError(
-            f"--init-weights {path}: no such file; give a torchvision {model} state_dict saved with torch.save"
+            userfiles.refusal("--init-weights", path, what, f"a torchvision {model} state_dict saved with torch.save")
         )
     from training.model import build_model, load_init_weights
 

@@ -220,6 +220,10 @@ def plan_resources(cfg: TrainConfig, capacity: Capacity) -> ResourcePlan:
     use_gpu = cfg.device == "cuda" or (cfg.device == "auto" and gpus > 0)
     if use_gpu and gpus == 0 and capacity.bounded:
         raise ConfigError("--device cuda: the Ray cluster has no GPUs and cannot get any; use --device cpu or auto")
+    if cfg.augment_gpus and not use_gpu and capacity.bounded:
+        raise ConfigError(
+            f"--augment-gpus {cfg.augment_gpus:g}: the Ray cluster has no GPUs and cannot get any; drop --augment-gpus"
+        )
     check_amp(cfg.amp, on_gpu=use_gpu)
     workers = cfg.num_workers or (max(gpus, 1) if use_gpu else 1)
     shares = gpu_shares(cfg, workers, capacity) if use_gpu else {"gpus_per_worker": 1.0, "augment_gpus": 0.0}
@@ -228,6 +232,12 @@ def plan_resources(cfg: TrainConfig, capacity: Capacity) -> ResourcePlan:
         raise ConfigError(
             f"--num-workers {workers} x {cpus_per_worker} CPU each needs {workers * cpus_per_worker} CPUs "
             f"but the cluster has at most {cpus}; lower --num-workers or --cpus-per-worker"
+        )
+    biggest = max((c for c, _ in capacity.nodes), default=0) if not capacity.autoscaling else 0
+    if biggest and cfg.cpus_per_worker > biggest:
+        raise ConfigError(
+            f"--cpus-per-worker {cfg.cpus_per_worker}: the cluster's biggest node has {biggest:g} CPUs and a worker "
+            f"runs on one node; lower --cpus-per-worker to {int(biggest)} or less (0: the plan's share)"
         )
     plan = ResourcePlan(
         use_gpu=use_gpu,

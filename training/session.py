@@ -79,6 +79,13 @@ def quiet_ray(verbose: bool = False) -> dict:
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 
 
+def starts_local_cluster() -> bool:
+    """Whether connect() will start a cluster of this machine: no RAY_ADDRESS, not under `ray job
+    submit` (a process connected already, as the tests' is, is taken for one that will start it).
+    Imports nothing."""
+    return not (os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"))
+
+
 def connect(verbose: bool = False, dashboard: bool = False) -> bool:
     """Join the cluster of `ray job submit` / RAY_ADDRESS, or start a local one (or keep the
     one this process is already connected to). True when it started a local cluster, which

@@ -67,7 +67,11 @@ def scan_data(root: str, val_fraction: float = 0.2, label_key: str = "label", cl
         beside = classes_file(root) if kind == "webdataset" and not class_names else None
         if beside and by_index(tree.class_names):  # labels that are names keep them
             return name_classes(tree, read_class_names(beside), beside)
-    return name_classes(tree, read_class_names(class_names), f"--class-names {class_names}") if class_names else tree
+    return (
+        name_classes(tree, read_class_names(class_names, "--class-names"), f"--class-names {class_names}")
+        if class_names
+        else tree
+    )
 
 
 def read_units(units, root: str, shards, form, bad: list | None = None):

@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 
-from training import storage
+from training import storage, userfiles
 from training.forms.data import DataError, ImageTree
 
 
@@ -111,12 +111,17 @@ def _index_names(train: list[str], where: str, at) -> tuple[str, ...]:
     return tuple(str(i) for i in range(top + 1))
 
 
-def read_class_names(path: str) -> tuple[str, ...]:
+def read_class_names(path: str, flag: str = "") -> tuple[str, ...]:
     """The names of a class names file (--class-names, a WebDataset's classes.txt): one a line, line i
-    naming class i. DataError for a file that is not there or not text, a blank line before the last
-    name, or a name given twice."""
+    naming class i (`flag`: the flag that named it, for the message). DataError for a file that is
+    not there or not text, a blank line before the last name, or a name given twice."""
     import pyarrow.fs as pafs
 
+    what = None if storage.is_uri(path) else userfiles.what_is_at(path)
+    if what and what != "no such file":  # a pipe too: a resume reads the file again
+        raise DataError(
+            f"{flag} {path}".strip() + f" is {what}, not a file; give a text file with one class name a line"
+        )
     fs, inner, _ = storage.filesystem(path)
     with storage.errors(path):
         if fs.get_file_info(inner).type != pafs.FileType.File:
