@@ -2,7 +2,7 @@
 process that merely augments on a CPU). The module docstring of augment/fused.py says what they
 compute; column numbers of `meta` are FusedPlan's.
 
-Two launches over a grid of (output tile, image):
+Two launches over a grid of (output tile, image), for `chunk` images at a time (launch_shape):
 
 * `tile_kernel`: the tile's separable resample. For each run of RB source rows of the tile's
   vertical span, a horizontal pass (each output column's taps, `kx` of them) gives an (RB, TW)
@@ -21,7 +21,7 @@ import triton.language as tl
 
 GRAY_R, GRAY_G, GRAY_B = 0.2989, 0.587, 0.114  # torchvision's rgb_to_grayscale (augment/ops.py _GRAY)
 RINT = 12582912.0  # 1.5 * 2**23: x + RINT - RINT rounds a float32 |x| < 2**22 half to even
-ROWS = 16  # source rows a horizontal pass takes at once (RB)
+ROWS = 32  # source rows a horizontal pass takes at once (RB)
 
 
 @triton.jit
@@ -52,27 +52,24 @@ def _weight_sum(first, end, center, support, k):
 @triton.jit
 def _rows(src, rs, ps, cs, h, w, top, left, j, row_end, x0, xe, cx, supx, kx, fill):
     """Horizontal pass: box rows `j` (RB,) at the output columns' taps (TW,): (RB, TW) per channel,
-    unnormalised; a source pixel outside the image is `fill` (0..255)."""
+    unnormalised; a source pixel outside the image is `fill` (0..255). A lane whose tap weighs
+    nothing, or whose row is past the span (no output row weighs it), reads nothing."""
     row = top + j
-    row_in = (row >= 0) & (row < h)
-    rows_ok = row_in & (j < row_end)
+    rows_ok = ((row >= 0) & (row < h) & (j < row_end))[:, None]
+    rows_at = src + row.to(tl.int64)[:, None] * rs
     hr = tl.zeros((j.shape[0], x0.shape[0]), tl.float32)
     hg = tl.zeros((j.shape[0], x0.shape[0]), tl.float32)
     hb = tl.zeros((j.shape[0], x0.shape[0]), tl.float32)
     for u in range(0, kx):
         jx = x0 + u
-        wx = _weight(jx, x0, xe, cx, supx)
+        wx = tl.where(jx < xe, tl.maximum(1.0 - tl.abs((jx.to(tl.float32) - cx + 0.5) / supx), 0.0), 0.0)
         col = left + jx
-        col_in = (col >= 0) & (col < w)
-        inside = rows_ok[:, None] & (col_in & (wx > 0))[None, :]
-        p = src + row.to(tl.int64)[:, None] * rs + col.to(tl.int64)[None, :] * ps
-        outside = ~(row_in[:, None] & col_in[None, :])
-        pr = tl.where(outside, fill, tl.load(p, mask=inside, other=0).to(tl.float32))
-        pg = tl.where(outside, fill, tl.load(p + cs, mask=inside, other=0).to(tl.float32))
-        pb = tl.where(outside, fill, tl.load(p + 2 * cs, mask=inside, other=0).to(tl.float32))
-        hr += wx[None, :] * pr
-        hg += wx[None, :] * pg
-        hb += wx[None, :] * pb
+        inside = rows_ok & ((col >= 0) & (col < w) & (wx > 0))[None, :]
+        p = rows_at + (col.to(tl.int64) * ps)[None, :]
+        wx = wx[None, :]
+        hr += wx * tl.load(p, mask=inside, other=fill).to(tl.float32)
+        hg += wx * tl.load(p + cs, mask=inside, other=fill).to(tl.float32)
+        hb += wx * tl.load(p + 2 * cs, mask=inside, other=fill).to(tl.float32)
     return hr, hg, hb
 
 
@@ -208,28 +205,34 @@ def contrast_kernel(
         _store(out_ptr, base, r, g, b, valid, FLOAT_OUT)
 
 
-def tile_shape(device_type: str) -> tuple[int, int]:
-    """(TH, TW) output pixels a program computes. On a GPU 32 x 32: many programs a batch, and a
-    source row span per tile that the taps of 32 output rows share. Triton's interpreter (the CPU)
-    pays per operation, not per element: 64 x 64 there."""
-    return (64, 64) if device_type == "cpu" else (32, 32)
+def launch_shape(device_type: str) -> tuple[tuple[int, int], int]:
+    """((TH, TW) output pixels a program computes, images a pair of launches takes). On a GPU
+    32 x 32 tiles: many programs a batch, and a source row span that the taps of 32 output rows
+    share; and 32 images at a time, whose float32 scratch (19 MB at 224 px, reused by the next 32)
+    fits in a Hopper GPU's L2 between the two launches. Triton's interpreter (the CPU) pays per
+    operation, not per element: 64 x 64 tiles and the whole batch there."""
+    return ((64, 64), 1 << 30) if device_type == "cpu" else ((32, 32), 32)
 
 
-def launch(meta, factors, out, fill: float, out_h: int, out_w: int, float_out: bool, tile=None) -> None:
-    """Both kernels over `out` ((B, out_h, out_w, 3), uint8 or float32); `tile` (TH, TW) powers of
-    two >= 16, tile_shape's by default. The scratch is the output itself when that is float32."""
+def launch(meta, factors, out, fill: float, out_h: int, out_w: int, float_out: bool, tile=None, chunk=None) -> None:
+    """Both kernels over `out` ((B, out_h, out_w, 3), uint8 or float32), `chunk` images at a time;
+    `tile` (TH, TW) powers of two >= 16. Both launch_shape's by default. The scratch is the output
+    itself when that is float32."""
     import torch
 
-    th, tw = tile or tile_shape(meta.device.type)
-    n = meta.shape[0]
+    (th, tw), images = launch_shape(meta.device.type)
+    th, tw = tile or (th, tw)
+    chunk = min(chunk or images, len(meta))
     tiles = triton.cdiv(out_h, th) * triton.cdiv(out_w, tw)
-    scratch = out if float_out else torch.empty(out.shape, dtype=torch.float32, device=out.device)
-    partial = torch.empty((n, tiles), dtype=torch.float32, device=out.device)
-    grid = (tiles, n)
-    tile_kernel[grid](
-        meta, factors, out, scratch, partial, fill, out_h, out_w, tiles, FLOAT_OUT=float_out, TH=th, TW=tw, RB=ROWS
-    )
-    contrast_kernel[grid](
-        factors, meta, out, scratch, partial, out_h, out_w, tiles,
-        FLOAT_OUT=float_out, TH=th, TW=tw, TILES_P2=triton.next_power_of_2(tiles),
-    )  # fmt: skip
+    shape = (chunk, out_h, out_w, 3)
+    scratch = None if float_out else torch.empty(shape, dtype=torch.float32, device=out.device)
+    partial = torch.empty((chunk, tiles), dtype=torch.float32, device=out.device)
+    for start in range(0, len(meta), chunk):
+        m, f, o = meta[start : start + chunk], factors[start : start + chunk], out[start : start + chunk]
+        grid = (tiles, len(m))
+        s = o if float_out else scratch
+        tile_kernel[grid](m, f, o, s, partial, fill, out_h, out_w, tiles, FLOAT_OUT=float_out, TH=th, TW=tw, RB=ROWS)
+        contrast_kernel[grid](
+            f, m, o, s, partial, out_h, out_w, tiles,
+            FLOAT_OUT=float_out, TH=th, TW=tw, TILES_P2=triton.next_power_of_2(tiles),
+        )  # fmt: skip
