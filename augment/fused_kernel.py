@@ -50,10 +50,11 @@ def _weight_sum(first, end, center, support, k):
 
 
 @triton.jit
-def _rows(src, rs, ps, cs, h, w, top, left, j, row_end, x0, xe, cx, supx, kx, fill):
+def _rows(src, rs, ps, cs, h, w, top, left, j, row_end, x0, xe, cx, supx, kx, fill, cols_ok):
     """Horizontal pass: box rows `j` (RB,) at the output columns' taps (TW,): (RB, TW) per channel,
     unnormalised; a source pixel outside the image is `fill` (0..255). A lane whose tap weighs
-    nothing, or whose row is past the span (no output row weighs it), reads nothing."""
+    nothing, whose row is past the span (no output row weighs it) or whose column is past the
+    output's (a last tile's) reads nothing."""
     row = top + j
     rows_ok = ((row >= 0) & (row < h) & (j < row_end))[:, None]
     rows_at = src + row.to(tl.int64)[:, None] * rs
@@ -64,7 +65,7 @@ def _rows(src, rs, ps, cs, h, w, top, left, j, row_end, x0, xe, cx, supx, kx, fi
         jx = x0 + u
         wx = tl.where(jx < xe, tl.maximum(1.0 - tl.abs((jx.to(tl.float32) - cx + 0.5) / supx), 0.0), 0.0)
         col = left + jx
-        inside = rows_ok & ((col >= 0) & (col < w) & (wx > 0))[None, :]
+        inside = rows_ok & (cols_ok & (col >= 0) & (col < w) & (wx > 0))[None, :]
         p = rows_at + (col.to(tl.int64) * ps)[None, :]
         wx = wx[None, :]
         hr += wx * tl.load(p, mask=inside, other=fill).to(tl.float32)
@@ -74,9 +75,9 @@ def _rows(src, rs, ps, cs, h, w, top, left, j, row_end, x0, xe, cx, supx, kx, fi
 
 
 @triton.jit
-def _resample(src, rs, ps, cs, h, w, top, left, bh, bw, sy, sx, ry, rx, fill, RB: tl.constexpr):
+def _resample(src, rs, ps, cs, h, w, top, left, bh, bw, sy, sx, ry, rx, cols_ok, fill, RB: tl.constexpr):
     """The box's antialiased resample at output rows `ry` (TH,) and columns `rx` (TW,) of the
-    resized image: float32 (TH, TW) per channel in [0, 1]."""
+    resized image (`cols_ok`: those of the output): float32 (TH, TW) per channel in [0, 1]."""
     supy, supx = tl.maximum(sy, 1.0), tl.maximum(sx, 1.0)
     # taps an output position may have along each axis (more weigh nothing): 2 x support + 2
     ky, kx = (2.0 * supy).to(tl.int32) + 2, (2.0 * supx).to(tl.int32) + 2
@@ -88,7 +89,7 @@ def _resample(src, rs, ps, cs, h, w, top, left, bh, bw, sy, sx, ry, rx, fill, RB
     row_first, row_end = tl.min(y0, axis=0), tl.max(ye, axis=0)  # the tile's vertical span
     for start in range(row_first, row_end, RB):
         j = start + tl.arange(0, RB)
-        hr, hg, hb = _rows(src, rs, ps, cs, h, w, top, left, j, row_end, x0, xe, cx, supx, kx, fill)
+        hr, hg, hb = _rows(src, rs, ps, cs, h, w, top, left, j, row_end, x0, xe, cx, supx, kx, fill, cols_ok)
         wy = _weight(j[None, :], y0[:, None], ye[:, None], cy[:, None], supy)  # (TH, RB)
         r += tl.dot(wy, hr, input_precision="ieee")
         g += tl.dot(wy, hg, input_precision="ieee")
@@ -140,7 +141,7 @@ def _tile(t, OH, OW, TH: tl.constexpr, TW: tl.constexpr):
     oy = (t // tiles_x) * TH + tl.arange(0, TH)
     ox = (t % tiles_x) * TW + tl.arange(0, TW)
     valid = (oy < OH)[:, None] & (ox < OW)[None, :]
-    return tl.minimum(oy, OH - 1), tl.minimum(ox, OW - 1), valid
+    return tl.minimum(oy, OH - 1), tl.minimum(ox, OW - 1), valid, ox < OW
 
 
 @triton.jit
@@ -160,10 +161,10 @@ def tile_kernel(
     flip = tl.load(m + 14) != 0
     o0, o1, o2 = tl.load(m + 17), tl.load(m + 18), tl.load(m + 19)
     fb, fc, fs = tl.load(factors_ptr + i * 3), tl.load(factors_ptr + i * 3 + 1), tl.load(factors_ptr + i * 3 + 2)
-    oy, ox, valid = _tile(t, OH, OW, TH, TW)
+    oy, ox, valid, cols_ok = _tile(t, OH, OW, TH, TW)
     col = tl.where(flip, OW - 1 - ox, ox)  # the flip: the mirrored column's pixel
     sy, sx = bh.to(tl.float32) / rh, bw.to(tl.float32) / rw
-    r, g, b = _resample(src, rs, ps, cs, h, w, top, left, bh, bw, sy, sx, oy0 + oy, ox0 + col, fill, RB)
+    r, g, b = _resample(src, rs, ps, cs, h, w, top, left, bh, bw, sy, sx, oy0 + oy, ox0 + col, cols_ok, fill, RB)
     base = ((i.to(tl.int64) * OH + oy[:, None]) * OW + ox[None, :]) * 3
     if fc != 1.0:
         # contrast's mean grey level is the whole image's as it stands before the contrast step:
@@ -193,7 +194,7 @@ def contrast_kernel(
         o0, o1, o2 = tl.load(m + 17), tl.load(m + 18), tl.load(m + 19)
         k = tl.arange(0, TILES_P2)
         mean = tl.sum(tl.load(partial_ptr + i * TILES + k, mask=k < TILES, other=0.0), axis=0) / (OH * OW)
-        oy, ox, valid = _tile(t, OH, OW, TH, TW)
+        oy, ox, valid, _ = _tile(t, OH, OW, TH, TW)
         base = ((i.to(tl.int64) * OH + oy[:, None]) * OW + ox[None, :]) * 3
         r = tl.load(scratch_ptr + base, mask=valid, other=0.0)
         g = tl.load(scratch_ptr + base + 1, mask=valid, other=0.0)

@@ -156,7 +156,7 @@ def _small_tiles(monkeypatch, tile=(16, 16), chunk=2):
     (the GPU's shapes are 32 x 32 and 32 images; the interpreter's default, one tile an image)."""
     from augment import fused_kernel
 
-    monkeypatch.setattr(fused_kernel, "launch_shape", lambda device_type: (tile, chunk))
+    monkeypatch.setattr(fused_kernel, "launch_shape", lambda device_type: (tile, chunk), raising=False)
 
 
 def _with_boxes(specs, images, boxes):
@@ -194,14 +194,17 @@ def test_a_crop_of_a_4000_by_3000_photo(monkeypatch):
     assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 1e-3
 
 
-def test_the_loads_an_output_pixel_grow_with_the_source_rows_not_rows_times_columns():
+def test_the_loads_an_output_pixel_grow_with_the_source_rows_not_rows_times_columns(monkeypatch):
     """A 800 x 600 photo's full frame to 32 px with contrast on (25 and 19 source pixels an output
-    pixel along each axis): the separable resample reads each tile's source rows once, at each
-    output column's 52 taps (3 channels), and contrast's mean needs no second pass over the photo;
-    the loads are counted through the interpreter (bench/kernel_loads.py). The kernel before read
-    ky x kx taps for every output pixel, twice: 12,168 loads an output pixel."""
+    pixel along each axis), in one of the GPU's 32 x 32 tiles: the separable resample reads the
+    tile's source rows once, at each output column's 52 taps (3 channels), and contrast's mean
+    needs no second pass over the photo; every load counted through the interpreter
+    (bench/kernel_loads.py). The kernel before loaded ky x kx taps for every output pixel, twice:
+    12,168 an output pixel."""
     from augment.pipeline import DecodeRequest
     from bench.kernel_loads import counting_loads
+
+    _small_tiles(monkeypatch, tile=(32, 32), chunk=32)
 
     specs = _small(PRESETS["imagenet"].train, 32)
     pipe = Pipeline(specs, seed=0).at_epoch(0)
