@@ -217,3 +217,23 @@ def test_the_loads_an_output_pixel_grow_with_the_source_rows_not_rows_times_colu
         pipe.finish(request, images, path="fused")
     sy, kx = 600 / 32, int(2 * 800 / 32) + 2
     assert counts["issued"] / 32**2 <= 1.25 * sy * kx * 3, counts
+
+
+def test_the_kernels_compile_for_a_hopper_gpu_without_spills():
+    """Triton's interpreter runs code a GPU would not compile: bench/kernel_compile.py compiles the
+    kernels for sm_90 here (Triton's compiler and ptxas, no GPU needed), at the GPU's tiles."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    repo = Path(__file__).resolve().parents[1]
+    args = [sys.executable, "-m", "bench.kernel_compile"]
+    done = subprocess.run(args, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    kernels = json.loads(done.stdout)
+    assert len(kernels) == 4
+    for name, usage in kernels.items():
+        assert usage["spill_instructions"] == 0 and usage["stack"] == 0 and 0 < usage["registers"] <= 255, name
