@@ -48,7 +48,8 @@ def run(args: list[str]) -> str:
 
 def main() -> dict:
     if os.environ.get("TRITON_INTERPRET") == "1":
-        sys.exit("bench.kernel_compile: unset TRITON_INTERPRET (its kernels are the interpreter's, not compiled ones)")
+        print("bench.kernel_compile: TRITON_INTERPRET=1 gives the interpreter's kernels: unset it", file=sys.stderr)
+        sys.exit(2)
     from augment import fused_kernel as fk
 
     (th, tw), _ = fk.launch_shape("cuda")
