@@ -172,7 +172,8 @@ def _with_boxes(specs, images, boxes):
 def test_tiles_of_images_of_very_different_crops_in_one_batch(monkeypatch):
     """Nine 16 x 16 tiles an image (the last row and column partly outside it), in chunks of two
     images: a 400 x 300 box, a 3 x 3 one (enlarged), a sliver, a box 5 times the output; the
-    preset's flip and jitter with contrast, whose mean is the sum of every tile's."""
+    preset's flip and jitter with contrast, whose mean is the sum of every tile's; then cifar's
+    padded crops."""
     _small_tiles(monkeypatch)
     specs = _small(PRESETS["imagenet"].train, 40)
     images = _images([(300, 400), (50, 60), (97, 83), (210, 160), (64, 64)], chw=3)
@@ -180,6 +181,9 @@ def test_tiles_of_images_of_very_different_crops_in_one_batch(monkeypatch):
     got, expected = _with_boxes(specs, images, boxes)
     diff = (got.int() - expected.int()).abs()
     assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 1e-3
+    specs, sizes = CASES["cifar train (padded crops)"]  # a crop's padding read across four tiles
+    got, expected = _both(specs, _images(sizes, chw=1))
+    assert int((got.int() - expected.int()).abs().max()) <= 1
 
 
 def test_a_crop_of_a_4000_by_3000_photo(monkeypatch):
