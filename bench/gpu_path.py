@@ -188,6 +188,12 @@ def main(argv=None) -> dict:
         default=["nvimgcodec" if engines.available() else "nvjpeg"],
         help="the batched decoders to run (default: the one the job takes on a GPU here)",
     )
+    ap.add_argument(
+        "--loads",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="count the fused kernel's loads an output pixel, before and after (TRITON_INTERPRET=1: minutes)",
+    )
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -203,7 +209,8 @@ def main(argv=None) -> dict:
             top = decoder == args.decoders[0] and path == args.paths[0]
             result |= figures if top else {f"{decoder}_{path}": figures}  # the job's path at the top level
     result["trainer"] = {amp: trainer_bytes(256, 224, amp) for amp in ("bf16", "off")}
-    result["loads_per_output_pixel"] = loads = kernel_loads.loads_per_output_pixel()
+    loads = kernel_loads.loads_per_output_pixel() if args.loads else {}
+    result["loads_per_output_pixel"] = loads or None
     for which in ("before", "after"):
         for size, counts in loads.get(which, {}).items():
             print(f"fused kernel {which}, {size} full frame to 224 px: {counts['issued']} loads an output pixel")
