@@ -186,6 +186,15 @@ def test_tiles_of_images_of_very_different_crops_in_one_batch(monkeypatch):
     assert int((got.int() - expected.int()).abs().max()) <= 1
 
 
+def test_float_output_in_tiles_and_chunks_keeps_contrast_in_place(monkeypatch):
+    """With an op the kernel does not cover after it, the output is float32 and is its own scratch:
+    tiles leave the pixels before contrast there, the second launch rewrites them, chunk by chunk."""
+    _small_tiles(monkeypatch, tile=(16, 16), chunk=2)
+    specs = [*_small(PRESETS["imagenet"].train, 36), {"random_erasing": {"p": 0.5}}]
+    got, expected = _both(specs, _images([(70, 90), (64, 40), (120, 100)], chw=0))
+    assert int((got.int() - expected.int()).abs().max()) <= 1
+
+
 def test_a_crop_of_a_4000_by_3000_photo(monkeypatch):
     """A box of 2,000 x 1,500 pixels of a 4000 x 3000 photo to 40 px (50 and 38 taps a column and
     a row), in 32 x 64 tiles (their vertical spans 16-row runs of a many-run span), with a small
