@@ -1,6 +1,8 @@
-"""The Triton kernel of augment/fused.py (imported only where it runs: Triton's import costs every
-process that merely augments on a CPU). One program per image; the module docstring of
-augment/fused.py says what it computes. Column numbers of `meta` are FusedPlan's."""
+"""The fused kernel as it was before augment/fused_kernel.py became separable and tiled (2026-12-05),
+kept for bench/kernel_loads.py to count its loads beside the new one's; not used by the product.
+One program per image: for each output pixel the box's ky x kx antialiased taps, all of it twice
+for an image that jitters contrast (a first pass for the mean). Column numbers of `meta` are
+augment/fused.py FusedPlan's."""
 
 from __future__ import annotations
 
