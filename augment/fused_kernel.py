@@ -7,7 +7,8 @@ Two launches over a grid of (output tile, image), for `chunk` images at a time (
 * `tile_kernel`: the tile's separable resample. For each run of RB source rows of the tile's
   vertical span, a horizontal pass (each output column's taps, `kx` of them) gives an (RB, TW)
   block per channel held in registers, and the vertical pass folds it into the tile at once,
-  (TH, RB) weights @ (RB, TW) in float32. Then the flip, and the jitter: all of it for an image
+  (TH, RB) weights @ (RB, TW) in float32 (the flip: each output column takes its mirror's taps).
+  Then the jitter: all of it for an image
   that does not jitter contrast (the tile is final), only the steps before contrast for one that
   does (the tile goes to `scratch` in float32, its grey level's sum to `partial`).
 * `contrast_kernel`: for an image that jitters contrast, the mean grey level from its tiles' sums,
