@@ -1,6 +1,6 @@
 """The GPU's first geometry op and the pixel ops after it in one pass over each image: crop box,
 antialiased resize, horizontal flip, brightness / contrast / saturation, rounding to uint8, for a
-whole ragged batch in one kernel launch, each image read where its decoder left it.
+whole ragged batch in two kernel launches, each image read where its decoder left it.
 
     n = fused_prefix(ops)                              # how many leading ops the kernel covers
     plan = FusedPlan.of(ops[:n], draws.first, draws.rest[: n - 1], images)
@@ -8,18 +8,22 @@ whole ragged batch in one kernel launch, each image read where its decoder left 
 
 The ragged path before it (augment/ragged.py, then each op on the float batch) makes a dozen
 passes over the batch and keeps float intermediates of it (docs/design.md, "The GPU's pixels in
-one pass"); this kernel reads each decoded image once and writes the uint8 output once.
+one pass"); this kernel reads each decoded crop once (the tiles' row spans overlap by a filter's
+width) and writes the uint8 output once.
 
-Per image (one program each): for every output pixel, torch's antialiased bilinear taps along
-each axis (the triangle filter widened by the scale when shrinking, align_corners=False: the
-weights of augment/ops.py `aa_weights`), the box read through the image's own strides (HWC or
-CHW, any layout its decoder gave), pixels outside the image taking `fill` (a crop's padding),
-the flip as a mirrored output column, then torchvision's colour jitter in the image's own order
-of its three steps, each a clamped blend f*x + (1-f)*m (m: 0, the mean grey level, the pixel's
-grey), and the round half to even of `x * 255`. Contrast's mean grey level is over the whole
-output image as it stands at that step, so an image that jitters contrast takes one pass more,
-which computes the steps before it and sums the grey. Hue is not covered: a preset with hue
-keeps the torch path.
+Per output tile of each image (a grid of (tile, image): a large crop is spread over as many
+programs as a small one): torch's antialiased bilinear taps (the triangle filter widened by the
+scale when shrinking, align_corners=False: the weights of augment/ops.py `aa_weights`) as two
+passes, a horizontal one over the rows of the tile's vertical span, held on chip, then a vertical
+one; the box read through the image's own strides (HWC or CHW, any layout its decoder gave),
+pixels outside the image taking `fill` (a crop's padding), the flip as a mirrored output column,
+then torchvision's colour jitter in the image's own order of its three steps, each a clamped
+blend f*x + (1-f)*m (m: 0, the mean grey level, the pixel's grey), and the round half to even of
+`x * 255`. Contrast's mean grey level is over the whole output image as it stands at that step:
+for an image that jitters contrast the tiles take the steps before it, sum their grey levels and
+leave their pixels in a float32 scratch (the output itself when that is float32), and a second
+launch takes the mean from the sums and the steps from contrast on (augment/fused_kernel.py).
+Hue is not covered: a preset with hue keeps the torch path.
 
 The launch is a torch custom op (`rga::augment_first_ops`): a dispatch mode sees it with the
 tensors it reads and writes (bench/gpu_path.py counts its bytes), and torch.compile sees its
@@ -37,7 +41,6 @@ import os
 import torch
 
 META = 20  # int64 columns a program reads about its image (FusedPlan.meta)
-BLOCK = 256  # output pixels a program computes at once
 
 
 @functools.cache

@@ -1,6 +1,19 @@
-"""The Triton kernel of augment/fused.py (imported only where it runs: Triton's import costs every
-process that merely augments on a CPU). One program per image; the module docstring of
-augment/fused.py says what it computes. Column numbers of `meta` are FusedPlan's."""
+"""The Triton kernels of augment/fused.py (imported only where they run: Triton's import costs every
+process that merely augments on a CPU). The module docstring of augment/fused.py says what they
+compute; column numbers of `meta` are FusedPlan's.
+
+Two launches over a grid of (output tile, image), for `chunk` images at a time (launch_shape):
+
+* `tile_kernel`: the tile's separable resample. For each run of RB source rows of the tile's
+  vertical span, a horizontal pass (each output column's taps, `kx` of them) gives an (RB, TW)
+  block per channel held in registers, and the vertical pass folds it into the tile at once,
+  (TH, RB) weights @ (RB, TW) in float32 (the flip: each output column takes its mirror's taps).
+  Then the jitter: all of it for an image
+  that does not jitter contrast (the tile is final), only the steps before contrast for one that
+  does (the tile goes to `scratch` in float32, its grey level's sum to `partial`).
+* `contrast_kernel`: for an image that jitters contrast, the mean grey level from its tiles' sums,
+  then contrast and the steps after it on the scratch's pixels, into the output.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +22,7 @@ import triton.language as tl
 
 GRAY_R, GRAY_G, GRAY_B = 0.2989, 0.587, 0.114  # torchvision's rgb_to_grayscale (augment/ops.py _GRAY)
 RINT = 12582912.0  # 1.5 * 2**23: x + RINT - RINT rounds a float32 |x| < 2**22 half to even
+ROWS = 32  # source rows a horizontal pass takes at once (RB)
 
 
 @triton.jit
@@ -22,48 +36,66 @@ def _axis(pos, scale, support, length):
 
 
 @triton.jit
-def _weight(j, end, center, support):
+def _weight(j, first, end, center, support):
+    """The triangle filter's weight of box coordinate `j` in the window [first, end)."""
     w = tl.maximum(1.0 - tl.abs((j.to(tl.float32) - center + 0.5) / support), 0.0)
-    return tl.where(j < end, w, 0.0)
+    return tl.where((j >= first) & (j < end), w, 0.0)
 
 
 @triton.jit
-def _resample(src, rs, ps, cs, h, w, top, left, y0, ye, cy, sy, x0, xe, cx, sx, ky, kx, valid, fill):
-    """The box's antialiased resample at each output pixel (taps y0.. and x0.., ky x kx of them),
-    float32 in [0, 1] per channel; a source pixel outside the image is `fill` (0..255)."""
-    r = tl.zeros(y0.shape, tl.float32)
-    g = tl.zeros(y0.shape, tl.float32)
-    b = tl.zeros(y0.shape, tl.float32)
-    wy_sum = tl.zeros(y0.shape, tl.float32)
-    wx_sum = tl.zeros(y0.shape, tl.float32)
+def _weight_sum(first, end, center, support, k):
+    total = tl.zeros(first.shape, tl.float32)
+    for t in range(0, k):
+        total += _weight(first + t, first, end, center, support)
+    return total
+
+
+@triton.jit
+def _rows(src, rs, ps, cs, h, w, top, left, j, row_end, x0, xe, cx, supx, kx, fill, cols_ok):
+    """Horizontal pass: box rows `j` (RB,) at the output columns' taps (TW,): (RB, TW) per channel,
+    unnormalised; a source pixel outside the image is `fill` (0..255). A lane whose tap weighs
+    nothing, whose row is past the span (no output row weighs it) or whose column is past the
+    output's (a last tile's) reads nothing."""
+    row = top + j
+    rows_ok = ((row >= 0) & (row < h) & (j < row_end))[:, None]
+    rows_at = src + row.to(tl.int64)[:, None] * rs
+    hr = tl.zeros((j.shape[0], x0.shape[0]), tl.float32)
+    hg = tl.zeros((j.shape[0], x0.shape[0]), tl.float32)
+    hb = tl.zeros((j.shape[0], x0.shape[0]), tl.float32)
     for u in range(0, kx):
-        wx_sum += _weight(x0 + u, xe, cx, sx)
-    for t in range(0, ky):
-        jy = y0 + t
-        wy = _weight(jy, ye, cy, sy)
-        wy_sum += wy
-        row = top + jy
-        row_in = (row >= 0) & (row < h)
-        rr = tl.zeros(y0.shape, tl.float32)
-        rg = tl.zeros(y0.shape, tl.float32)
-        rb = tl.zeros(y0.shape, tl.float32)
-        for u in range(0, kx):
-            jx = x0 + u
-            wx = _weight(jx, xe, cx, sx)
-            col = left + jx
-            inside = valid & row_in & (col >= 0) & (col < w) & (wy * wx > 0)
-            p = src + row.to(tl.int64) * rs + col.to(tl.int64) * ps
-            pr = tl.load(p, mask=inside, other=0).to(tl.float32)
-            pg = tl.load(p + cs, mask=inside, other=0).to(tl.float32)
-            pb = tl.load(p + 2 * cs, mask=inside, other=0).to(tl.float32)
-            outside = (~row_in) | (col < 0) | (col >= w)
-            rr += wx * tl.where(outside, fill, pr)
-            rg += wx * tl.where(outside, fill, pg)
-            rb += wx * tl.where(outside, fill, pb)
-        r += wy * rr
-        g += wy * rg
-        b += wy * rb
-    norm = wy_sum * wx_sum * 255.0
+        jx = x0 + u
+        wx = tl.where(jx < xe, tl.maximum(1.0 - tl.abs((jx.to(tl.float32) - cx + 0.5) / supx), 0.0), 0.0)
+        col = left + jx
+        inside = rows_ok & (cols_ok & (col >= 0) & (col < w) & (wx > 0))[None, :]
+        p = rows_at + (col.to(tl.int64) * ps)[None, :]
+        wx = wx[None, :]
+        hr += wx * tl.load(p, mask=inside, other=fill).to(tl.float32)
+        hg += wx * tl.load(p + cs, mask=inside, other=fill).to(tl.float32)
+        hb += wx * tl.load(p + 2 * cs, mask=inside, other=fill).to(tl.float32)
+    return hr, hg, hb
+
+
+@triton.jit
+def _resample(src, rs, ps, cs, h, w, top, left, bh, bw, sy, sx, ry, rx, cols_ok, fill, RB: tl.constexpr):
+    """The box's antialiased resample at output rows `ry` (TH,) and columns `rx` (TW,) of the
+    resized image (`cols_ok`: those of the output): float32 (TH, TW) per channel in [0, 1]."""
+    supy, supx = tl.maximum(sy, 1.0), tl.maximum(sx, 1.0)
+    # taps an output position may have along each axis (more weigh nothing): 2 x support + 2
+    ky, kx = (2.0 * supy).to(tl.int32) + 2, (2.0 * supx).to(tl.int32) + 2
+    y0, ye, cy = _axis(ry, sy, supy, bh)
+    x0, xe, cx = _axis(rx, sx, supx, bw)
+    r = tl.zeros((ry.shape[0], rx.shape[0]), tl.float32)
+    g = tl.zeros((ry.shape[0], rx.shape[0]), tl.float32)
+    b = tl.zeros((ry.shape[0], rx.shape[0]), tl.float32)
+    row_first, row_end = tl.min(y0, axis=0), tl.max(ye, axis=0)  # the tile's vertical span
+    for start in range(row_first, row_end, RB):
+        j = start + tl.arange(0, RB)
+        hr, hg, hb = _rows(src, rs, ps, cs, h, w, top, left, j, row_end, x0, xe, cx, supx, kx, fill, cols_ok)
+        wy = _weight(j[None, :], y0[:, None], ye[:, None], cy[:, None], supy)  # (TH, RB)
+        r += tl.dot(wy, hr, input_precision="ieee")
+        g += tl.dot(wy, hg, input_precision="ieee")
+        b += tl.dot(wy, hb, input_precision="ieee")
+    norm = _weight_sum(y0, ye, cy, supy, ky)[:, None] * _weight_sum(x0, xe, cx, supx, kx)[None, :] * 255.0
     norm = tl.where(norm > 0, norm, 1.0)
     r = tl.minimum(tl.maximum(r / norm, 0.0), 1.0)
     g = tl.minimum(tl.maximum(g / norm, 0.0), 1.0)
@@ -85,8 +117,40 @@ def _blend(r, g, b, op, fb, fc, fs, mean, active):
 
 
 @triton.jit
-def augment_kernel(meta_ptr, factors_ptr, out_ptr, fill, OH, OW, FLOAT_OUT: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0)
+def _to_uint8(x):
+    v = x * 255.0
+    v = (v + 12582912.0) - 12582912.0  # RINT: half to even, as torch.round
+    return tl.minimum(tl.maximum(v, 0.0), 255.0).to(tl.uint8)
+
+
+@triton.jit
+def _store(ptr, base, r, g, b, valid, FLOAT_OUT: tl.constexpr):
+    if FLOAT_OUT:
+        tl.store(ptr + base, r, mask=valid)
+        tl.store(ptr + base + 1, g, mask=valid)
+        tl.store(ptr + base + 2, b, mask=valid)
+    else:
+        tl.store(ptr + base, _to_uint8(r), mask=valid)
+        tl.store(ptr + base + 1, _to_uint8(g), mask=valid)
+        tl.store(ptr + base + 2, _to_uint8(b), mask=valid)
+
+
+@triton.jit
+def _tile(t, OH, OW, TH: tl.constexpr, TW: tl.constexpr):
+    """Tile t's output rows and columns, clamped into the image, and which of its pixels are in it."""
+    tiles_x = tl.cdiv(OW, TW)
+    oy = (t // tiles_x) * TH + tl.arange(0, TH)
+    ox = (t % tiles_x) * TW + tl.arange(0, TW)
+    valid = (oy < OH)[:, None] & (ox < OW)[None, :]
+    return tl.minimum(oy, OH - 1), tl.minimum(ox, OW - 1), valid, ox < OW
+
+
+@triton.jit
+def tile_kernel(
+    meta_ptr, factors_ptr, out_ptr, scratch_ptr, partial_ptr, fill, OH, OW, TILES,
+    FLOAT_OUT: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr, RB: tl.constexpr,
+):  # fmt: skip
+    t, i = tl.program_id(0), tl.program_id(1)
     m = meta_ptr + i * 20
     src = tl.load(m).to(tl.pointer_type(tl.uint8))
     rs, ps, cs = tl.load(m + 1), tl.load(m + 2), tl.load(m + 3)
@@ -98,61 +162,79 @@ def augment_kernel(meta_ptr, factors_ptr, out_ptr, fill, OH, OW, FLOAT_OUT: tl.c
     flip = tl.load(m + 14) != 0
     o0, o1, o2 = tl.load(m + 17), tl.load(m + 18), tl.load(m + 19)
     fb, fc, fs = tl.load(factors_ptr + i * 3), tl.load(factors_ptr + i * 3 + 1), tl.load(factors_ptr + i * 3 + 2)
-    sy = bh.to(tl.float32) / rh
-    sx = bw.to(tl.float32) / rw
-    supy, supx = tl.maximum(sy, 1.0), tl.maximum(sx, 1.0)
-    # taps an output position may have along each axis (more weigh nothing): 2 x support + 2
-    ky, kx = (2.0 * supy).to(tl.int32) + 2, (2.0 * supx).to(tl.int32) + 2
-    n = OH * OW
-    # contrast's mean grey level, over the image as it stands before the contrast step
-    mean = 0.0
+    oy, ox, valid, cols_ok = _tile(t, OH, OW, TH, TW)
+    col = tl.where(flip, OW - 1 - ox, ox)  # the flip: the mirrored column's pixel
+    sy, sx = bh.to(tl.float32) / rh, bw.to(tl.float32) / rw
+    r, g, b = _resample(src, rs, ps, cs, h, w, top, left, bh, bw, sy, sx, oy0 + oy, ox0 + col, cols_ok, fill, RB)
+    base = ((i.to(tl.int64) * OH + oy[:, None]) * OW + ox[None, :]) * 3
     if fc != 1.0:
+        # contrast's mean grey level is the whole image's as it stands before the contrast step:
+        # the steps before it here, the rest in contrast_kernel once every tile has its sum
         before = tl.where(o0 == 1, 0, tl.where(o1 == 1, 1, 2))  # how many steps come first
-        acc = tl.zeros((BLOCK,), tl.float32)
-        for start in range(0, n, BLOCK):
-            idx = start + tl.arange(0, BLOCK)
-            valid = idx < n
-            oy, ox = idx // OW, idx % OW
-            y0, ye, cy = _axis(oy0 + oy, sy, supy, bh)
-            x0, xe, cx = _axis(ox0 + ox, sx, supx, bw)
-            r, g, b = _resample(
-                src, rs, ps, cs, h, w, top, left, y0, ye, cy, supy, x0, xe, cx, supx, ky, kx, valid, fill
-            )
-            r, g, b = _blend(r, g, b, o0, fb, fc, fs, 0.0, before > 0)
-            r, g, b = _blend(r, g, b, o1, fb, fc, fs, 0.0, before > 1)
-            acc += tl.where(valid, r * 0.2989 + g * 0.587 + b * 0.114, 0.0)
-        mean = tl.sum(acc, axis=0) / n
-    for start in range(0, n, BLOCK):
-        idx = start + tl.arange(0, BLOCK)
-        valid = idx < n
-        oy, ox = idx // OW, idx % OW
-        sx_col = tl.where(flip, OW - 1 - ox, ox)  # the flip: the mirrored column's pixel
-        y0, ye, cy = _axis(oy0 + oy, sy, supy, bh)
-        x0, xe, cx = _axis(ox0 + sx_col, sx, supx, bw)
-        r, g, b = _resample(src, rs, ps, cs, h, w, top, left, y0, ye, cy, supy, x0, xe, cx, supx, ky, kx, valid, fill)
-        r, g, b = _blend(r, g, b, o0, fb, fc, fs, mean, True)
-        r, g, b = _blend(r, g, b, o1, fb, fc, fs, mean, True)
-        r, g, b = _blend(r, g, b, o2, fb, fc, fs, mean, True)
-        base = (i.to(tl.int64) * n + idx) * 3
-        if FLOAT_OUT:
-            tl.store(out_ptr + base, r, mask=valid)
-            tl.store(out_ptr + base + 1, g, mask=valid)
-            tl.store(out_ptr + base + 2, b, mask=valid)
-        else:
-            tl.store(out_ptr + base, _to_uint8(r), mask=valid)
-            tl.store(out_ptr + base + 1, _to_uint8(g), mask=valid)
-            tl.store(out_ptr + base + 2, _to_uint8(b), mask=valid)
+        r, g, b = _blend(r, g, b, o0, fb, fc, fs, 0.0, before > 0)
+        r, g, b = _blend(r, g, b, o1, fb, fc, fs, 0.0, before > 1)
+        grey = tl.where(valid, r * 0.2989 + g * 0.587 + b * 0.114, 0.0)
+        tl.store(partial_ptr + i * TILES + t, tl.sum(tl.sum(grey, axis=1), axis=0))
+        _store(scratch_ptr, base, r, g, b, valid, True)
+    else:
+        r, g, b = _blend(r, g, b, o0, fb, fc, fs, 0.0, True)  # contrast, at factor 1, is the identity
+        r, g, b = _blend(r, g, b, o1, fb, fc, fs, 0.0, True)
+        r, g, b = _blend(r, g, b, o2, fb, fc, fs, 0.0, True)
+        _store(out_ptr, base, r, g, b, valid, FLOAT_OUT)
 
 
 @triton.jit
-def _to_uint8(x):
-    v = x * 255.0
-    v = (v + 12582912.0) - 12582912.0  # RINT: half to even, as torch.round
-    return tl.minimum(tl.maximum(v, 0.0), 255.0).to(tl.uint8)
+def contrast_kernel(
+    factors_ptr, meta_ptr, out_ptr, scratch_ptr, partial_ptr, OH, OW, TILES,
+    FLOAT_OUT: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr, TILES_P2: tl.constexpr,
+):  # fmt: skip
+    t, i = tl.program_id(0), tl.program_id(1)
+    fb, fc, fs = tl.load(factors_ptr + i * 3), tl.load(factors_ptr + i * 3 + 1), tl.load(factors_ptr + i * 3 + 2)
+    if fc != 1.0:
+        m = meta_ptr + i * 20
+        o0, o1, o2 = tl.load(m + 17), tl.load(m + 18), tl.load(m + 19)
+        k = tl.arange(0, TILES_P2)
+        mean = tl.sum(tl.load(partial_ptr + i * TILES + k, mask=k < TILES, other=0.0), axis=0) / (OH * OW)
+        oy, ox, valid, _ = _tile(t, OH, OW, TH, TW)
+        base = ((i.to(tl.int64) * OH + oy[:, None]) * OW + ox[None, :]) * 3
+        r = tl.load(scratch_ptr + base, mask=valid, other=0.0)
+        g = tl.load(scratch_ptr + base + 1, mask=valid, other=0.0)
+        b = tl.load(scratch_ptr + base + 2, mask=valid, other=0.0)
+        before = tl.where(o0 == 1, 0, tl.where(o1 == 1, 1, 2))
+        r, g, b = _blend(r, g, b, o0, fb, fc, fs, mean, before <= 0)
+        r, g, b = _blend(r, g, b, o1, fb, fc, fs, mean, before <= 1)
+        r, g, b = _blend(r, g, b, o2, fb, fc, fs, mean, True)
+        _store(out_ptr, base, r, g, b, valid, FLOAT_OUT)
 
 
-def launch(meta, factors, out, fill: float, out_h: int, out_w: int, float_out: bool) -> None:
-    # Triton's interpreter (TRITON_INTERPRET=1, the CPU) pays per operation, not per element: one
-    # block for a whole small image there
-    block = min(4096, triton.next_power_of_2(out_h * out_w)) if meta.device.type == "cpu" else 256
-    augment_kernel[(meta.shape[0],)](meta, factors, out, fill, out_h, out_w, FLOAT_OUT=float_out, BLOCK=block)
+def launch_shape(device_type: str) -> tuple[tuple[int, int], int]:
+    """((TH, TW) output pixels a program computes, images a pair of launches takes). On a GPU
+    32 x 32 tiles: many programs a batch, and a source row span that the taps of 32 output rows
+    share; and 32 images at a time, whose float32 scratch (19 MB at 224 px, reused by the next 32)
+    fits in a Hopper GPU's L2 between the two launches. Triton's interpreter (the CPU) pays per
+    operation, not per element: 64 x 64 tiles and the whole batch there."""
+    return ((64, 64), 1 << 30) if device_type == "cpu" else ((32, 32), 32)
+
+
+def launch(meta, factors, out, fill: float, out_h: int, out_w: int, float_out: bool, tile=None, chunk=None) -> None:
+    """Both kernels over `out` ((B, out_h, out_w, 3), uint8 or float32), `chunk` images at a time;
+    `tile` (TH, TW) powers of two >= 16. Both launch_shape's by default. The scratch is the output
+    itself when that is float32."""
+    import torch
+
+    (th, tw), images = launch_shape(meta.device.type)
+    th, tw = tile or (th, tw)
+    chunk = min(chunk or images, len(meta))
+    tiles = triton.cdiv(out_h, th) * triton.cdiv(out_w, tw)
+    shape = (chunk, out_h, out_w, 3)
+    scratch = None if float_out else torch.empty(shape, dtype=torch.float32, device=out.device)
+    partial = torch.empty((chunk, tiles), dtype=torch.float32, device=out.device)
+    for start in range(0, len(meta), chunk):
+        m, f, o = meta[start : start + chunk], factors[start : start + chunk], out[start : start + chunk]
+        grid = (tiles, len(m))
+        s = o if float_out else scratch
+        tile_kernel[grid](m, f, o, s, partial, fill, out_h, out_w, tiles, FLOAT_OUT=float_out, TH=th, TW=tw, RB=ROWS)
+        contrast_kernel[grid](
+            f, m, o, s, partial, out_h, out_w, tiles,
+            FLOAT_OUT=float_out, TH=th, TW=tw, TILES_P2=triton.next_power_of_2(tiles),
+        )  # fmt: skip

@@ -27,6 +27,9 @@ nothing launched per image. Columns: ops, views, decoder per batch size, and img
 CPU's own path resamples per image; see docs/design.md). `--paths ragged canvas` also runs
 the path as it was before augment/ragged.py (the batch copied into a padded canvas, the
 matmul resampler), side by side.
+
+Under TRITON_INTERPRET=1, `loads_per_output_pixel`: the fused kernel's loads, and its
+predecessor's, counted through the interpreter (bench/kernel_loads.py).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from augment import engines, fused
 from augment.batch import decode_augment
 from augment.pipeline import Pipeline
 from augment.presets import PRESETS
-from bench import write_json
+from bench import kernel_loads, write_json
 from bench.decode import encoded_photos
 
 
@@ -185,6 +188,12 @@ def main(argv=None) -> dict:
         default=["nvimgcodec" if engines.available() else "nvjpeg"],
         help="the batched decoders to run (default: the one the job takes on a GPU here)",
     )
+    ap.add_argument(
+        "--loads",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="count the fused kernel's loads an output pixel, before and after (TRITON_INTERPRET=1: minutes)",
+    )
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -200,6 +209,11 @@ def main(argv=None) -> dict:
             top = decoder == args.decoders[0] and path == args.paths[0]
             result |= figures if top else {f"{decoder}_{path}": figures}  # the job's path at the top level
     result["trainer"] = {amp: trainer_bytes(256, 224, amp) for amp in ("bf16", "off")}
+    loads = kernel_loads.loads_per_output_pixel() if args.loads else {}
+    result["loads_per_output_pixel"] = loads or None
+    for which in ("before", "after"):
+        for size, counts in loads.get(which, {}).items():
+            print(f"fused kernel {which}, {size} full frame to 224 px: {counts['issued']} loads an output pixel")
     for amp, figures in result["trainer"].items():
         print(f"trainer, amp {amp}: {figures['bytes_per_image'] / 1e6:.2f} MB an image, {figures['ops']} operations")
     same = result["nothing_per_image"]

@@ -149,3 +149,104 @@ def test_the_plan_line_names_the_ops_the_kernel_runs_and_why_the_rest_do_not():
     assert plan_line(PRESETS["imagenet"].train) == expected
     with_hue = [{"random_resized_crop": {"size": 224}}, {"color_jitter": {"hue": 0.1}}, {"horizontal_flip": {}}]
     assert plan_line(with_hue).endswith("then color_jitter, horizontal_flip as torch operations")
+
+
+def _small_tiles(monkeypatch, tile=(16, 16), chunk=2):
+    """The kernel's launch at `tile` output pixels a program and `chunk` images a pair of launches
+    (the GPU's shapes are 32 x 32 and 32 images; the interpreter's default, one tile an image)."""
+    from augment import fused_kernel
+
+    monkeypatch.setattr(fused_kernel, "launch_shape", lambda device_type: (tile, chunk), raising=False)
+
+
+def _with_boxes(specs, images, boxes):
+    from augment.pipeline import DecodeRequest
+
+    pipe = Pipeline(specs, seed=1).at_epoch(0)
+    sizes = torch.tensor([im.shape[:2] for im in images])
+    draws = pipe.sample(sizes, torch.arange(len(images)))
+    request = DecodeRequest(draws.with_first(draws.first | {"box": torch.tensor(boxes)}), sizes)
+    return _both(specs, images, request=request)
+
+
+def test_tiles_of_images_of_very_different_crops_in_one_batch(monkeypatch):
+    """Nine 16 x 16 tiles an image (the last row and column partly outside it), in chunks of two
+    images: a 400 x 300 box, a 3 x 3 one (enlarged), a sliver, a box 5 times the output; the
+    preset's flip and jitter with contrast, whose mean is the sum of every tile's; then cifar's
+    padded crops."""
+    _small_tiles(monkeypatch)
+    specs = _small(PRESETS["imagenet"].train, 40)
+    images = _images([(300, 400), (50, 60), (97, 83), (210, 160), (64, 64)], chw=3)
+    boxes = [[0, 0, 300, 400], [20, 30, 3, 3], [0, 81, 97, 2], [5, 0, 200, 160], [1, 2, 40, 60]]
+    got, expected = _with_boxes(specs, images, boxes)
+    diff = (got.int() - expected.int()).abs()
+    assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 1e-3
+    specs, sizes = CASES["cifar train (padded crops)"]  # a crop's padding read across four tiles
+    got, expected = _both(specs, _images(sizes, chw=1))
+    assert int((got.int() - expected.int()).abs().max()) <= 1
+
+
+def test_float_output_in_tiles_and_chunks_keeps_contrast_in_place(monkeypatch):
+    """With an op the kernel does not cover after it, the output is float32 and is its own scratch:
+    tiles leave the pixels before contrast there, the second launch rewrites them, chunk by chunk."""
+    _small_tiles(monkeypatch, tile=(16, 16), chunk=2)
+    specs = [*_small(PRESETS["imagenet"].train, 36), {"random_erasing": {"p": 0.5}}]
+    got, expected = _both(specs, _images([(70, 90), (64, 40), (120, 100)], chw=0))
+    assert int((got.int() - expected.int()).abs().max()) <= 1
+
+
+def test_a_crop_of_a_4000_by_3000_photo(monkeypatch):
+    """A box of 2,000 x 1,500 pixels of a 4000 x 3000 photo to 40 px (50 and 38 taps a column and
+    a row), in 32 x 64 tiles (their vertical spans 16-row runs of a many-run span), with a small
+    crop beside it: within a level of the torch path."""
+    _small_tiles(monkeypatch, tile=(32, 64), chunk=2)
+    specs = _small(PRESETS["imagenet"].train, 40)
+    images = [synthetic_photo(3000, 4000, 0), synthetic_photo(90, 120, 1)]
+    got, expected = _with_boxes(specs, images, [[700, 1100, 1500, 2000], [10, 10, 60, 90]])
+    diff = (got.int() - expected.int()).abs()
+    assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 1e-3
+
+
+def test_the_loads_an_output_pixel_grow_with_the_source_rows_not_rows_times_columns(monkeypatch):
+    """A 800 x 600 photo's full frame to 32 px with contrast on (25 and 19 source pixels an output
+    pixel along each axis), in one of the GPU's 32 x 32 tiles: the separable resample reads the
+    tile's source rows once, at each output column's 52 taps (3 channels), and contrast's mean
+    needs no second pass over the photo; every load counted through the interpreter
+    (bench/kernel_loads.py). The kernel before loaded ky x kx taps for every output pixel, twice:
+    12,168 an output pixel."""
+    from augment.pipeline import DecodeRequest
+    from bench.kernel_loads import counting_loads
+
+    _small_tiles(monkeypatch, tile=(32, 32), chunk=32)
+
+    specs = _small(PRESETS["imagenet"].train, 32)
+    pipe = Pipeline(specs, seed=0).at_epoch(0)
+    images = [synthetic_photo(600, 800, 0)]
+    sizes = torch.tensor([[600, 800]])
+    draws = pipe.sample(sizes, torch.arange(1))
+    request = DecodeRequest(draws.with_first(draws.first | {"box": torch.tensor([[0, 0, 600, 800]])}), sizes)
+    assert float(draws.rest[1]["factors"][0, 1]) != 1.0  # the preset jitters contrast (p = 1)
+    with counting_loads() as counts:
+        pipe.finish(request, images, path="fused")
+    sy, kx = 600 / 32, int(2 * 800 / 32) + 2
+    assert counts["issued"] / 32**2 <= 1.25 * sy * kx * 3, counts
+
+
+def test_the_kernels_compile_for_a_hopper_gpu_without_spills():
+    """Triton's interpreter runs code a GPU would not compile: bench/kernel_compile.py compiles the
+    kernels for sm_90 here (Triton's compiler and ptxas, no GPU needed), at the GPU's tiles."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    repo = Path(__file__).resolve().parents[1]
+    args = [sys.executable, "-m", "bench.kernel_compile"]
+    done = subprocess.run(args, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    kernels = json.loads(done.stdout)
+    assert len(kernels) == 4
+    for name, usage in kernels.items():
+        assert usage["spill_instructions"] == 0 and usage["stack"] == 0 and 0 < usage["registers"] <= 255, name
