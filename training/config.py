@@ -61,6 +61,7 @@ LIMITS = {
     "augment_gpus": 64,  # GPUs per augment task or actor
     "max_failures": 100_000,  # restarts
     "node_wait_s": 7 * 24 * 3600.0,  # s: a week
+    "log_every": 1 << 30,  # steps
 }
 SEED_RANGE = 2**64  # torch.manual_seed takes 0 .. 2**64 - 1 (and negatives, which NumPy refuses)
 DETERMINISTIC_SEED_RANGE = 2**32  # --deterministic: Ray Train's enable_reproducibility seeds NumPy with it too
@@ -226,6 +227,12 @@ class TrainConfig:
     )
     fresh: bool = _f(False, "start NAME over instead of resuming from its last checkpoint")
     stop_after: int = _f(0, "stop after this many epochs in this invocation (0 = run to --epochs); rerun to resume")
+    log_to: str = _f(
+        "",
+        "trackers to log to as the run goes, comma-separated: tensorboard, mlflow, wandb (training/tracking.py: "
+        "MLFLOW_TRACKING_URI, else a store in the run directory; W&B online where logged in, else offline)",
+    )
+    log_every: int = _f(0, "with --log-to: also log loss, learning rate and images/s every this many steps (0 = off)")
     quiet: bool = _f(False, "print only errors and the final summary")
     verbose: bool = _f(False, "also print Ray's own INFO logs and Ray Data's progress bars")
     dashboard: bool = _f(
@@ -281,6 +288,8 @@ class TrainConfig:
             raise ConfigError(f"--node-wait-s must be 0 or more, got {self.node_wait_s}")
         if self.stop_after < 0:
             raise ConfigError(f"--stop-after must be 0 or positive, got {self.stop_after}")
+        if self.log_every < 0:
+            raise ConfigError(f"--log-every must be 0 (off) or positive, got {self.log_every}")
         if self.warmup_epochs < 0:
             raise ConfigError(f"--warmup-epochs must be 0 or more, got {self.warmup_epochs}")
         if not 0 <= self.val_fraction < 1:

@@ -33,10 +33,11 @@ class EpochFollower:
     """See the module's docstring. `read(seen)` gives the records after the first `seen`;
     `decide(epoch, verdict)` answers the ranks (RunStatus's actor methods)."""
 
-    def __init__(self, read, decide, callbacks, *, warn, interval_s: float = PROGRESS_INTERVAL_S / 5):
+    def __init__(self, read, decide, callbacks, *, warn, read_steps=None, interval_s: float = PROGRESS_INTERVAL_S / 5):
         self.read, self.decide, self.warn, self.interval_s = read, decide, warn, interval_s
+        self.read_steps = read_steps  # RunStatus.steps_since: rank 0's --log-every figures, for on_step
         self.callbacks = list(callbacks)
-        self.seen, self.done = 0, 0
+        self.seen, self.done, self.steps_seen = 0, 0, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="epoch-callbacks")
 
@@ -58,8 +59,12 @@ class EpochFollower:
 
         try:
             records = self.read(self.seen)
+            steps = self.read_steps(self.steps_seen) if self.read_steps else []
         except RayError:  # the run is ending
             return
+        self.steps_seen += len(steps)
+        for point in steps:
+            self.call(point, "on_step")
         self.seen += len(records)
         for record in records:
             if record.epoch <= self.done:  # trained again after a fault: its verdict stands
@@ -67,16 +72,20 @@ class EpochFollower:
             self.done = record.epoch
             self.decide(record.epoch, self.call(record))
 
-    def call(self, record: EpochRecord) -> str:
+    def call(self, record, hook: str = "on_epoch_end") -> str:
+        """Each callback's `hook` (a plain callable is an on_epoch_end) with `record`; STOP or "go"."""
         verdict = "go"
         for callback in list(self.callbacks):
+            fn = getattr(callback, hook, callback if hook == "on_epoch_end" and callable(callback) else None)
+            if fn is None:
+                continue
             try:
-                if getattr(callback, "on_epoch_end", callback)(record) == STOP:
+                if fn(record) == STOP:
                     verdict = STOP
             except Exception as e:  # noqa: BLE001  (the user's code: whatever it raises)
                 self.callbacks.remove(callback)
                 self.warn(
-                    f"warning: epoch callback {call_name(callback)} failed at epoch {record.epoch} "
+                    f"warning: epoch callback {call_name(callback)} failed at epoch {getattr(record, 'epoch', '?')} "
                     f"({type(e).__name__}: {str(e)[:200]}); the run goes on without it"
                 )
         return verdict

@@ -24,6 +24,7 @@ from training.forms.formats import header_size, sample_sizes, scan_data
 from training.forms.parquet import read_manifest
 from training.forms.tree import default_dataset_dir
 from training.session import starts_local_cluster
+from training.tracking import parse_log_to
 
 SAMPLED_HEADERS = 16  # images whose headers give a tree's typical size
 THUMBNAIL_SIDE = 64  # --preset auto: a shorter side of at most this (typically) is a thumbnail: the cifar recipe
@@ -232,6 +233,7 @@ def check_inputs(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree]:
         check_amp(cfg.amp, on_gpu=False)
     if cfg.preset != "auto":
         check_preset_name(cfg.preset)
+    parse_log_to(cfg.log_to)  # a tracker's library missing: said before Ray
     # Ray Train, rank 0 and the driver all write there; the probe leaves no directory behind
     check_run_dir(cfg)  # first: the write probe below must not write through a link or into someone's folder
     storage.check_writable(cfg.run_dir, "--storage-path")

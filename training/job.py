@@ -49,11 +49,13 @@ from training.results import report_bad_files, write_bad_files, write_results
 from training.spec import IngestNeeds, StallLimits, WorkerSpec
 from training.stamp import EpochClock, StaleBatch
 from training.status import BadFileLog, RunStatus
+from training.tracking import Tracking, parse_log_to
 from training.worker.feed import IngestStalled
 from training.worker.learner import CheckpointMismatch
 from training.worker.loop import RunStopped, train_loop
 from training.worker.report import DamagedCheckpoint, load_checkpoint
 
+TRACKED_FILES = ("model.pt", "model_best.pt", "curves.png", "confusion.png", "metrics.csv", "summary.json")
 HEALTH_CHECK_ENV, HEALTH_CHECK_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", 0.5
 
 
@@ -157,6 +159,8 @@ def _run(cfg, tree, preset, log, start, own_cluster, stall, bar_stream, callback
     }
     if tree.unreadable:  # found by the listing (a shard's sample without an image or a label)
         actors["bad_log"].add.remote(list(tree.unreadable))
+    names = parse_log_to(cfg.log_to)
+    tracking = Tracking(cfg, names, log) if names else None  # --log-to (training/tracking.py)
     attempt = Attempt(
         cfg,
         tree,
@@ -166,17 +170,26 @@ def _run(cfg, tree, preset, log, start, own_cluster, stall, bar_stream, callback
         autoscaling=capacity.autoscaling or not capacity.bounded,
         stall=stall or StallLimits(),
         own_cluster=own_cluster,
-        callbacks=callbacks,
+        callbacks=callbacks + ((tracking,) if tracking else ()),
     )
+    ok = False
     try:
         datasets = attempt.datasets(plan, strict=cfg.strict)
         # only now: a start that fails earlier leaves the records of the run NAME holds as they were
         write_config(run_dir, attempt, plan, rows)
+        if tracking:
+            tracking.start(cfg.to_dict())
         run, model, best, bad, faults = _fit(attempt, plan, datasets, log=log, bar_stream=bar_stream)
+        summary = write_results(
+            cfg, tree, preset, plan, run, model, bad, start=start, log=log, faults=faults, best=best
+        )
+        ok = True
     finally:
         for actor in actors.values():  # nothing of this run may hold cluster resources afterwards
             ray.kill(actor)
-    return write_results(cfg, tree, preset, plan, run, model, bad, start=start, log=log, faults=faults, best=best)
+        if tracking:
+            tracking.finish([artifacts.join(run_dir, f) for f in TRACKED_FILES] if ok else [], ok=ok)
+    return summary
 
 
 def write_config(run_dir: str, attempt: "Attempt", plan: ResourcePlan, rows: int) -> None:
@@ -328,6 +341,7 @@ def _fit(
         lambda epoch, verdict: status.decide.remote(epoch, verdict),
         attempt.callbacks,
         warn=follower.say,
+        read_steps=lambda seen: ray.get(status.steps_since.remote(seen)),
     )
     built_for = plan
     try:

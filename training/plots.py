@@ -70,6 +70,13 @@ def confusion_png(confusion: list[list[int]], class_names: list[str]) -> bytes:
     return _figure_bytes(fig)
 
 
+def scalar_tag(key: str) -> str:
+    """A metrics.csv or timings.csv column's TensorBoard tag: train/..., val/..., or run/..."""
+    groups = {"train_": "train/", "val_": "val/"}
+    prefix = next((p for p in groups if key.startswith(p)), None)
+    return groups[prefix] + key[len(prefix) :] if prefix else f"run/{key}"
+
+
 def write_tensorboard(run_dir: str, history: list[dict], timings: list[dict] | None = None) -> str | None:
     """TensorBoard event files under RUN_DIR/tensorboard, one scalar per metrics.csv column
     per epoch, when torch's SummaryWriter (needs `tensorboard`) or `tensorboardX` imports.
@@ -93,16 +100,13 @@ def write_tensorboard(run_dir: str, history: list[dict], timings: list[dict] | N
     by_epoch = {r["epoch"]: dict(r) for r in history}
     for t in timings or []:
         by_epoch.setdefault(t["epoch"], {}).update(t)
-    groups = {"train_": "train/", "val_": "val/"}
     with tempfile.TemporaryDirectory() as tmp:
         writer = SummaryWriter(log_dir=tmp)
         for epoch, row in sorted(by_epoch.items()):
             for key, value in row.items():
                 if key == "epoch" or not isinstance(value, (int, float)):
                     continue
-                prefix = next((p for p in groups if key.startswith(p)), None)
-                tag = groups[prefix] + key[len(prefix) :] if prefix else f"run/{key}"
-                writer.add_scalar(tag, value, global_step=epoch)
+                writer.add_scalar(scalar_tag(key), value, global_step=epoch)
         writer.close()
         out = artifacts.join(run_dir, "tensorboard")
         for name in sorted(os.listdir(tmp)):

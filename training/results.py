@@ -21,6 +21,7 @@ from training.model import torchvision_model, uses_small_stem
 from training.modelfile import ModelFile
 from training.planning import ResourcePlan
 from training.records import RunRecord
+from training.tracking import parse_log_to
 
 
 def report_bad_files(bad_log, run_dir: str, log) -> None:
@@ -45,7 +46,8 @@ def write_results(
     artifacts.write_bytes(artifacts.join(run_dir, "curves.png"), plots.curves_png(run.history))
     confusion = plots.confusion_png(run.epochs[-1].confusion, list(tree.class_names))
     artifacts.write_bytes(artifacts.join(run_dir, "confusion.png"), confusion)
-    if plots.write_tensorboard(run_dir, run.history, run.timings):
+    live = "tensorboard" in parse_log_to(cfg.log_to)  # the run wrote its event files as it went
+    if live or plots.write_tensorboard(run_dir, run.history, run.timings):
         logdir = artifacts.join(run_dir, "tensorboard")
         # tensorboardX writes the files without TensorBoard itself, which has the viewer
         viewer = "" if shutil.which("tensorboard") else "pip install tensorboard, then "

@@ -23,6 +23,7 @@ class RunStatus:
         self.checkpoint: str | None = None  # the last checkpoint registered: where a restart resumes
         self.records: list = []  # rank 0's EpochRecords, for the driver's epoch callbacks (training/epochs.py)
         self.verdicts: dict[int, str] = {}  # epoch (1-based) -> the callbacks' verdict: STOP or "go"
+        self.steps: list[dict] = []  # rank 0's figures every --log-every steps (StepLog), for the trackers
 
     def post(self, rank: int, epoch: int, images: int, loss_sum: float) -> None:
         self.ranks[rank] = (epoch, images, loss_sum)
@@ -38,6 +39,12 @@ class RunStatus:
 
     def records_since(self, seen: int) -> list:
         return self.records[seen:]
+
+    def step(self, point: dict) -> None:
+        self.steps.append(point)
+
+    def steps_since(self, seen: int) -> list:
+        return self.steps[seen:]
 
     def decide(self, epoch: int, verdict: str) -> None:
         self.verdicts[epoch] = verdict
@@ -69,13 +76,17 @@ class EpochProgress:
         bar.close()                        # the epoch's last count
     """
 
-    def __init__(self, post, *, rank: int, epoch: int, enabled: bool = True, interval_s=PROGRESS_INTERVAL_S):
-        self.post, self.rank, self.epoch, self.enabled = post, rank, epoch, enabled
+    def __init__(
+        self, post, *, rank: int, epoch: int, enabled: bool = True, interval_s=PROGRESS_INTERVAL_S, steps=None
+    ):
+        self.post, self.rank, self.epoch, self.enabled, self.steps = post, rank, epoch, enabled, steps
         self.interval_s, self.images, self._sums, self._last = interval_s, 0, None, time.monotonic()
         if enabled:  # the epoch has begun: a fault from now on is this epoch's (training/faults.py)
             self._post()
 
     def update(self, n_images: int, sums) -> None:
+        if self.steps is not None:
+            self.steps.update(self.epoch, n_images, sums)
         if not self.enabled:
             return
         self.images, self._sums = self.images + n_images, sums
@@ -91,6 +102,37 @@ class EpochProgress:
     def close(self) -> None:
         if self.enabled:
             self._post()
+
+
+class StepLog:
+    """Rank 0's figures every `every` steps for the driver's trackers (--log-every, training/tracking.py):
+    the loss over those steps, the learning rate (`lr()`) and images/s, posted without waiting. Reading
+    the loss is a host sync, once every `every` steps. `step` counts from `first_step`, the run's
+    steps before this attempt's first epoch (`steps_per_epoch` each)."""
+
+    def __init__(self, post, every: int, lr, *, steps_per_epoch: int, first_epoch: int):
+        self.post, self.every, self.lr, self.steps_per_epoch = post, every, lr, steps_per_epoch
+        self.epoch, self.in_epoch, self.images, self.loss_sum, self.at = first_epoch, 0, 0, 0.0, time.monotonic()
+
+    def update(self, epoch: int, n_images: int, sums) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.in_epoch, self.images, self.loss_sum = epoch, 0, 0, 0.0
+        self.in_epoch += 1
+        self.images += n_images
+        if self.in_epoch % self.every:
+            return
+        loss_sum, now = float(sums[0]), time.monotonic()  # the host sync, once every `every` steps
+        window = max(self.images, 1)
+        self.post(
+            {
+                "step": self.epoch * self.steps_per_epoch + self.in_epoch,
+                "epoch": self.epoch + 1,
+                "loss": (loss_sum - self.loss_sum) / window,
+                "lr": float(self.lr()),
+                "images_per_s": self.images / max(now - self.at, 1e-9),
+            }
+        )
+        self.images, self.loss_sum, self.at = 0, loss_sum, now
 
 
 def say(status, line: str, epoch: int = -1) -> None:

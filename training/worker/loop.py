@@ -34,7 +34,7 @@ from training.records import KEY_MOD, RunRecord, StaleRecords
 from training.rows import EPOCH, IMAGE, KEY, LABEL
 from training.spec import WorkerSpec
 from training.stamp import check_stamp, refuse_stale, stale_rows
-from training.status import STOP, EpochProgress, driver_verdict, say
+from training.status import STOP, EpochProgress, StepLog, driver_verdict, say
 from training.worker.feed import EpochData, IngestWatch
 from training.worker.learner import (
     CheckpointMismatch,
@@ -304,8 +304,9 @@ def train_loop(config: dict) -> None:
         say(spec.status, resumed)
         spec.status.checkpointed.remote(resumed_from)  # what a stop before the next checkpoint resumes from
     run.resumed_at_epochs += [first + 1] if resumed_from else []
+    steps = step_log(spec, learner, first) if rank == 0 else None  # --log-every: rank 0's figures for the trackers
     for epoch in range(first, last):
-        bar = EpochProgress(spec.status.post.remote, rank=rank, epoch=epoch)  # every rank; a fault line names the step
+        bar = EpochProgress(spec.status.post.remote, rank=rank, epoch=epoch, steps=steps)  # every rank
         with feed or data.feed(epoch) as batches:  # the feed's thread stops with the epoch, however it ends
             stats = train_epoch(learner, batches, epoch=epoch, rank=rank, bar=bar)
         bar.close()
@@ -322,6 +323,15 @@ def train_loop(config: dict) -> None:
             if rank == 0:
                 say(spec.status, f"stopped after epoch {epoch + 1} by an epoch callback")
             break
+
+
+def step_log(spec: WorkerSpec, learner: Learner, first_epoch: int) -> StepLog | None:
+    cfg = spec.config
+    if not (cfg.log_every and spec.follow_epochs):
+        return None
+    per_epoch = -(-spec.train_images // cfg.batch_size)  # steps an epoch, about: the trackers' step axis
+    lr = lambda: learner.scheduler.get_last_lr()[0]  # noqa: E731
+    return StepLog(spec.status.step.remote, cfg.log_every, lr, steps_per_epoch=per_epoch, first_epoch=first_epoch)
 
 
 def setup_worker(cfg: TrainConfig, threads: int) -> torch.device:
