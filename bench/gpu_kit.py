@@ -98,8 +98,8 @@ class Sizes:
     @classmethod
     def rehearsal(cls) -> "Sizes":
         caps = (
-            ("env", 20), ("smoke", 35), ("smoke_train", 60), ("tests", 25), ("decode", 25), ("kernel", 15),
-            ("synthetic", 20), ("train", 75), ("seed", 25),
+            ("env", 15), ("smoke", 30), ("smoke_train", 75), ("tests", 25), ("decode", 25), ("kernel", 15),
+            ("synthetic", 20), ("train", 70), ("seed", 25),
         )  # fmt: skip
         return cls(
             device="cpu", amp="off", distinct=24, train=48, val=16, classes=4, batch=8, smoke_distinct=16,
@@ -268,7 +268,8 @@ def run(out: str, scratch: str, sizes: Sizes, steps: list[str], started: float) 
         synthetic = last_json(os.path.join(scratch, "synthetic.log"))
         cmd = commands(step, scratch, data, sizes, rehearse, train_epochs(synthetic, sizes))
         env = step_extra_env(step, scratch, sizes)
-        results.append(settle(run_step(step, cmd, min(caps[step], left), scratch, env=env), scratch))
+        grace = 10.0 if step in ("train", "smoke_train") else 3.0  # jobs.train stops cleanly on SIGINT
+        results.append(settle(run_step(step, cmd, min(caps[step], left), scratch, grace, env), scratch))
         if step in SMOKE and results[-1].status != "ok":
             print(f"the smoke step {step} did not pass: the kit stops here", flush=True)
             break

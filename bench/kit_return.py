@@ -130,7 +130,7 @@ def job_figures(run_dir: str, log_path: str, trainer: dict | None = None, began:
     trained = [m.get("train_images") for m in read_csv(run_dir, "metrics.csv")]
     if not all(isinstance(n, float) for n in trained):  # an older metrics.csv: from the rates and times
         trained = [t["images_per_s"] * t["epoch_s"] for t in timings]
-    base = {"first_step_s": first_step, "train_images": int(round(sum(trained))) if timings else 0}
+    base = {"first_step_s": first_step, "train_images": int(round(sum(trained))) if timings else None}
     if not steady:
         return base | {"job_epochs": 0, "job_finished": bool(summary)}
     seconds = sum(t["epoch_s"] for t in steady)

@@ -144,7 +144,7 @@ def test_a_run_stopped_at_its_cap_says_what_it_trained_and_when_its_first_step_e
     assert figures["job_epochs"] == 2 and figures["first_epoch_s"] == 10.0
     # nothing trained: no images, no first step
     assert kit_return.job_figures(str(tmp_path / "none"), str(tmp_path / "train.log")) == {
-        "first_step_s": None, "train_images": 0, "job_epochs": 0, "job_finished": False,
+        "first_step_s": None, "train_images": None, "job_epochs": 0, "job_finished": False,
     }  # fmt: skip
 
 
@@ -313,3 +313,32 @@ def test_the_env_step_reads_the_carry_set_where_carry_names_it(tmp_path, monkeyp
     assert kit_steps.carry_folder() == str(tmp_path / "elsewhere")
     monkeypatch.delenv("CARRY")
     assert kit_steps.carry_folder() == str(tmp_path / ".gpu-carry")
+
+
+def test_the_trainer_traces_the_steps_it_is_asked_for(tmp_path, monkeypatch):
+    """training/worker/trace.py: with RGA_TRACE=DIR:START:COUNT, rank 0 writes its first step's time
+    at once, then a gzipped Chrome trace of steps START+1..START+COUNT and what it traced; other
+    ranks, and a trainer without the variable, write nothing."""
+    import torch
+
+    from training.worker import trace
+
+    monkeypatch.setattr(trace, "ACTIVE", {})
+    monkeypatch.setenv(trace.TRACE_ENV, f"{tmp_path}:2:3")
+    x = torch.randn(64, 64)
+    for step in range(8):
+        trace.after_step(torch.device("cpu"), rank=1)  # not rank 0: nothing
+        x = x @ x.T / 64
+        trace.after_step(torch.device("cpu"), rank=0)
+        if step == 0:
+            assert set(json.loads((tmp_path / "trainer.json").read_text())) == {"first_step_at"}
+    info = json.loads((tmp_path / "trainer.json").read_text())
+    assert info["traced_steps"] == [3, 5] and info["trace"] == "trainer_trace.json.gz"
+    assert "no CUDA" in info["peak_memory"]["skipped"] and abs(info["first_step_at"] - time.time()) < 60
+    with gzip.open(tmp_path / "trainer_trace.json.gz") as f:
+        names = {e.get("name") for e in json.load(f)["traceEvents"]}
+    assert "aten::mm" in names  # the traced steps' matrix products
+    monkeypatch.setattr(trace, "ACTIVE", {})
+    monkeypatch.delenv(trace.TRACE_ENV)
+    trace.after_step(torch.device("cpu"), rank=0)
+    assert trace.ACTIVE == {}

@@ -26,7 +26,7 @@ class StepTrace:
         self.folder, self.device = folder, device
         self.start = int(rest[0]) if rest else 40
         self.count = int(rest[1]) if len(rest) > 1 else 20
-        self.steps, self.profiler, self.info = 0, None, {}
+        self.steps, self.profiler, self.info, self.began = 0, None, {}, 0.0
 
     def after_step(self) -> None:
         self.steps += 1
@@ -80,7 +80,7 @@ class StepTrace:
             json.dump(self.info, f, indent=2)
 
 
-_TRACES: dict = {}  # this process's StepTrace, made at its first step
+ACTIVE: dict = {}  # this process's StepTrace, made at its first step
 
 
 def after_step(device: torch.device, rank: int) -> None:
@@ -88,7 +88,7 @@ def after_step(device: torch.device, rank: int) -> None:
     spec = os.environ.get(TRACE_ENV)
     if not spec or rank != 0:
         return
-    if "trace" not in _TRACES:
+    if "trace" not in ACTIVE:
         os.makedirs(spec.split(":")[0], exist_ok=True)
-        _TRACES["trace"] = StepTrace(spec, device)
-    _TRACES["trace"].after_step()
+        ACTIVE["trace"] = StepTrace(spec, device)
+    ACTIVE["trace"].after_step()
