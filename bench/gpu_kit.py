@@ -29,7 +29,7 @@ a step that fails or runs out of time loses only its own figures. The first thre
                  allows; the rate within each steady epoch from timings.csv, a Chrome trace of 20
                  steps of its second epoch in the trainer (training/worker/trace.py)
     seed         the seeds' plain script (ImageFolder + DataLoader with 16 workers) on the same
-                 data: 60 steps timed after 10, in two windows
+                 data: 40 steps timed after 10, in two windows (one epoch of the data)
     NVML is sampled at 10 Hz from the train step to the end (bench/kit_probe.py).
 
 This file holds the sizes of the steps (Sizes), their running (run_step, each in its own process
@@ -82,14 +82,14 @@ class Sizes:
     seconds: float = 2.0  # timing per decode column
     synthetic_steps: int = 200
     synthetic_warmup: int = 10
-    seed_steps: int = 60  # the seed script's timed steps (two windows), after seed_warmup
+    seed_steps: int = 40  # the seed script's timed steps (two windows), after seed_warmup: one epoch in all
     seed_warmup: int = 10
     seed_seconds: float = 20.0
     loader_workers: int = 16  # the seed script's DataLoader workers
     image_size: int = 0  # jobs.train --image-size (0: the preset's 224)
     baseline_preset: str = "imagenet"  # the seed script's and the synthetic ceiling's (cifar: 32 px)
     caps: tuple = (
-        ("env", 10), ("smoke", 25), ("smoke_train", 45), ("tests", 55), ("decode", 45), ("kernel", 40),
+        ("env", 10), ("smoke", 28), ("smoke_train", 42), ("tests", 50), ("decode", 45), ("kernel", 45),
         ("synthetic", 25), ("train", 120), ("seed", 40),
     )  # fmt: skip
     budget: float = 480.0

@@ -168,13 +168,15 @@ def kernel_inputs(count: int, device, seed: int = 0):
 
     gen = torch.Generator().manual_seed(seed)
     sides = torch.randint(333, 501, (count, 2), generator=gen)
-    photos = [torch.randint(0, 256, (int(h), int(w), 3), dtype=torch.uint8, generator=gen) for h, w in sides]
+    on_dev = torch.Generator(device=device).manual_seed(seed)  # made where they are read: no upload
+    photos = [torch.randint(0, 256, (int(h), int(w), 3), dtype=torch.uint8, generator=on_dev, device=device)
+              for h, w in sides]  # fmt: skip
     pipe = Pipeline(PRESETS["imagenet"].train, seed=seed).to(device).at_epoch(0)
     sizes = sides.to(device)
     draws = pipe.request(sizes, torch.arange(count, device=device)).draws
     n = fused_prefix(pipe.ops)
     plan = FusedPlan.of(pipe.ops[:n], draws.first, draws.rest[: n - 1], sizes)
-    views = on_device([p.numpy() for p in photos], device)
+    views = on_device(photos, device)
     return views, plan.meta, plan.factors, pipe.out_hw, plan.fill, n < len(pipe.ops)
 
 
