@@ -28,9 +28,11 @@ the cache and never in OUT, stand-ins for the device's packages the carried ones
 distribution, the closure covered by the set and the device's list, the size, and, where a
 Python 3.12 is found here, the device's pip command into a temporary --target and IMPORTS and
 SMOKES under that Python, each said as ok, failed or skipped (a device package it needs is
-not here). Exit 1 on a problem or a failed import. It also lists the versions the carried
-wheels and the project need of device packages (carry.json's device_needs): the device's
-list has names only, so only the device can check them.
+not here). Exit 1 on a problem or a failed import. A set whose imports passed is stamped
+(OUT/imports-ok.json: its wheels' hashes, the Python, the stand-ins): the same bytes are not
+tried again (about a minute and a half on the 2-core machine); any change tries them. It also
+lists the versions the carried wheels and the project need of device packages (carry.json's
+device_needs): the device's list has names only, so only the device can check them.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from bench.carry_set import CARRY, DEFAULT_CACHE, DEVICE_PY, IMPORTS, INSTALL, LIMIT_BYTES, LZMA_MIN_BYTES, REPO, SMOKES
@@ -270,11 +273,38 @@ def check(out: Path, cache: Path, quick: bool = False) -> int:
         print("no Python 3.12 here: imports not tried")
         return 1 if problems else 0
     stand_ins = cache / "stand-ins" if (cache / "stand-ins" / "wanted.txt").exists() else None
+    key, stamp = imports_key(out, python, stand_ins), out / IMPORTS_OK
+    passed = read_stamp(stamp)
+    if passed.get("key") == key:
+        print(f"imports: these very wheels passed under {python} on {passed['date']} ({stamp.name}); not tried again")
+        return 1 if problems else 0
     print(f"imports under {python}" + (f", with stand-ins from {stand_ins}" if stand_ins else ", no stand-ins"))
     results = import_check(out, python, stand_ins)
     for what, status, detail in results:
         print(f"  {status:<8} {what}" + (f": {detail}" if detail else ""))
-    return 1 if problems or any(s == "failed" for _, s, _ in results) else 0
+    failed = any(s == "failed" for _, s, _ in results)
+    if not failed:
+        stamp.write_text(json.dumps({"key": key, "date": time.strftime("%Y-%m-%d %H:%M")}) + "\n")
+    return 1 if problems or failed else 0
+
+
+IMPORTS_OK = "imports-ok.json"  # the key of a set whose imports passed: --check does not try them again
+
+
+def imports_key(folder: Path, python: str, stand_ins: Path | None) -> str:
+    """What an import check's outcome depends on: every wheel's bytes, the Python, the stand-ins."""
+    import hashlib
+
+    parts = [f"{w.name}={sha256_of(w)}" for w in sorted(folder.glob("*.whl"))]
+    parts += [python, *(sorted(p.name for p in stand_ins.glob("*.whl")) if stand_ins else [])]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def read_stamp(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def main(argv: list[str] | None = None) -> int:
