@@ -221,10 +221,11 @@ def step_extra_env(step: str, scratch: str, sizes: Sizes) -> dict:
 def train_epochs(synthetic: dict | None, sizes: Sizes) -> int:
     """Epochs for about STEADY_S of steady training had jobs.train reached 0.9 of the synthetic rate,
     after a first epoch; 3 at least (the step's cap stops it sooner where it runs slower: each
-    epoch finished is in timings.csv). The rehearsal's CPU trains 2, whatever its rate."""
+    epoch finished is in timings.csv). The rehearsal's CPU trains 3 (two steady epochs, each
+    rate kept), whatever its rate."""
     rate = (synthetic or {}).get("steady_img_s")
     if sizes.device != "cuda":
-        return 2
+        return 3
     if not rate:
         return 3
     return max(3, 1 + round(STEADY_S * 0.9 * rate / sizes.train + 0.5))

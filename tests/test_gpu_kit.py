@@ -155,7 +155,7 @@ def test_the_train_steps_epochs_aim_at_a_minute_of_steady_training():
     assert gpu_kit.train_epochs({"steady_img_s": 1_000.0}, sizes) == 1 + 5  # 4.2, rounded up
     assert gpu_kit.train_epochs({"steady_img_s": 100.0}, sizes) == 3  # never fewer than 3
     assert gpu_kit.train_epochs(None, sizes) == 3
-    assert gpu_kit.train_epochs({"steady_img_s": 12_000.0}, gpu_kit.Sizes.rehearsal()) == 2  # the CPU's toy run
+    assert gpu_kit.train_epochs({"steady_img_s": 12_000.0}, gpu_kit.Sizes.rehearsal()) == 3  # the CPU's toy run
 
 
 def test_dmons_jpg_column_is_averaged(tmp_path):
