@@ -251,15 +251,15 @@ def run(out: str, scratch: str, sizes: Sizes, steps: list[str], started: float) 
     os.makedirs(scratch, exist_ok=True)
     data = {"full": os.path.join(scratch, "data"), "smoke": os.path.join(scratch, "smoke-data")}
     caps, results, rehearse = dict(sizes.caps), [], sizes.device != "cuda"
-    makers = {"smoke": make_data(data["smoke"], sizes, smoke=True)}
-    if set(steps) - set(SMOKE):
-        makers["full"] = make_data(data["full"], sizes)
+    makers = {"smoke": make_data(data["smoke"], sizes, smoke=True)}  # the full tree once the smoke is done
     budget = sizes.budget if set(steps) - set(SMOKE) else min(sizes.budget, sizes.smoke_budget)
     sampler = NvmlSampler(scratch)
     for step in steps:
         left = budget - (time.time() - started) - PACK_S
         if step in ("smoke", "smoke_train"):
             wait_for(makers["smoke"], min(left, 60))
+        elif "full" not in makers:  # its 16 processes would slow the smoke's steps
+            makers["full"] = make_data(data["full"], sizes)
         if step in ("decode", "train", "seed") and "full" in makers:
             wait_for(makers["full"], min(left, 120))
         if left < min(caps[step], 10):

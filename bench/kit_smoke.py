@@ -27,7 +27,7 @@ import time
 # tap and per block: today's kernel takes about a minute there for a 4000x3000 photo to 224 px, so
 # the rehearsal checks smaller ones with the same code.
 SIZES = {"cuda": ((375, 500), (1080, 1440), (3000, 4000)), "cpu": ((48, 64), (120, 160), (240, 320))}
-PER_SIZE = {"cuda": 8, "cpu": 1}
+PER_SIZE = {"cuda": 4, "cpu": 1}
 SIDE = {"cuda": 224, "cpu": 64}  # the output's side: the interpreter on the CPU runs one block of 64 x 64
 ORDERING_ITERATIONS = 50
 
