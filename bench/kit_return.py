@@ -2,13 +2,15 @@
 the steps' logs and JSON into feed.json, and the files packed for the lent machine to return.
 
 feed.json holds every FEED_KEYS figure (None where its step gave none): jobs.train's from its
-timings.csv and summary.json (job_figures), the seed script's from its log (seed_rate), the
-others from the JSON the steps wrote (last_json, read_json); with them the ratios and the
-provenance (the commit from git, or in a copy without .git from $KIT_COMMIT; the date, the
-sizes, each step's StepResult). pack writes OUT_FILES: feed.json, kit.tar.gz (every log and JSON
-of the scratch folder, no model or checkpoint) and profile.txt; check_contract names every
-breach of what the lent machine allows: the time, the files and their names, every key of
-feed.json.
+timings.csv and metrics.csv, written as each epoch ends, and the trainer's trainer.json
+(job_figures: a run stopped at its cap has no summary.json), the seed script's from its log
+(seed_rate), NVML's over each step's steady window (steady_windows, kit_probe.nvml_summary), the
+others from the JSON the steps wrote (last_json, read_json); with them the ratios, every
+measurement of each main figure (`runs`) and the provenance (the commit from git, or in a copy
+without .git from $KIT_COMMIT; the date, the sizes, each step's StepResult). pack writes
+OUT_FILES: feed.json, kit.tar.gz (every log, JSON and CSV of the scratch folder, no model or
+checkpoint), profile.txt and the two Chrome traces; check_contract names every breach of what
+the lent machine allows: the time, the files and their names, every key of feed.json.
 """
 
 from __future__ import annotations
