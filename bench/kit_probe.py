@@ -189,12 +189,11 @@ def compiled_kernels(module) -> dict:
         for entry in caches.values():
             for part in entry if isinstance(entry, tuple) else (entry,):
                 for kernel in part.values() if isinstance(part, dict) else ():
-                    if not hasattr(kernel, "n_spills"):
+                    if not hasattr(kernel, "_init_handles"):  # not a CompiledKernel
                         continue
-                    init = getattr(kernel, "_init_handles", None)
-                    if init:
-                        init()
-                    found[name] = {"n_regs": kernel.n_regs, "n_spills": kernel.n_spills}
+                    kernel._init_handles()  # Triton reads n_regs and n_spills as it loads the binary
+                    shared = getattr(getattr(kernel, "metadata", None), "shared", None)
+                    found[name] = {"n_regs": kernel.n_regs, "n_spills": kernel.n_spills, "shared_bytes": shared}
     return found
 
 

@@ -342,3 +342,22 @@ def test_the_trainer_traces_the_steps_it_is_asked_for(tmp_path, monkeypatch):
     monkeypatch.delenv(trace.TRACE_ENV)
     trace.after_step(torch.device("cpu"), rank=0)
     assert trace.ACTIVE == {}
+
+
+def test_registers_and_spills_are_read_off_each_compiled_kernel_of_the_module():
+    """kit_probe.compiled_kernels walks the JITFunctions' device_caches as Triton 3.x lays them out
+    ((kernel_cache, kernel_key_cache, target, backend, binder) per device), loading each binary's
+    handles first: Triton sets n_regs and n_spills only then."""
+    from types import SimpleNamespace
+
+    class Compiled:
+        metadata = SimpleNamespace(shared=4096)
+
+        def _init_handles(self):
+            self.n_regs, self.n_spills = 40, 0
+
+    kernel = SimpleNamespace(device_caches={0: ({"key": Compiled()}, {}, "cuda:90", None, None)})
+    helper = SimpleNamespace(device_caches={})  # a @triton.jit helper: never compiled alone
+    module = SimpleNamespace(augment_kernel=kernel, _axis=helper, BLOCK=256)
+    assert kit_probe.compiled_kernels(module) == {"augment_kernel": {"n_regs": 40, "n_spills": 0, "shared_bytes": 4096}}
+    assert kit_probe.compiled_kernels(SimpleNamespace()) == {}
