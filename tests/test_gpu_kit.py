@@ -361,3 +361,19 @@ def test_registers_and_spills_are_read_off_each_compiled_kernel_of_the_module():
     module = SimpleNamespace(augment_kernel=kernel, _axis=helper, BLOCK=256)
     assert kit_probe.compiled_kernels(module) == {"augment_kernel": {"n_regs": 40, "n_spills": 0, "shared_bytes": 4096}}
     assert kit_probe.compiled_kernels(SimpleNamespace()) == {}
+
+
+def test_the_kernel_steps_inputs_are_the_fused_ops_own(monkeypatch):
+    """kit_probe.kernel_inputs builds what augment/fused.py's op takes for random ImageNet-size
+    photos; one launch of it (Triton's interpreter here) writes the preset's output."""
+    import torch
+
+    from augment import fused
+
+    if not fused.available(torch.device("cpu")):
+        pytest.skip("Triton's interpreter is not on (TRITON_INTERPRET=1)")
+    views, meta, factors, (oh, ow), fill, float_out = kit_probe.kernel_inputs(1, torch.device("cpu"))
+    assert len(views) == 1 and 333 <= views[0].shape[0] <= 500 and views[0].dtype == torch.uint8
+    out = fused.augment_first_ops(views, meta, factors, oh, ow, fill, float_out)
+    assert tuple(out.shape)[1:] == ((3, oh, ow) if float_out else (oh, ow, 3)) and (oh, ow) == (224, 224)
+    assert float(out.float().std()) > 1  # random photos in, not a constant out
