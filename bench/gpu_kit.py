@@ -260,8 +260,9 @@ def run(out: str, scratch: str, sizes: Sizes, steps: list[str], started: float) 
             wait_for(makers["smoke"], min(left, 60))
         elif "full" not in makers:  # its 16 processes would slow the smoke's steps
             makers["full"] = make_data(data["full"], sizes)
-        if step in ("decode", "train", "seed") and "full" in makers:
+        if step in ("decode", "train", "seed"):
             wait_for(makers["full"], min(left, 120))
+        left = budget - (time.time() - started) - PACK_S  # after the waits
         if left < min(caps[step], 10):
             results.append(StepResult(step, f"skipped ({left:.0f} s left)", cap=caps[step]))
             continue
