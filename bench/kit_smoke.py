@@ -7,8 +7,9 @@ them with env and a 20-step jobs.train, and stops): one process, smoke.json writ
            CPU's torch path on the same draws, at three source sizes (SIZES; the device's include
            a 4000x3000 photo): the largest difference in levels, at most 1;
 * decode   nvImageCodec's batched call on the smoke tree's JPEGs: how many it decoded, where,
-           and how many it left to the CPU (CMYK and kin: counted, not an error); on a GPU also
-           the ordering test (tests/gpu_ordering.py, the stream-ordered allocator).
+           and how many it left to the CPU (CMYK and kin: counted, not an error); on a GPU none
+           on the hardware JPEG engines is an error (a libnvjpeg that did not load), and the
+           ordering test runs (tests/gpu_ordering.py, the stream-ordered allocator).
 
 A check that fails is recorded in "errors" (the kit then reads the step as partial and stops);
 one that cannot run here is recorded as {"skipped": why}.
@@ -121,6 +122,9 @@ def judge(result: dict) -> list[str]:
     decode = result.get("decode") or {}
     if decode.get("files") and decode["decoded"] < 0.9 * decode["files"]:
         errors.append(f"nvImageCodec decoded {decode['decoded']} of {decode['files']} files")
+    if result.get("device") == "cuda" and decode.get("files") and not decode["decoded_on"].get("engines"):
+        # a libnvjpeg that does not load leaves nvImageCodec to its other decoders without a word
+        errors.append(f"nvImageCodec decoded none on the hardware JPEG engines: {decode['decoded_on']}")
     corrupted = (result.get("ordering") or {}).get("corrupted") or {}
     if any(corrupted.values()):
         errors.append(f"ordering: {corrupted}")

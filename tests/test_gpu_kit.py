@@ -377,3 +377,17 @@ def test_the_kernel_steps_inputs_are_the_fused_ops_own(monkeypatch):
     out = fused.augment_first_ops(views, meta, factors, oh, ow, fill, float_out)
     assert tuple(out.shape)[1:] == ((3, oh, ow) if float_out else (oh, ow, 3)) and (oh, ow) == (224, 224)
     assert float(out.float().std()) > 1  # random photos in, not a constant out
+
+
+def test_the_smoke_fails_on_pixels_off_by_more_than_a_level_and_on_engines_left_idle():
+    from bench import kit_smoke
+
+    decode = {"files": 64, "decoded": 63, "refused": 1, "decoded_on": {"engines": 60, "gpu_sms": 3, "cpu": 0}}
+    good = {"device": "cuda", "fused": {"500x375": {"max_level_diff": 1}}, "decode": decode}
+    assert kit_smoke.judge(good | {"ordering": {"corrupted": {"victims": 0, "checksums": 0}}}) == []
+    off = good | {"fused": {"4000x3000": {"max_level_diff": 2}}}
+    assert kit_smoke.judge(off) == ["fused kernel at 4000x3000: 2 levels from the CPU's pixels"]
+    idle = good | {"decode": decode | {"decoded_on": {"engines": 0, "gpu_sms": 63, "cpu": 0}}}
+    assert "none on the hardware JPEG engines" in kit_smoke.judge(idle)[0]
+    assert kit_smoke.judge(idle | {"device": "cpu"}) == []  # the CPU's rehearsal has no engines
+    assert "ordering" in kit_smoke.judge(good | {"ordering": {"corrupted": {"victims": 3}}})[0]
