@@ -284,12 +284,14 @@ def run(out: str, scratch: str, sizes: Sizes, steps: list[str], started: float) 
 
 
 def settle(result: StepResult, scratch: str) -> StepResult:
-    """A step that exited 0 with errors in its JSON (a failed column) reads partial, with them."""
+    """A step that exited 0 with errors in its JSON (a failed column) reads partial, with them; one
+    that failed (the smoke's checks) names them after its exit status."""
     own = read_json(os.path.join(scratch, f"{result.name}.json")) or {}
-    if result.status == "ok" and own.get("errors"):
-        errors = "; ".join(f"{k}: {v}" for k, v in own["errors"].items())
-        return dataclasses.replace(result, status=f"partial ({errors[:300]})")
-    return result
+    if not own.get("errors"):
+        return result
+    errors = "; ".join(f"{k}: {v}" for k, v in own["errors"].items())[:300]
+    status = f"partial ({errors})" if result.status == "ok" else f"{result.status}: {errors}"
+    return dataclasses.replace(result, status=status)
 
 
 class NvmlSampler:

@@ -236,6 +236,9 @@ def test_a_step_with_a_failed_column_reads_partial_with_the_error(tmp_path):
     (tmp_path / "seed.json").write_text(json.dumps({"errors": {}}))
     assert gpu_kit.settle(kit_return.StepResult("seed", "ok"), str(tmp_path)).status == "ok"
     assert gpu_kit.settle(kit_return.StepResult("env", "failed (exit 1)"), str(tmp_path)).status == "failed (exit 1)"
+    (tmp_path / "smoke.json").write_text(json.dumps({"errors": {"check 0": "fused kernel at 4000x3000: 2 levels"}}))
+    failed = gpu_kit.settle(kit_return.StepResult("smoke", "failed (exit 1)"), str(tmp_path))
+    assert failed.status == "failed (exit 1): check 0: fused kernel at 4000x3000: 2 levels"
 
 
 def test_nvidia_smi_samples_are_summarised_over_each_steps_steady_window(tmp_path):
