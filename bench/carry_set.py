@@ -52,7 +52,12 @@ CARRY = (
     Carried("kornia-rs", "0.2.0", "kornia's"),
     Carried("simplejpeg", "1.9.0", "JPEG decoding on CPUs (pyproject)"),
     Carried("nvidia-nvimgcodec-cu13", "0.9.0.20", "the GPU's JPEG decoder (pyproject's gpu extra)"),
-    Carried("nvidia-nvjpeg", "13.3.2.43", "nvimgcodec[nvjpeg]'s: libnvjpeg.so.13 for its GPU backends"),
+    Carried(
+        "nvidia-nvjpeg",
+        "13.0.4.44",
+        "nvimgcodec[nvjpeg]'s: libnvjpeg.so.13 for its GPU backends; the 13.0 line, the device's driver's "
+        "(580, CUDA 13.0): a build of a later CUDA may not load there, and nvImageCodec then falls back silently",
+    ),
 )
 
 # Extras of the project's requirements that the device run leaves out, and why.

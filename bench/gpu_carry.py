@@ -1,7 +1,7 @@
 """The wheels a bare GPU machine lacks, trimmed so that one device call can carry them (not a test).
 
     python -m bench.gpu_carry [--out .gpu-carry] [--cache ~/.cache/ray-gpu-augment/wheels]
-    python -m bench.gpu_carry --check [--out .gpu-carry] [--cache ~/.cache/ray-gpu-augment/wheels]
+    python -m bench.gpu_carry --check [--quick] [--out .gpu-carry] [--cache ~/.cache/ray-gpu-augment/wheels]
     python -m bench.gpu_carry --deflate-only --out /tmp/deflated   # no LZMA members: what deflate alone gives
 
 then, first thing in the device's command (the call names `.gpu-carry` in `carry`):
@@ -28,9 +28,11 @@ the cache and never in OUT, stand-ins for the device's packages the carried ones
 distribution, the closure covered by the set and the device's list, the size, and, where a
 Python 3.12 is found here, the device's pip command into a temporary --target and IMPORTS and
 SMOKES under that Python, each said as ok, failed or skipped (a device package it needs is
-not here). Exit 1 on a problem or a failed import. It also lists the versions the carried
-wheels and the project need of device packages (carry.json's device_needs): the device's
-list has names only, so only the device can check them.
+not here). Exit 1 on a problem or a failed import. A set whose imports passed is stamped
+(OUT/imports-ok.json: its wheels' hashes, the Python, the stand-ins): the same bytes are not
+tried again (about a minute and a half on the 2-core machine); any change tries them. It also
+lists the versions the carried wheels and the project need of device packages (carry.json's
+device_needs): the device's list has names only, so only the device can check them.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from bench.carry_set import CARRY, DEFAULT_CACHE, DEVICE_PY, IMPORTS, INSTALL, LIMIT_BYTES, LZMA_MIN_BYTES, REPO, SMOKES
@@ -245,8 +248,8 @@ def print_table(rows: list[tuple[str, str, int, int]], out: Path) -> None:
         print(f"{out} is not ignored by git: add /{out.name}/ to .git/info/exclude, else it travels twice")
 
 
-def check(out: Path, cache: Path) -> int:
-    """--check: no network; problems and imports said, exit 1 on either."""
+def check(out: Path, cache: Path, quick: bool = False) -> int:
+    """--check: no network; problems and imports said, exit 1 on either (--quick: no imports)."""
     tracked, untracked = tree_bytes(REPO, out)
     problems = check_set(out, device_packages(), project_roots(), tracked + untracked)
     for w in sorted(out.glob("*.whl")):
@@ -262,16 +265,46 @@ def check(out: Path, cache: Path) -> int:
     print("versions only the device can check (carry.json's device_needs):")
     for name, needs in sorted(specs.items()):
         print(f"  {name}: {', '.join(sorted(needs))}")
-    python = python312()
+    python = None if quick else python312()
+    if quick:
+        print("--quick: imports not tried")
+        return 1 if problems else 0
     if python is None:
         print("no Python 3.12 here: imports not tried")
         return 1 if problems else 0
     stand_ins = cache / "stand-ins" if (cache / "stand-ins" / "wanted.txt").exists() else None
+    key, stamp = imports_key(out, python, stand_ins), out / IMPORTS_OK
+    passed = read_stamp(stamp)
+    if passed.get("key") == key:
+        print(f"imports: these very wheels passed under {python} on {passed['date']} ({stamp.name}); not tried again")
+        return 1 if problems else 0
     print(f"imports under {python}" + (f", with stand-ins from {stand_ins}" if stand_ins else ", no stand-ins"))
     results = import_check(out, python, stand_ins)
     for what, status, detail in results:
         print(f"  {status:<8} {what}" + (f": {detail}" if detail else ""))
-    return 1 if problems or any(s == "failed" for _, s, _ in results) else 0
+    failed = any(s == "failed" for _, s, _ in results)
+    if not failed:
+        stamp.write_text(json.dumps({"key": key, "date": time.strftime("%Y-%m-%d %H:%M")}) + "\n")
+    return 1 if problems or failed else 0
+
+
+IMPORTS_OK = "imports-ok.json"  # the key of a set whose imports passed: --check does not try them again
+
+
+def imports_key(folder: Path, python: str, stand_ins: Path | None) -> str:
+    """What an import check's outcome depends on: every wheel's bytes, the Python, the stand-ins."""
+    import hashlib
+
+    parts = [f"{w.name}={sha256_of(w)}" for w in sorted(folder.glob("*.whl"))]
+    parts += [python, *(sorted(p.name for p in stand_ins.glob("*.whl")) if stand_ins else [])]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def read_stamp(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,13 +312,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / ".gpu-carry", help="the carried folder (default .gpu-carry)")
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="downloads and trimmed wheels")
     parser.add_argument("--check", action="store_true", help="check an existing set; no network")
+    parser.add_argument("--quick", action="store_true", help="--check without the imports under Python 3.12")
     parser.add_argument("--deflate-only", action="store_true", help="no LZMA members (larger; for comparison)")
     args = parser.parse_args(argv)
     out = args.out.resolve()
     if out == REPO or REPO.is_relative_to(out):
         parser.error("--out must be a folder of its own, not the repository or above it")
     if args.check:
-        return check(out, args.cache.expanduser())
+        return check(out, args.cache.expanduser(), args.quick)
     return build(out, args.cache.expanduser(), None if args.deflate_only else LZMA_MIN_BYTES)
 
 

@@ -16,7 +16,8 @@ on the device: the ceiling any input pipeline can reach on this machine. Its mod
 project's exact one (training.model.resnet18, channels_last), the one `jobs.train` trains.
 
 Prints one JSON object on the last line (bench.train reads it): steady-state img/s over
-epochs 2+ (or the steps after --warmup-steps), and `t_first_step` (time.time() when the
+epochs 2+ (or the steps after --warmup-steps; with --steady-steps, the plain script's too, in two
+timed windows whose rates are kept as `runs`), and `t_first_step` (time.time() when the
 first optimizer step finished) so the caller can compute start-up from its own launch time.
 """
 
@@ -125,6 +126,9 @@ def run_plain(args, device: torch.device) -> dict:
     model = plain_model(len(train_set.classes), small_stem=args.preset == "cifar").to(device)
     optimizer = sgd(model, args.batch_size)
     amp_ctx = autocast(device, args.amp)
+    if args.steady_steps:
+        found = {"loader_workers": workers, "train_images": len(train_set)}
+        return run_steady(args, device, train_loader, model, optimizer, amp_ctx) | found
     epochs, t_first_step = [], None
     for epoch in range(args.epochs):
         model.train()
@@ -183,18 +187,66 @@ def run_synthetic(args, device: torch.device) -> dict:
         if t_first_step is None:
             sync(device)
             t_first_step = time.time()
-    sync(device)
-    start = time.perf_counter()
-    for i in range(args.steps):
-        step(model, optimizer, xs[i % 4], ys[i % 4], amp_ctx)
-    sync(device)
-    elapsed = time.perf_counter() - start
+    windows = []  # (steps, seconds): the timed steps in two halves, each rate kept
+    for half in halves(args.steps):
+        sync(device)
+        start = time.perf_counter()
+        for i in range(half):
+            step(model, optimizer, xs[i % 4], ys[i % 4], amp_ctx)
+        sync(device)
+        windows.append((half, time.perf_counter() - start))
     return {
         "kind": "synthetic",
-        "steady_img_s": round(args.steps * args.batch_size / elapsed, 1),
+        "steady_img_s": round(args.steps * args.batch_size / sum(s for _, s in windows), 1),
+        "runs": [round(n * args.batch_size / s, 1) for n, s in windows if n],
         "steps": args.steps,
         "t_first_step": t_first_step,
     }
+
+
+def halves(steps: int) -> list[int]:
+    """`steps` as two timed windows (the second one step longer where odd)."""
+    return [steps // 2, steps - steps // 2]
+
+
+def run_steady(args, device, loader, model, optimizer, amp_ctx) -> dict:
+    """--steady-steps: --warmup-steps untimed, then the steady steps timed in two windows (each
+    rate kept), or until --seconds of them have passed; the loader cycled over epochs as needed.
+    A line per window, so that a run stopped at its cap still leaves what it timed."""
+    model.train()
+    batches, t_first_step, windows = cycle(loader), None, []
+    for _ in range(args.warmup_steps):
+        x, y = next(batches)
+        step(model, optimizer, x.to(device, non_blocking=True), y.to(device, non_blocking=True), amp_ctx)
+        if t_first_step is None:
+            sync(device)
+            t_first_step = time.time()
+            print(f"plain first step at {t_first_step:.3f}", flush=True)
+    deadline = time.perf_counter() + args.seconds
+    for half in halves(args.steady_steps):
+        sync(device)
+        start, seen = time.perf_counter(), 0
+        for _ in range(half):
+            x, y = next(batches)
+            step(model, optimizer, x.to(device, non_blocking=True), y.to(device, non_blocking=True), amp_ctx)
+            seen += y.shape[0]
+            if time.perf_counter() > deadline:
+                break
+        sync(device)
+        windows.append((seen, time.perf_counter() - start))
+        print(f"plain window {len(windows)}: {seen / windows[-1][1]:.1f} img/s over {seen} images", flush=True)
+    return {
+        "kind": "plain",
+        "steady_img_s": round(sum(n for n, _ in windows) / sum(s for _, s in windows), 1),
+        "runs": [round(n / s, 1) for n, s in windows if n],
+        "steady_images": sum(n for n, _ in windows),
+        "t_first_step": t_first_step,
+    }
+
+
+def cycle(loader):
+    while True:
+        yield from loader
 
 
 def main(argv=None) -> dict:
@@ -226,7 +278,19 @@ def main(argv=None) -> dict:
         "--synthetic", action="store_true", help="time the model on random batches already on the device (the ceiling)"
     )
     ap.add_argument("--steps", type=int, default=60, help="--synthetic: timed steps")
-    ap.add_argument("--warmup-steps", type=int, default=5, help="--synthetic: untimed steps first (allocator, kernels)")
+    ap.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=5,
+        help="--synthetic, --steady-steps: untimed steps first (allocator, kernels)",
+    )
+    ap.add_argument(
+        "--steady-steps",
+        type=int,
+        default=0,
+        help="the plain script: time this many steps after the warm-up, not epochs",
+    )
+    ap.add_argument("--seconds", type=float, default=1e9, help="--steady-steps: stop timing after this many seconds")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     device = torch.device(args.device)

@@ -12,11 +12,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
-# Where there is no GPU, Triton's kernels run on the CPU under its interpreter (augment/fused.py's
-# tests). It reads the variable when it is imported, which torchvision and Kornia do: set it first.
-if not os.path.isdir("/proc/driver/nvidia/gpus"):
+
+def interpreter_wanted(cuda_available: bool) -> bool:
+    """Triton's interpreter runs the kernels on the CPU (augment/fused.py's tests) only where torch
+    sees no CUDA device: where one is present, the kernels compile for it (an interpreted kernel
+    would read device pointers on the host). /proc/driver/nvidia/gpus is no test: some GPU
+    machines lack it."""
+    return not cuda_available
+
+
+# Triton reads the variable when it is imported, which torchvision and Kornia do: set it first
+# (torch alone does not import Triton).
+if interpreter_wanted(torch.cuda.is_available()):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 

@@ -284,3 +284,21 @@ def test_the_closure_collects_version_needs_on_device_packages():
     specs: dict = {}
     wh.walk(["top[t]", "numpy<3"], carried, {"numpy", "attrs", "typing-extensions"}, device_specs=specs)
     assert specs == {"numpy": {">=1.21 (top)", "<3 (the project)"}, "typing-extensions": {">=4.16 (top)"}}
+
+
+def test_the_carried_libnvjpeg_is_of_the_device_drivers_cuda_line():
+    """The device's driver is CUDA 13.0's (580): a libnvjpeg of a later CUDA may not load there, and
+    nvImageCodec then falls back to other decoders without a word (engine_share 0)."""
+    (nvjpeg,) = [c for c in cs.CARRY if c.name == "nvidia-nvjpeg"]
+    assert nvjpeg.version.startswith("13.0."), nvjpeg
+
+
+def test_an_import_check_that_passed_is_not_repeated_for_the_same_bytes(tmp_path):
+    gpu_carry = gc
+    (tmp_path / "a-1.0-py3-none-any.whl").write_bytes(b"one")
+    key = gpu_carry.imports_key(tmp_path, "/usr/bin/python3.12", None)
+    assert key == gpu_carry.imports_key(tmp_path, "/usr/bin/python3.12", None)
+    assert key != gpu_carry.imports_key(tmp_path, "/other/python3.12", None)
+    (tmp_path / "a-1.0-py3-none-any.whl").write_bytes(b"two")  # the same name, other bytes
+    assert key != gpu_carry.imports_key(tmp_path, "/usr/bin/python3.12", None)
+    assert gpu_carry.read_stamp(tmp_path / "none.json") == {}

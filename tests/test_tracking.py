@@ -82,7 +82,9 @@ def test_a_run_logs_live_to_tensorboard_mlflow_and_wandb_and_its_resume_continue
     client = MlflowClient(tracking_uri=uri)
     mlflow.set_tracking_uri(uri)
     runs = mlflow.search_runs(experiment_names=["ray-gpu-augment"])
-    assert len(runs) == 1 and runs["params.lr"][0] == str(first.config.lr) and runs["tags.mlflow.runName"][0] == "tracked"
+    assert (
+        len(runs) == 1 and runs["params.lr"][0] == str(first.config.lr) and runs["tags.mlflow.runName"][0] == "tracked"
+    )
     run_id = runs["run_id"][0]
     assert [m.step for m in client.get_metric_history(run_id, "val_acc")] == [1, 2]
     assert client.get_metric_history(run_id, "step_loss")  # every step of rank 0

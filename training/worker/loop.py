@@ -35,6 +35,7 @@ from training.rows import EPOCH, IMAGE, KEY, LABEL
 from training.spec import WorkerSpec
 from training.stamp import check_stamp, refuse_stale, stale_rows
 from training.status import STOP, EpochProgress, StepLog, driver_verdict, say
+from training.worker import trace
 from training.worker.feed import EpochData, IngestWatch
 from training.worker.learner import (
     CheckpointMismatch,
@@ -82,6 +83,7 @@ def train_epoch(learner: Learner, batches, *, epoch: int, rank: int, bar=None) -
         meter.begin_step()
         loss, logits = train_step(learner, batch, epoch=epoch, step=meter.steps, rank=rank)
         meter.update(batch, loss, logits)
+        trace.after_step(learner.device, rank)  # RGA_TRACE: the GPU kit's trace of a few steps
         if bar is not None:
             bar.update(batch[LABEL].shape[0], meter.sums)  # reads the loss sum (a host sync) at most once an interval
     return meter.summary()
