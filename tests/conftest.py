@@ -249,3 +249,21 @@ def exits_2(args: list[str], capsys) -> str:
     assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
     assert elapsed < 5, f"{elapsed:.1f} s"  # a run that reached the cluster took 37-54 s
     return err
+
+
+def event_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value)]} of the TFRecord event files in LOGDIR, read with tensorboardX's protos."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(logdir.iterdir()):
+        data, at = path.read_bytes(), 0
+        while at < len(data):  # a record: length (8 bytes), its CRC (4), the event, the event's CRC (4)
+            (length,) = struct.unpack("<Q", data[at : at + 8])
+            event = Event.FromString(data[at + 12 : at + 12 + length])
+            at += 16 + length
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TEST_STEM, write_tree
-from tests.test_train_job import _event_scalars
+from tests.conftest import TEST_STEM, event_scalars, write_tree
 from training import fit
 from training.config import ConfigError, TrainConfig
 from training.records import EpochRecord
@@ -67,7 +66,7 @@ def test_a_run_logs_live_to_tensorboard_mlflow_and_wandb_and_its_resume_continue
 
     def read_tensorboard_while_running(record):  # before the trackers see this epoch: the one before is there
         if record.epoch == 2:
-            during.update(_event_scalars(run_dir / "tensorboard"))
+            during.update(event_scalars(run_dir / "tensorboard"))
 
     config = {"data": str(data), "epochs": 3, "batch_size": 8, "small_stem": TEST_STEM, "stop_after": 2}
     config |= {"storage_path": str(tmp_path / "runs"), "name": "tracked"}
@@ -101,7 +100,7 @@ def test_a_run_logs_live_to_tensorboard_mlflow_and_wandb_and_its_resume_continue
     wandb_runs = _wandb_records(run_dir)
     assert len(wandb_runs) == 2 and wandb_runs[0][0] == wandb_runs[1][0]  # the same W&B run, resumed
     assert [h["epoch"] for h in wandb_runs[1][1]["history"] if "epoch/val_acc" in h] == [3]
-    events = _event_scalars(run_dir / "tensorboard")
+    events = event_scalars(run_dir / "tensorboard")
     assert sorted(step for step, _ in events["val/acc"]) == [1, 2, 3]
 
 

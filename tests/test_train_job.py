@@ -14,7 +14,7 @@ import pytest
 import torch
 import torchvision
 
-from tests.conftest import Terminal, bar_frames, prepare, split_coordinators, write_tree
+from tests.conftest import Terminal, bar_frames, event_scalars, prepare, split_coordinators, write_tree
 from training import audit, job, planning
 from training.bounds import STAGES
 from training.config import ConfigError, TrainConfig
@@ -149,29 +149,11 @@ def test_run_directory_has_sane_contents(two_worker_run):
     assert model["state_dict"]["conv1.weight"].shape == (64, 3, 3, 3)  # --small-stem on at 40 px
 
 
-def _event_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
-    """{tag: [(step, value)]} of the TFRecord event files in LOGDIR, read with tensorboardX's protos."""
-    import struct
-
-    from tensorboardX.proto.event_pb2 import Event
-
-    scalars: dict[str, list[tuple[int, float]]] = {}
-    for path in sorted(logdir.iterdir()):
-        data, at = path.read_bytes(), 0
-        while at < len(data):  # a record: length (8 bytes), its CRC (4), the event, the event's CRC (4)
-            (length,) = struct.unpack("<Q", data[at : at + 8])
-            event = Event.FromString(data[at + 12 : at + 12 + length])
-            at += 16 + length
-            for value in event.summary.value:
-                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
-    return scalars
-
-
 def test_a_run_writes_tensorboard_events_of_its_metrics(two_worker_run):
     """docs/guide.md, "Console": TensorBoard event files under runs/<name>/tensorboard/ when tensorboardX is installed
     (a test dependency), one scalar per metrics.csv and timings.csv column per epoch."""
     run_dir = two_worker_run[0]
-    scalars = _event_scalars(run_dir / "tensorboard")
+    scalars = event_scalars(run_dir / "tensorboard")
     (row,) = _rows(run_dir / "metrics.csv")
     assert scalars["val/acc"] == [(1, pytest.approx(float(row["val_acc"]), rel=1e-4))]
     assert scalars["train/loss"] == [(1, pytest.approx(float(row["train_loss"]), rel=1e-4))]
