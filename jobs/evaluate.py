@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from jobs.predict import add_inference_arguments
+from jobs.predict import add_inference_arguments, auto_actors, check_numbers
 from training.config import FlagParser, error_line
 
 OUTPUTS = ("confusion.png", "per_class.csv", "predictions.csv")  # what an evaluation writes into --out
@@ -40,12 +40,13 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    from training import artifacts, inference, plots, storage
+    from training import artifacts, inference, plots, scoring, storage
     from training.forms.data import DataError
     from training.session import connect
 
     out = args.out or artifacts.join(storage.parent(args.model), "eval")
     try:
+        actors = check_numbers(args)
         info = inference.load_model_file(args.model)
         val_fraction = float(info.setting("val_fraction", 0.2))
         splits = inference.input_splits(args.data, info, args.split, val_fraction)
@@ -62,24 +63,30 @@ def main(argv=None) -> int:
                 f"--out {out} holds {', '.join(there)} already (an earlier evaluation's?); nothing was written; give "
                 "another --out, or --overwrite to replace them"
             )
-    except (inference.ModelFileError, DataError, storage.StorageError) as e:
+    except (inference.ModelFileError, DataError, storage.StorageError, ValueError) as e:
         print(error_line(e), file=sys.stderr)
         return 2
     connect()
-    rows, unread = inference.predict(info, splits, batch_size=args.batch_size, actors=args.actors, device=args.device)
+    report = scoring.score_to(
+        info,
+        splits,
+        artifacts.join(out, "predictions.csv"),
+        batch_size=args.batch_size,
+        actors=actors or auto_actors(args.device),
+        device=args.device,
+        gpus_per_actor=args.gpus_per_actor,
+    )
     names = list(info.class_names)
-    confusion = inference.confusion_matrix(rows, len(names))
-    stats = inference.per_class(confusion, names)
-    artifacts.write_bytes(artifacts.join(out, "confusion.png"), plots.confusion_png(confusion, names))
+    stats = inference.per_class(report.confusion, names)
+    artifacts.write_bytes(artifacts.join(out, "confusion.png"), plots.confusion_png(report.confusion, names))
     artifacts.write_csv(artifacts.join(out, "per_class.csv"), stats)
-    inference.write_predictions_csv(rows, artifacts.join(out, "predictions.csv"), names)
-    correct, labelled = inference.accuracy(rows)
     print(inference.per_class_table(stats))
-    if unread:
-        print(f"skipped {len(unread)} unreadable file(s), e.g. {unread[0]}")
+    if report.unread:
+        first = sorted(report.unread)[0]
+        print(f"skipped {len(report.unread)} unreadable file(s), e.g. {first}: {report.unread[first]}")
     print(
-        f"accuracy {correct / max(labelled, 1):.4f} ({correct}/{labelled} labelled images); wrote "
-        f"{out}/confusion.png, per_class.csv, predictions.csv"
+        f"accuracy {report.correct / max(report.labelled, 1):.4f} ({report.correct}/{report.labelled} labelled "
+        f"images); wrote {out}/confusion.png, per_class.csv, predictions.csv"
     )
     return 0
 

@@ -3,10 +3,14 @@
     python -m jobs.predict --model runs/photos/model.pt --data ~/new-photos --out predictions.csv
     python -m jobs.predict --model runs/photos/model.pt --data /data/photos-prepared   # a jobs.prepare dir
 
-The model's own eval transform (saved in model.pt) prepares each image. The CSV has one
-row per image: path (relative to --data), predicted, confidence, label. When images sit
-in directories named after the model's classes, the label is that name and the accuracy
-is printed. Exit codes: 0 done; 2 bad input (model file, data folder), one line on stderr.
+    python -m jobs.predict --model runs/photos/model.pt --data s3://bucket/10M-photos --out s3://bucket/preds/ \
+        --actors 1-32                                   # Parquet files, written as they are scored
+
+The model's own eval transform (saved in model.pt) prepares each image. One row per image:
+path (relative to --data), predicted, confidence, label, streamed from the Ray Data pipeline
+into the output (training/scoring.py): no process holds every row. When images sit in
+directories named after the model's classes, the label is that name and the accuracy is
+printed. Exit codes: 0 done; 2 bad input (model file, data folder, --out), one line on stderr.
 """
 
 from __future__ import annotations
@@ -30,7 +34,18 @@ def add_inference_arguments(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument("--batch-size", type=int, default=256, help="images per inference call (default: 256)")
     ap.add_argument(
-        "--actors", type=int, default=1, help="inference actors, each with the model loaded once (default: 1)"
+        "--actors",
+        default="auto",
+        help=(
+            "inference actors, each with the model loaded once: N, or MIN-MAX for a pool that grows with the work "
+            "(default: auto, 1 up to one per GPU, or per CPU on a cluster without GPUs)"
+        ),
+    )
+    ap.add_argument(
+        "--gpus-per-actor",
+        type=float,
+        default=1.0,
+        help="GPUs each actor takes on a cluster with GPUs: 1, or a share such as 0.25 (default: 1)",
     )
     ap.add_argument(
         "--device",
@@ -49,45 +64,92 @@ def parse(argv=None):
     ap = FlagParser(prog="python -m jobs.predict", description=__doc__.split("\n")[0])
     add_inference_arguments(ap)
     ap.add_argument(
-        "--out", default="predictions.csv", help="CSV to write (local path or s3://, gs://; default: predictions.csv)"
+        "--out",
+        default="predictions.csv",
+        help=(
+            "where the rows go, as they are scored: FILE.csv or FILE.parquet (one file), or a folder of Parquet "
+            "files (local path or s3://, gs://; default: predictions.csv)"
+        ),
     )
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse(argv)
-    from training import artifacts, inference, storage
+    from training import inference, scoring, storage
     from training.forms.data import DataError
     from training.session import connect
 
-    if args.batch_size <= 0 or args.actors <= 0:
-        print("error: --batch-size and --actors must be positive", file=sys.stderr)
-        return 2
-    try:  # bad --model, --data or --out: exit 2 before Ray starts
+    try:  # bad flags, --model, --data or --out: exit 2 before Ray starts
+        actors = check_numbers(args)
         info = inference.load_model_file(args.model)
         splits = inference.input_splits(args.data, info)
-        storage.check_writable(storage.parent(args.out), "--out")
-        if artifacts.is_dir(args.out):  # else found only after the whole inference, a temporary file left behind
-            out = args.out.rstrip("/")
-            raise storage.StorageError(f"--out {out}: a folder; give a file to write, e.g. {out}/predictions.csv")
-        if artifacts.exists(args.out) and not args.overwrite:
-            raise storage.StorageError(
-                f"--out {args.out} exists already; nothing was written; give another --out, or --overwrite to "
-                "replace it"
-            )
-    except (inference.ModelFileError, DataError, storage.StorageError) as e:
+        check_out(args.out, args.overwrite)
+    except (inference.ModelFileError, DataError, storage.StorageError, ValueError) as e:
         print(error_line(e), file=sys.stderr)
         return 2
     connect()
-    rows, unread = inference.predict(info, splits, batch_size=args.batch_size, actors=args.actors, device=args.device)
-    inference.write_predictions_csv(rows, args.out, info.class_names)
-    print(f"wrote {args.out}: {len(rows)} predictions")
-    if unread:
-        print(f"skipped {len(unread)} unreadable file(s), e.g. {unread[0]}")
-    correct, labelled = inference.accuracy(rows)
-    if labelled:
-        print(f"accuracy {correct / labelled:.4f} ({correct}/{labelled} labelled images)")
+    report = scoring.score_to(
+        info,
+        splits,
+        args.out,
+        batch_size=args.batch_size,
+        actors=actors or auto_actors(args.device),
+        device=args.device,
+        gpus_per_actor=args.gpus_per_actor,
+    )
+    print(f"wrote {args.out}: {report.scored} predictions")
+    if report.unread:
+        first = sorted(report.unread)[0]
+        print(f"skipped {len(report.unread)} unreadable file(s), e.g. {first}: {report.unread[first]}")
+    if report.labelled:
+        print(f"accuracy {report.correct / report.labelled:.4f} ({report.correct}/{report.labelled} labelled images)")
     return 0
+
+
+def check_numbers(args) -> tuple[int, int] | None:
+    """--batch-size, --gpus-per-actor and --actors ((min, max); None: auto), or ValueError with the line."""
+    from training import scoring
+
+    if args.batch_size <= 0:
+        raise ValueError(f"--batch-size must be positive, got {args.batch_size}")
+    if not 0 < args.gpus_per_actor <= 64:
+        raise ValueError(f"--gpus-per-actor must be above 0 and at most 64, got {args.gpus_per_actor}")
+    return None if args.actors == "auto" else scoring.parse_actors(args.actors)
+
+
+def auto_actors(device: str) -> tuple[int, int]:
+    """1 up to one actor per GPU (a cluster with GPUs, unless --device cpu), else per CPU but one."""
+    import ray
+
+    resources = ray.cluster_resources()
+    gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 1))
+    return (1, max(1, gpus)) if gpus and device != "cpu" else (1, max(1, cpus - 1))
+
+
+def check_out(out: str, overwrite: bool) -> None:
+    """StorageError unless `out` can be written: its folder writable, and what is there already replaced
+    only with --overwrite (a folder of Parquet files: its .parquet files)."""
+    from training import artifacts, scoring, storage
+
+    kind = scoring.out_kind(out)
+    target = out.rstrip("/")
+    storage.check_writable(storage.parent(target) if kind != "dir" else target, "--out")
+    if kind != "dir" and artifacts.is_dir(out):  # else found only after the whole inference
+        raise storage.StorageError(f"--out {target}: a folder; give a file to write, e.g. {target}/predictions.csv")
+    if kind == "dir" and artifacts.exists(target) and not artifacts.is_dir(target):
+        raise storage.StorageError(f"--out {target}: a file; give a folder, or a name ending in .csv or .parquet")
+    if artifacts.exists(f"{target}.parts"):
+        raise storage.StorageError(f"--out {target}: {target}.parts is in the way (an earlier run's parts); remove it")
+    there = artifacts.exists(target) and not (kind == "dir" and artifacts.is_empty_dir(target))
+    if there and not overwrite:
+        what = "holds files already" if kind == "dir" else "exists already"
+        raise storage.StorageError(
+            f"--out {target} {what}; nothing was written; give another --out, or --overwrite to replace it"
+        )
+    if there and kind == "dir":
+        for old in scoring.part_files(target, ".parquet"):  # an earlier prediction's files, not others
+            artifacts.remove_file(old)
 
 
 if __name__ == "__main__":

@@ -146,9 +146,9 @@ def test_evaluate_on_a_prepared_directory(ray_cluster, s3, model_and_tree, tmp_p
     argv = ["--model", "s3://runs/predict/model.pt", "--data", "s3://data/predict/labelled"]
     assert predict([*argv, "--out", "s3://runs/predict/p.csv"]) == 0
     from_s3 = list(csv.DictReader(io.StringIO(s3.read("s3://runs/predict/p.csv").decode())))
-    assert [(r["path"], r["predicted"], r["label"]) for r in from_s3] == [
+    assert sorted((r["path"], r["predicted"], r["label"]) for r in from_s3) == sorted(  # streamed: the input's order
         (r["path"], r["predicted"], r["label"]) for r in rows
-    ]
+    )
 
 
 def test_predict_and_evaluate_read_names_that_are_not_utf8(ray_cluster, model_and_tree, tmp_path, capsys):
@@ -231,17 +231,28 @@ def test_a_model_file_with_the_right_keys_and_bad_values_is_one_line_before_ray(
 
 
 def test_predict_out_naming_a_folder_is_one_line_before_ray(model_and_tree, tmp_path, capsys, monkeypatch):
+    """A folder is where Parquet files go: one that holds the user's files is refused (as an existing
+    file is); a folder named like a file is a mistake."""
     from jobs.predict import main
     from training import session
 
     monkeypatch.setattr(session, "connect", lambda *a, **k: pytest.fail("Ray was started"))
     model, data = model_and_tree
-    (tmp_path / "results").mkdir()
-    assert main(["--model", str(model), "--data", str(data), "--out", str(tmp_path / "results")]) == 2
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "notes.txt").write_text("mine")
+    assert main(["--model", str(model), "--data", str(data), "--out", str(results)]) == 2
     err = capsys.readouterr().err
-    out = tmp_path / "results"
-    assert err == f"error: --out {out}: a folder; give a file to write, e.g. {out}/predictions.csv\n"
-    assert os.listdir(out) == []
+    assert err == (
+        f"error: --out {results} holds files already; nothing was written; give another --out, or --overwrite to "
+        "replace it\n"
+    )
+    assert os.listdir(results) == ["notes.txt"]
+    folder = tmp_path / "looks.csv"
+    folder.mkdir()
+    assert main(["--model", str(model), "--data", str(data), "--out", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --out {folder}: a folder; give a file to write, e.g. {folder}/predictions.csv\n"
 
 
 @pytest.mark.parametrize("module", ["jobs.predict", "jobs.evaluate"])
@@ -268,3 +279,33 @@ def test_an_existing_output_is_kept_and_refused_in_one_line_before_ray(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(expected), err
     assert mine.read_text() == "my own results\n"
+
+
+def test_predictions_stream_into_parquet_files_a_parquet_file_or_a_csv_with_counts_not_rows(
+    ray_cluster, model_and_tree, tmp_path, capsys
+):
+    """training/scoring.py: the rows go from the pipeline into the output; the accuracy comes from a
+    tally of counts. A folder gets Ray Data's Parquet files, FILE.parquet one file merged from them,
+    FILE.csv one CSV; the same rows each way, in the input's order, and no parts left behind."""
+    import pyarrow.parquet as pq
+
+    from jobs.predict import main
+
+    model, data = model_and_tree
+    outs = {"dir": tmp_path / "preds", "parquet": tmp_path / "p.parquet", "csv": tmp_path / "p.csv"}
+    rows = {}
+    for kind, out in outs.items():
+        assert main(["--model", str(model), "--data", str(data), "--out", str(out), "--actors", "1-2"]) == 0
+        printed = capsys.readouterr().out
+        assert f"wrote {out}: 20 predictions" in printed, printed
+        if kind == "csv":
+            rows[kind] = [(r["path"], r["predicted"], r["label"]) for r in _csv(out)]
+        else:
+            table = pq.read_table(str(out)).to_pylist()
+            rows[kind] = [(r["path"], r["predicted"], r["label"]) for r in table]
+    assert rows["dir"] == rows["parquet"] == rows["csv"]  # the same rows, in the same (the input's) order
+    assert [p for p, _, _ in rows["csv"]] == sorted(p for p, _, _ in rows["csv"])
+    assert sorted(os.listdir(tmp_path)) == ["p.csv", "p.parquet", "preds"]  # no .parts left
+    labelled = [r for r in rows["csv"] if r[2]]
+    correct = sum(p == lab for _, p, lab in labelled)
+    assert f"accuracy {correct / 18:.4f} ({correct}/18 labelled images)" in printed

@@ -57,6 +57,11 @@ def remove_tree(uri: str) -> None:
     fs.delete_dir(path)
 
 
+def remove_file(uri: str) -> None:
+    fs, path = _fs(uri)
+    fs.delete_file(path)
+
+
 def clear_dir(uri: str, keep: tuple[str, ...] = ()) -> None:
     """Remove everything inside the folder `uri` but the entries named in `keep` (its lease). A
     local link is removed as a link: nothing outside the folder is touched."""

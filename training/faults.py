@@ -32,11 +32,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from training import artifacts, ray_private
 
 
-def driver_actor(cls):
-    """An actor of `cls` with no CPU, on the node of this process (the driver)."""
+def driver_actor(cls, *args):
+    """An actor of `cls(*args)` with no CPU, on the node of this process (the driver)."""
     here = ray.get_runtime_context().get_node_id()
     strategy = NodeAffinitySchedulingStrategy(node_id=here, soft=False)
-    return ray.remote(num_cpus=0)(cls).options(scheduling_strategy=strategy).remote()
+    return ray.remote(num_cpus=0)(cls).options(scheduling_strategy=strategy).remote(*args)
 
 
 class CheckpointNotice(ray.train.UserCallback):

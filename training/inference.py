@@ -2,8 +2,9 @@
 in the read tasks), actors apply the saved eval transform and the model to whole batches.
 
     info = load_model_file("runs/photos/model.pt")          # a ModelFile; ModelFileError: exit 2
-    rows = predict(info, "~/photos", split="all")           # [{path, label, pred, prob}], by path
-    write_predictions_csv(rows, "predictions.csv", info.class_names)
+    splits = input_splits("~/photos", info)
+    ds = scoring_dataset(info, splits, actors=(1, 4))         # {path, label, pred, prob}, lazily
+    # training/scoring.py score_to streams it into the output, with the counts reduced by a tally
 
 A file's label is the position, in the model's class names, of its directory's name
 (DIR/<class>/img or DIR/val/<class>/img); -1 when that directory is not a class. Each read
@@ -13,7 +14,6 @@ of the files.
 
 from __future__ import annotations
 
-import csv
 import io
 import os
 from pathlib import PurePosixPath
@@ -155,8 +155,9 @@ class Predictor:
     """map_batches actor: builds the model and the eval transform once, then scores whole
     batches: {image, label, path} -> {path, label, pred, prob}."""
 
-    def __init__(self, info: ModelFile | str, device: str = "cpu"):
-        """`info`: load_model_file's ModelFile, or the model file's path, which each actor reads itself."""
+    def __init__(self, info: ModelFile | str, device: str = "cpu", tally=None):
+        """`info`: load_model_file's ModelFile, or the model file's path, which each actor reads itself;
+        `tally`: training/scoring.py's Tally actor, told each batch's counts (None: not told)."""
         from augment.ops import Normalize
         from augment.pipeline import Pipeline
         from training.model import build_model
@@ -169,6 +170,7 @@ class Predictor:
         self.model = build_model(info.arch, info.num_classes, small_stem=info.small_stem, image_size=info.image_size)
         self.model.load_state_dict(info.state_dict)
         self.model.to(self.device).eval()
+        self.tally, self.num_classes = tally, info.num_classes
 
     @torch.no_grad()
     def __call__(self, batch: dict) -> dict:
@@ -186,85 +188,53 @@ class Predictor:
         x = augment_batch(self.pipeline, batch[IMAGE], keys, 0, self.device)  # uint8 (B, S, S, 3)
         probs = self.model(self.normalize(x)).float().softmax(1)
         prob, pred = probs.max(1)
-        return {
+        out = {
             PATH: batch[PATH],
             LABEL: batch[LABEL],
             "pred": pred.cpu().numpy(),
             "prob": prob.cpu().numpy(),
         }  # .cpu(): a sync point
+        if self.tally is not None:  # the batch's counts, never its rows; waited for, so none is lost at the end
+            import ray
+
+            labels, k = np.asarray(batch[LABEL]), self.num_classes
+            known = labels >= 0
+            counts = np.bincount(labels[known] * k + out["pred"][known], minlength=k * k).astype(np.int64)
+            ray.get(self.tally.add.remote(n, counts))
+        return out
 
 
 def scoring_dataset(
-    info: ModelFile, splits: list[Split], *, batch_size: int = 256, actors: int = 1, device: str = "cpu"
+    info: ModelFile,
+    splits: list[Split],
+    *,
+    batch_size: int = 256,
+    actors: tuple[int, int] | int = 1,
+    device: str = "cpu",
+    tally=None,
+    bad_log=None,
+    gpus_per_actor: float = 1.0,
 ):
-    """Ray Dataset {path (relative), label, pred, prob} of every image of `splits`, lazily."""
+    """Ray Dataset {path (relative), label, pred, prob} of every image of `splits`, lazily; `actors`:
+    the pool's size, or (min, max) for one that grows and shrinks with the work."""
     import ray.data
 
     from training.ingest import read_split
 
-    parts = [read_split(s, decode=True, relative_paths=True, rows_per_task=batch_size) for s in splits]
+    parts = [read_split(s, decode=True, relative_paths=True, rows_per_task=batch_size, bad_log=bad_log) for s in splits]
     ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
+    low, high = (actors, actors) if isinstance(actors, int) else actors
     return ds.map_batches(
         Predictor,
         # the file's path, not its weights: a constructor argument that large goes to the object store,
         # and Ray logs an error line about it for an actor that restarts (as Ray Data's pool does)
-        fn_constructor_kwargs={"info": info.path or info, "device": device},
+        fn_constructor_kwargs={"info": info.path or info, "device": device, "tally": tally},
         batch_format="numpy",
         batch_size=batch_size,
-        compute=ray.data.ActorPoolStrategy(size=actors),
-        num_gpus=1 if device == "cuda" else 0,
+        compute=ray.data.ActorPoolStrategy(min_size=low, max_size=high),
+        num_gpus=gpus_per_actor if device == "cuda" else 0,
         num_cpus=1,
     )
-
-
-def predict(
-    info: ModelFile, splits: list[Split], *, batch_size: int = 256, actors: int = 1, device: str = "auto"
-) -> tuple[list[dict], list[str]]:
-    """Score every image of `splits` (input_splits); returns (rows sorted by path, relative
-    paths that could not be read)."""
-    import ray
-
-    if device == "auto":
-        device = "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
-    ds = scoring_dataset(info, splits, batch_size=batch_size, actors=actors, device=device)
-    rows = []
-    for batch in ds.iter_batches(batch_format="numpy", batch_size=None):
-        rows += [
-            {PATH: str(p), LABEL: int(lab), "pred": int(pr), "prob": float(pb)}
-            for p, lab, pr, pb in zip(batch[PATH], batch[LABEL], batch["pred"], batch["prob"], strict=True)
-        ]
-    rows.sort(key=lambda r: r["path"])
-    unread = sorted(set(r for s in splits for r in s.rel_paths) - {r["path"] for r in rows})
-    return rows, unread
-
-
-def write_predictions_csv(rows: list[dict], out: str, class_names) -> None:
-    """path, predicted, confidence, label (empty when the file's directory is not a class)."""
-    from training import artifacts
-
-    buf = io.StringIO()
-    w = csv.writer(buf)
-    w.writerow(["path", "predicted", "confidence", "label"])
-    for r in rows:
-        w.writerow(
-            [r["path"], class_names[r["pred"]], f"{r['prob']:.6f}", class_names[r["label"]] if r["label"] >= 0 else ""]
-        )
-    artifacts.write_bytes(out, buf.getvalue().encode())
-
-
-def accuracy(rows: list[dict]) -> tuple[int, int]:
-    """(correct, labelled) over the rows whose label is known."""
-    labelled = [r for r in rows if r["label"] >= 0]
-    return sum(r["pred"] == r["label"] for r in labelled), len(labelled)
-
-
-def confusion_matrix(rows: list[dict], num_classes: int) -> list[list[int]]:
-    """Rows: true class, columns: predicted; unlabelled rows are left out."""
-    m = np.zeros((num_classes, num_classes), dtype=np.int64)
-    for r in rows:
-        if r["label"] >= 0:
-            m[r["label"], r["pred"]] += 1
-    return m.tolist()
 
 
 def per_class(confusion: list[list[int]], class_names) -> list[dict]:
