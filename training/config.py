@@ -33,6 +33,15 @@ def check_amp(amp: str, on_gpu: bool) -> None:
         )
 
 
+def check_sync_bn(sync_bn: bool, on_gpu: bool) -> None:
+    """SyncBatchNorm has no CPU kernel: --sync-bn on CPUs would fail in the first step."""
+    if sync_bn and not on_gpu:
+        raise ConfigError(
+            "--sync-bn: SyncBatchNorm runs on CUDA GPUs only and this run trains on CPUs; drop --sync-bn "
+            "(one CPU rank's BatchNorm is already the whole batch's)"
+        )
+
+
 RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
 
 
@@ -209,6 +218,41 @@ class TrainConfig:
         "cosine-ramp, optionally :LEVEL (the far end, 0..1, default 0), e.g. cosine-decay:0.3",
     )
 
+    # fine-tuning and the recipe staples (issue 56; docs/guide.md, "Fine-tuning recipe")
+    freeze_epochs: int = _f(
+        0, "epochs at the start that train the head (the classifier layer) alone, the backbone frozen; 0 = none"
+    )
+    backbone_lr_scale: float = _f(
+        1.0, "the backbone's learning rate as a fraction of the head's (the schedule's), in (0, 1]; 1 = the same"
+    )
+    model_ema: float = _f(
+        0.0,
+        "keep an exponential moving average of the weights with this decay per optimiser step, e.g. 0.999; "
+        "validated each epoch (val_acc_ema) and saved as model_ema.pt; 0 = off",
+    )
+    grad_accum: int = _f(
+        1,
+        "micro-batches of --batch-size per optimiser step: the step's batch is --batch-size x N images (--lr "
+        "scales with it; the schedule counts optimiser steps)",
+    )
+    clip_grad_norm: float = _f(0.0, "clip the gradients' global L2 norm to this before each step; 0 = off")
+    sync_bn: bool = _f(False, "BatchNorm statistics synchronised across the DDP ranks (SyncBatchNorm); CUDA only")
+    early_stop: int = _f(
+        0, "stop after this many epochs without a better val_acc (model_best.pt keeps the best); 0 = off"
+    )
+    class_weights: str = _f(
+        "none",
+        "balanced: weight the loss per class by n / (classes x the class's training images) (sklearn's "
+        "'balanced'); none",
+        choices=("none", "balanced"),
+    )
+    sampler: str = _f(
+        "shuffle",
+        "shuffle: every training image once an epoch; balanced: each epoch draws as many images, with replacement, "
+        "each with probability inversely proportional to its class's count (image trees and manifests only)",
+        choices=("shuffle", "balanced"),
+    )
+
     def __post_init__(self):
         for field in dataclasses.fields(self):  # nan passes every comparison below, inf most
             value = getattr(self, field.name)
@@ -246,6 +290,7 @@ class TrainConfig:
             raise ConfigError(
                 f"--image-size must be 0 (the preset's) or at least {MIN_IMAGE_SIZE} px, got {self.image_size}"
             )
+        self.check_recipe()
         if self.quiet and self.verbose:
             raise ConfigError("--quiet and --verbose contradict each other; give one")
         if self.name:
@@ -256,10 +301,35 @@ class TrainConfig:
                 "needs at least one image per step"
             )
 
+    def check_recipe(self) -> None:
+        """The fine-tuning and recipe flags' ranges (one line each, before Ray)."""
+        for field in ("freeze_epochs", "early_stop", "clip_grad_norm"):
+            if getattr(self, field) < 0:
+                raise ConfigError(
+                    f"--{field.replace('_', '-')} must be 0 (off) or positive, got {getattr(self, field)}"
+                )
+        if self.freeze_epochs >= self.epochs:
+            raise ConfigError(
+                f"--freeze-epochs {self.freeze_epochs} leaves no epoch of --epochs {self.epochs} to train the whole "
+                "model; give fewer frozen epochs or more --epochs"
+            )
+        if not 0 < self.backbone_lr_scale <= 1:
+            raise ConfigError(f"--backbone-lr-scale must be in (0, 1], got {self.backbone_lr_scale}")
+        if not (self.model_ema == 0 or 0 < self.model_ema < 1):
+            raise ConfigError(f"--model-ema must be 0 (off) or a decay in (0, 1) such as 0.999, got {self.model_ema}")
+        if self.grad_accum < 1:
+            raise ConfigError(f"--grad-accum must be 1 or more micro-batches per step, got {self.grad_accum}")
+        if self.class_weights != "none" and self.sampler != "shuffle":
+            raise ConfigError(
+                "--class-weights balanced and --sampler balanced each correct the imbalance; together they "
+                "over-correct it: give one"
+            )
+
     @property
     def peak_lr(self) -> float:
-        """The linear scaling rule: lr is quoted per 256 images of global batch."""
-        return self.lr * self.batch_size / 256
+        """The linear scaling rule: lr is quoted per 256 images of a step's global batch (--batch-size
+        times --grad-accum's micro-batches)."""
+        return self.lr * self.batch_size * self.grad_accum / 256
 
     @property
     def run_dir(self) -> str:
