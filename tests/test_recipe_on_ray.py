@@ -57,6 +57,7 @@ def test_ema_early_stop_class_weights_and_accumulation_on_two_ranks(ray_cluster,
     stop = f"early stop: no better val_acc for 1 epochs (best {float(rows[0]['val_acc']):.4f} at epoch 1)"
     assert any(line.startswith(stop) for line in lines), lines
     assert all(0 <= float(r["val_acc_ema"]) <= 1 for r in rows)
+    assert any(f"val_acc_ema {float(rows[1]['val_acc_ema']):.4f}" in line for line in lines if "epoch   2/4" in line)
     config = json.loads((run_dir / "config.json").read_text())["config"]
     assert (config["model_ema"], config["grad_accum"], config["early_stop"]) == (0.9, 2, 1)
     (checkpoint,) = sorted(run_dir.glob("checkpoint_epoch_0002*/checkpoint.pt"))
