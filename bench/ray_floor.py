@@ -78,7 +78,7 @@ def main() -> dict:
 
 
 def parse(argv=None):
-    from training.config import FlagParser
+    from training.flags import FlagParser
 
     ap = FlagParser(prog="python -m bench.ray_floor", description=__doc__.split("\n")[0])
     ap.add_argument("--json", metavar="FILE", help="also write the figures to FILE as JSON")

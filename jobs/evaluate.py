@@ -13,7 +13,8 @@ from __future__ import annotations
 import sys
 
 from jobs.predict import add_inference_arguments, auto_actors, check_numbers
-from training.config import FlagParser, error_line
+from training.config import error_line
+from training.flags import FlagParser
 
 OUTPUTS = ("confusion.png", "per_class.csv", "predictions.csv")  # what an evaluation writes into --out
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from training.config import FlagParser, error_line
+from training.config import error_line
+from training.flags import FlagParser
 
 
 def add_inference_arguments(ap: argparse.ArgumentParser) -> None:

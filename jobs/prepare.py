@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import sys
 
-from training.config import FlagParser, error_line
+from training.config import error_line
+from training.flags import FlagParser
 
 
 def parse(argv=None):

@@ -13,7 +13,8 @@ import dataclasses
 import functools
 import sys
 
-from training.config import FlagParser, error_line
+from training.config import error_line
+from training.flags import FlagParser
 
 
 def parse(argv=None):

@@ -18,7 +18,8 @@ import threading
 
 from augment.errors import PresetError
 from training import console
-from training.config import ConfigError, FlagParser, add_arguments, error_line, parse_config
+from training.config import ConfigError, error_line
+from training.flags import FlagParser, add_arguments, parse_config
 from training.forms.data import DataError
 from training.inputs import prepare
 from training.session import connect, quiet_ray_env

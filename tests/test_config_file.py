@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from jobs.train import main, parser
-from training.config import ConfigError, TrainConfig, load_config_file, parse_config
+from training.config import ConfigError, TrainConfig
+from training.flags import load_config_file, parse_config
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -117,7 +117,9 @@ def test_run_directory_has_sane_contents(two_worker_run):
     (plan,) = [line for line in lines if line.startswith("plan: ")]
     # --preset auto, and why it chose cifar: the 32 px PNGs' headers
     assert plan.startswith("plan: preset cifar (--preset auto: thumbnails, typically 32 x 32 px); 2 train worker(s)")
-    assert plan.endswith("; at most 1024 images per augment call")
+    counts = two_worker_run[2].class_counts  # the training split's, which the plan line ends with
+    balance = f"classes: 5, largest {max(counts)} / smallest {min(counts)} images ({max(counts) / min(counts):.1f}x)"
+    assert plan.endswith(f"; at most 1024 images per augment call; {balance}")
 
     (row,) = _rows(run_dir / "metrics.csv")
     assert int(row["epoch"]) == 1 and {"val_top5", "val_loss", "lr", "train_loss"} <= set(row)

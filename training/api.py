@@ -20,8 +20,9 @@ import dataclasses
 import os
 import time
 
-from training.config import ConfigError, FlagParser, TrainConfig, add_arguments, error_line, parse_config
+from training.config import ConfigError, TrainConfig, error_line
 from training.epochs import EpochCallback
+from training.flags import FlagParser, add_arguments, parse_config
 from training.status import STOP
 
 __all__ = ["fit", "RunResult", "JobError", "STOP", "EpochCallback"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from training.forms.data import ImageTree
+from training.ingest import epoch_order
 from training.records import KEY_MOD, ShardRecord
 
 
@@ -58,6 +59,44 @@ def coverage(seen_per_epoch: list[list[ShardRecord]], tree: ImageTree, bad: dict
                 "as_expected": as_expected,
                 "repeated": rows - distinct,
                 "missing": missing,
+                "dropped_for_equal_split": len(ranks) - 1,
+                "per_rank": [r.count for r in ranks],
+            }
+        )
+    return out
+
+
+def sampled_coverage(seen_per_epoch: list[list[ShardRecord]], tree: ImageTree, bad: dict[str, str], seed: int):
+    """coverage's verdicts for --sampler balanced, whose epochs draw images with replacement: each
+    epoch is checked against its own draw (training/ingest.py epoch_order, replayed from the seed
+    and the labels), not against every image once. `as_expected`: the rows are the draw's (its
+    good images, repeats included) and the distinct images and their key sum are the draw's; None
+    where an equal split dropped a few rows (which ones the sums cannot tell)."""
+    good = good_images(tree.train, bad) % KEY_MOD
+    keys = tree.train.keys % KEY_MOD
+    out = []
+    for epoch, ranks in enumerate(seen_per_epoch, start=1):
+        drawn = keys[epoch_order(len(keys), seed, epoch - 1, np.asarray(tree.train.labels))]
+        drawn = drawn[np.isin(drawn, good)]
+        unique = np.unique(drawn)
+        rows, distinct = sum(r.count for r in ranks), sum(r.distinct for r in ranks)
+        short = (int(unique.sum() % KEY_MOD) - sum(r.key_sum for r in ranks)) % KEY_MOD
+        the_draw = rows == len(drawn) and distinct == len(unique) and short == 0
+        dropped = 0 < len(drawn) - rows < len(ranks)
+        out.append(
+            {
+                "epoch": epoch,
+                "sampled": True,  # drawn with replacement: not every image once, by design
+                "drawn": len(drawn),
+                "drawn_distinct": len(unique),
+                "expected": len(good),
+                "seen": rows,
+                "distinct": distinct,
+                "exactly_once": False,
+                "every_image": distinct == len(good),
+                "as_expected": True if the_draw else (None if dropped else False),
+                "repeated": rows - distinct,
+                "missing": max(0, len(unique) - distinct),
                 "dropped_for_equal_split": len(ranks) - 1,
                 "per_rank": [r.count for r in ranks],
             }

@@ -7,9 +7,7 @@ can never disagree. Quantities say whether they are global or per worker.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import difflib
 import math
 import os
 import re
@@ -30,6 +28,15 @@ def check_amp(amp: str, on_gpu: bool) -> None:
         raise ConfigError(
             "--amp fp16 on CPU: torch's float16 kernels there are many times slower than float32; "
             "use --amp bf16 (fast on CPUs with AVX512-BF16 or AMX) or --amp off"
+        )
+
+
+def check_sync_bn(sync_bn: bool, on_gpu: bool) -> None:
+    """SyncBatchNorm has no CPU kernel: --sync-bn on CPUs would fail in the first step."""
+    if sync_bn and not on_gpu:
+        raise ConfigError(
+            "--sync-bn: SyncBatchNorm runs on CUDA GPUs only and this run trains on CPUs; drop --sync-bn "
+            "(one CPU rank's BatchNorm is already the whole batch's)"
         )
 
 
@@ -259,6 +266,41 @@ class TrainConfig:
         "cosine-ramp, optionally :LEVEL (the far end, 0..1, default 0), e.g. cosine-decay:0.3",
     )
 
+    # fine-tuning and the recipe staples (issue 56; docs/guide.md, "Fine-tuning recipe")
+    freeze_epochs: int = _f(
+        0, "epochs at the start that train the head (the classifier layer) alone, the backbone frozen; 0 = none"
+    )
+    backbone_lr_scale: float = _f(
+        1.0, "the backbone's learning rate as a fraction of the head's (the schedule's), in (0, 1]; 1 = the same"
+    )
+    model_ema: float = _f(
+        0.0,
+        "keep an exponential moving average of the weights with this decay per optimiser step, e.g. 0.999; "
+        "validated each epoch (val_acc_ema) and saved as model_ema.pt; 0 = off",
+    )
+    grad_accum: int = _f(
+        1,
+        "micro-batches of --batch-size per optimiser step: the step's batch is --batch-size x N images (--lr "
+        "scales with it; the schedule counts optimiser steps)",
+    )
+    clip_grad_norm: float = _f(0.0, "clip the gradients' global L2 norm to this before each step; 0 = off")
+    sync_bn: bool = _f(False, "BatchNorm statistics synchronised across the DDP ranks (SyncBatchNorm); CUDA only")
+    early_stop: int = _f(
+        0, "stop after this many epochs without a better val_acc (model_best.pt keeps the best); 0 = off"
+    )
+    class_weights: str = _f(
+        "none",
+        "balanced: weight the loss per class by n / (classes x the class's training images) (sklearn's "
+        "'balanced'); none",
+        choices=("none", "balanced"),
+    )
+    sampler: str = _f(
+        "shuffle",
+        "shuffle: every training image once an epoch; balanced: each epoch draws as many images, with replacement, "
+        "each with probability inversely proportional to its class's count (image trees and manifests only)",
+        choices=("shuffle", "balanced"),
+    )
+
     def __post_init__(self):
         for field in dataclasses.fields(self):  # nan passes every comparison below, inf most
             value = getattr(self, field.name)
@@ -304,6 +346,7 @@ class TrainConfig:
                 f"--augment-gpus {self.augment_gpus:g} with --device cpu: augmenting on GPUs needs training on them; "
                 "drop --augment-gpus, or use --device cuda or auto"
             )
+        self.check_recipe()
         if self.quiet and self.verbose:
             raise ConfigError("--quiet and --verbose contradict each other; give one")
         if self.name:
@@ -314,10 +357,35 @@ class TrainConfig:
                 "needs at least one image per step"
             )
 
+    def check_recipe(self) -> None:
+        """The fine-tuning and recipe flags' ranges (one line each, before Ray)."""
+        for field in ("freeze_epochs", "early_stop", "clip_grad_norm"):
+            if getattr(self, field) < 0:
+                raise ConfigError(
+                    f"--{field.replace('_', '-')} must be 0 (off) or positive, got {getattr(self, field)}"
+                )
+        if self.freeze_epochs >= self.epochs:
+            raise ConfigError(
+                f"--freeze-epochs {self.freeze_epochs} leaves no epoch of --epochs {self.epochs} to train the whole "
+                "model; give fewer frozen epochs or more --epochs"
+            )
+        if not 0 < self.backbone_lr_scale <= 1:
+            raise ConfigError(f"--backbone-lr-scale must be in (0, 1], got {self.backbone_lr_scale}")
+        if not (self.model_ema == 0 or 0 < self.model_ema < 1):
+            raise ConfigError(f"--model-ema must be 0 (off) or a decay in (0, 1) such as 0.999, got {self.model_ema}")
+        if self.grad_accum < 1:
+            raise ConfigError(f"--grad-accum must be 1 or more micro-batches per step, got {self.grad_accum}")
+        if self.class_weights != "none" and self.sampler != "shuffle":
+            raise ConfigError(
+                "--class-weights balanced and --sampler balanced each correct the imbalance; together they "
+                "over-correct it: give one"
+            )
+
     @property
     def peak_lr(self) -> float:
-        """The linear scaling rule: lr is quoted per 256 images of global batch."""
-        return self.lr * self.batch_size / 256
+        """The linear scaling rule: lr is quoted per 256 images of a step's global batch (--batch-size
+        times --grad-accum's micro-batches)."""
+        return self.lr * self.batch_size * self.grad_accum / 256
 
     @property
     def run_dir(self) -> str:
@@ -343,142 +411,3 @@ def error_line(error) -> str:
         text = text[len("error: ") :]
     text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
     return f"error: {text}"
-
-
-class FlagParser(argparse.ArgumentParser):
-    """The entry points' parser: no abbreviations (argparse takes `--epoch 1` for `--epochs`, and
-    the abbreviation breaks when a flag that shares the prefix is added), and a mistake is one
-    line naming the closest valid flags instead of the whole usage."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, allow_abbrev=False, **kwargs)
-
-    def error(self, message: str):
-        hints = []
-        flags = [o for action in self._actions for o in action.option_strings if o.startswith("--")]
-        for word in re.findall(r"(--?[\w-]+)", message.split(":", 1)[-1]):
-            word = word.split("=")[0]
-            prefixed = [f for f in flags if f.startswith(word)]  # what an abbreviation would have meant
-            close = list(dict.fromkeys(prefixed + difflib.get_close_matches(word, flags, n=2, cutoff=0.75)))[:3]
-            if close and word not in flags:
-                hints.append(f"{word}: did you mean {' or '.join(close)}?")
-        hint = f" ({'; '.join(hints)})" if hints else ""
-        self.exit(2, f"error: {message}{hint}; see {self.prog} --help\n")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per TrainConfig field, help and default from the field."""
-    for field in dataclasses.fields(TrainConfig):
-        flag = "--" + field.name.replace("_", "-")
-        help_text = f"{field.metadata['help']} (default: {field.default})"
-        if field.type in ("bool", bool):  # --no-X turns off what a --config file turned on
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=field.default, help=field.metadata["help"]
-            )
-            continue
-        kind = {"int": int, "float": float}.get(field.type if isinstance(field.type, str) else field.type.__name__, str)
-        parser.add_argument(
-            flag, type=kind, default=field.default, choices=field.metadata.get("choices"), help=help_text
-        )
-
-
-def from_args(args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
-
-
-def _field_kind(field) -> type:
-    name = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "str")
-    return {"int": int, "float": float, "bool": bool}.get(name, str)
-
-
-def load_config_file(path: str) -> dict:
-    """A YAML (or JSON) file of TrainConfig fields -> {field: value}, checked like the flags.
-
-    Keys are field names, with `_` or `-` (`batch_size` or `batch-size`), each given once. Values
-    are read as written (training.userfiles: `name: 0123` stays "0123", `lr: 1e-3` is 0.001), with
-    no aliases, anchors or tags. Anything else is a ConfigError naming the file and the rule.
-    `path` may be a pipe (`--config <(...)`), read once.
-    """
-    from training import userfiles
-    from training.storage import decode_text
-
-    if "://" in path:
-        raise ConfigError(
-            f"--config {path}: read from local disk only, not object storage; copy the file to this machine and "
-            "give its path"
-        )
-    what = userfiles.what_is_at(path)
-    if what not in (None, "a pipe"):
-        raise ConfigError(
-            userfiles.refusal("--config", path, what, "a YAML file of settings such as configs/cifar-local.yaml")
-        )
-    try:
-        raw = userfiles.read_file(path)
-    except ValueError as e:  # a pipe that sent nothing
-        raise ConfigError(f"--config {path}: {e}") from None
-    except OSError as e:
-        raise ConfigError(f"--config {path}: cannot be read ({e.strerror or e})") from None
-    try:
-        text = decode_text(raw)
-    except ValueError as e:  # not UTF-8, nor UTF-16 with its byte order mark
-        raise ConfigError(f"--config {path}: {e}; save it as UTF-8") from None
-    try:
-        settings = userfiles.read_settings(text)  # JSON is YAML too
-    except userfiles.SettingsError as e:
-        raise ConfigError(f"--config {path}: {e}") from None
-    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    out = {}
-    for raw_key, value in (settings or {}).items():
-        key = raw_key.replace("-", "_")
-        if key not in fields:
-            raise ConfigError(
-                f"--config {path}: unknown key {userfiles.shown(raw_key)}; valid keys: {', '.join(sorted(fields))}"
-            )
-        if key in out:
-            raise ConfigError(f"--config {path}: {key} is given twice (as {raw_key} too); give each setting once")
-        out[key] = setting_value(fields[key], raw_key, value, f"--config {path}")
-    return out
-
-
-def setting_value(field, raw_key: str, value, where: str):
-    """A settings file's `value` (training.userfiles.Scalar, or what else it was) of `field`."""
-    from training import userfiles
-
-    if isinstance(value, str):  # a list or a mapping
-        raise ConfigError(f"{where}: {raw_key} must be one value, got {value}")
-    if userfiles.is_null(value) and field.default is None:
-        return None
-    kind = _field_kind(field)
-    if userfiles.is_null(value):
-        raise ConfigError(f"{where}: {raw_key} has no value; give {userfiles.RULES[kind]}, or leave the key out")
-    try:
-        out = userfiles.as_kind(kind, value)
-    except ValueError as e:
-        raise ConfigError(f"{where}: {raw_key} {e}") from None
-    choices = field.metadata.get("choices")
-    if choices and out not in choices:
-        raise ConfigError(f"{where}: {raw_key} must be one of {', '.join(choices)}; got {userfiles.shown(out)}")
-    return out
-
-
-def parse_config(parser: argparse.ArgumentParser, argv=None) -> tuple[TrainConfig, dict]:
-    """Flags on top of an optional --config file on top of the defaults.
-
-    The file's values become the parser's defaults, so any flag given on the command line
-    wins over the file. Returns the config and where each non-default setting came from
-    ({field: "file" | "flag"}), for printing. `parser` must have --config (a path or None).
-    """
-    first, _ = parser.parse_known_args(argv)
-    from_file = load_config_file(first.config) if first.config else {}
-    parser.set_defaults(**from_file)
-    args = parser.parse_args(argv)
-    cfg = from_args(args)
-    defaults = TrainConfig.__dataclass_fields__
-    sources = {}
-    for name, field in defaults.items():
-        value = getattr(cfg, name)
-        if name in from_file and value == from_file[name]:
-            sources[name] = "file"
-        elif value != field.default:
-            sources[name] = "flag"
-    return cfg, sources

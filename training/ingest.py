@@ -140,10 +140,16 @@ def _bad_schema():
     return pa.schema([("path", pa.string()), ("reason", pa.string())])
 
 
-def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
+def epoch_order(n: int, seed: int, epoch: int, labels: np.ndarray | None = None) -> np.ndarray:
     """The order of a split's units in one epoch: a permutation from the file-order stream of
-    (seed, epoch) (augment/streams.py: the same numbers on every machine)."""
-    return stream_rng("file_order", seed, epoch).permutation(n)
+    (seed, epoch) (augment/streams.py: the same numbers on every machine). With `labels` (--sampler
+    balanced): n draws with replacement from that stream, each file's chance inversely proportional
+    to its class's count; some files come twice, some not at all (training/audit.py knows)."""
+    rng = stream_rng("file_order", seed, epoch)
+    if labels is None:
+        return rng.permutation(n)
+    p = 1.0 / np.bincount(labels)[labels]
+    return rng.choice(n, size=n, replace=True, p=p / p.sum())
 
 
 class SplitSource(Datasource):
@@ -167,6 +173,7 @@ class SplitSource(Datasource):
         bad_log=None,
         relative_paths: bool = False,
         rows_per_task: int = ROWS_PER_TASK,
+        balanced: bool = False,
     ):
         super().__init__()
         self._sharded = split.grouped
@@ -183,6 +190,7 @@ class SplitSource(Datasource):
         if self._sharded:
             self._read |= dict(form=split.form, side=split.side)
         self._seed, self._shuffle, self._clock = seed, shuffle, clock
+        self._labels = np.asarray(split.labels) if balanced and not self._sharded else None  # --sampler balanced
         self._units_per_task, self._num_tasks = read_plan(split, rows_per_task)
 
     @property
@@ -201,7 +209,7 @@ class SplitSource(Datasource):
         ray_private.data_limits_from_the_start()  # this process is about to execute the dataset
         epoch = current_epoch(self._clock) if self._shuffle else 0
         units, shards = ray.get(self._units)
-        order = epoch_order(self._n, self._seed, epoch) if self._shuffle else np.arange(self._n)
+        order = epoch_order(self._n, self._seed, epoch, self._labels) if self._shuffle else np.arange(self._n)
         mean_bytes, per_task = self._bytes / max(1, self._rows), self._units_per_task
         tasks = []
         for start in range(0, self._n, per_task):
@@ -455,6 +463,7 @@ def build_datasets(cfg, tree, preset, plan, clock, bad_log=None, decode: DecodeP
             bad_log=bad_log,
             num_cpus=plan.augment_cpus,
             rows_per_task=rows,
+            balanced=train and cfg.sampler == "balanced",
         )
         args = StageArgs(
             preset,

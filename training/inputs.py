@@ -18,7 +18,7 @@ from augment.errors import PresetError
 from augment.presets import check_preset_name
 from augment.schedule import parse_resize, parse_schedule
 from training import artifacts, lease, storage, userfiles
-from training.config import ConfigError, TrainConfig, check_amp
+from training.config import ConfigError, TrainConfig, check_amp, check_sync_bn
 from training.forms.data import ImageTree
 from training.forms.formats import header_size, sample_sizes, scan_data
 from training.forms.parquet import read_manifest
@@ -155,6 +155,7 @@ def check_local_machine(cfg: TrainConfig) -> None:
     gpus = local_gpus()
     if cfg.device == "auto":
         check_amp(cfg.amp, on_gpu=gpus > 0)
+        check_sync_bn(cfg.sync_bn, on_gpu=gpus > 0)
     asked = [f"--device {cfg.device}"] if cfg.device == "cuda" else []
     asked += [f"--augment-gpus {cfg.augment_gpus:g}"] if cfg.augment_gpus else []
     if asked and not gpus and not cuda_devices():
@@ -231,6 +232,8 @@ def check_inputs(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree]:
         raise ConfigError(f"--progressive-resize: {e}") from None
     if cfg.device == "cpu":  # else the plan checks it, once it knows where training runs
         check_amp(cfg.amp, on_gpu=False)
+        check_sync_bn(cfg.sync_bn, on_gpu=False)
+    check_sampler(cfg, tree)
     if cfg.preset != "auto":
         check_preset_name(cfg.preset)
     parse_log_to(cfg.log_to)  # a tracker's library missing: said before Ray
@@ -247,6 +250,16 @@ def check_inputs(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree]:
     if cfg.init_weights:  # last: it imports torch and torchvision
         check_init_weights(cfg.init_weights, cfg.model)
     return cfg, tree
+
+
+def check_sampler(cfg: TrainConfig, tree: ImageTree) -> None:
+    """--sampler balanced draws files: a sharded split is read in whole row groups or runs of tar
+    members, whose images cannot be drawn one by one."""
+    if cfg.sampler == "balanced" and tree.train.grouped:
+        raise ConfigError(
+            f"--sampler balanced: {tree.root} is read in shards, whose images cannot be drawn one by one; use "
+            "--class-weights balanced instead (the same correction, in the loss)"
+        )
 
 
 def prepared_val_fraction(cfg: TrainConfig, root: str) -> TrainConfig:
@@ -305,6 +318,13 @@ SAME_RUN_SETTINGS = (
     "label_smoothing",
     "seed",
     "deterministic",
+    "freeze_epochs",
+    "backbone_lr_scale",
+    "model_ema",
+    "grad_accum",
+    "clip_grad_norm",
+    "class_weights",
+    "sampler",
 )
 
 

@@ -26,7 +26,7 @@ from augment.presets import Preset
 from augment.schedule import parse_resize
 from training import artifacts, lease, ray_private
 from training.bounds import DataSlots
-from training.config import ConfigError, TrainConfig
+from training.config import ConfigError, TrainConfig, check_sync_bn
 from training.console import ConsoleFollower, data_gone
 from training.epochs import EpochFollower
 from training.faults import (
@@ -138,6 +138,8 @@ def _run(cfg, tree, preset, log, start, own_cluster, stall, bar_stream, callback
     plan = plan_resources(cfg, capacity)
     if capacity.note():
         log(f"note: {capacity.note()}")
+    if cfg.sync_bn and not plan.use_gpu:  # a cluster's: a local run's is refused before Ray (inputs.py)
+        check_sync_bn(cfg.sync_bn, on_gpu=False)
     if cfg.batch_size < plan.num_workers:
         raise ConfigError(f"--batch-size {cfg.batch_size} is smaller than the {plan.num_workers} workers; raise it")
     decode = choose_decode(cfg.decode, tree.train, preset.train, plan.use_gpu, cfg.gpu_decoder)
@@ -149,7 +151,7 @@ def _run(cfg, tree, preset, log, start, own_cluster, stall, bar_stream, callback
     chosen = f" (--preset auto: {auto_preset(tree)[1]})" if cfg.preset == "auto" else ""
     log(
         f"plan: preset {preset.name}{chosen}; {plan.describe()}; {decode.describe()}; "
-        f"at most {rows} images per augment call"
+        f"at most {rows} images per augment call; {tree.imbalance()}{balancing(cfg)}"
     )
     # with the driver: a lost node cannot take them (training/faults.py)
     actors = {
@@ -190,6 +192,15 @@ def _run(cfg, tree, preset, log, start, own_cluster, stall, bar_stream, callback
         if tracking:
             tracking.finish([artifacts.join(run_dir, f) for f in TRACKED_FILES] if ok else [], ok=ok)
     return summary
+
+
+def balancing(cfg: TrainConfig) -> str:
+    """What corrects the imbalance the plan line shows, if anything."""
+    if cfg.class_weights == "balanced":
+        return " (--class-weights balanced: the loss weighs each class by n / (classes x its count))"
+    if cfg.sampler == "balanced":
+        return " (--sampler balanced: each epoch draws the classes about equally)"
+    return ""
 
 
 def write_config(run_dir: str, attempt: "Attempt", plan: ResourcePlan, rows: int) -> None:
@@ -250,6 +261,7 @@ class Attempt:
             clock=self.actors["clock"],
             status=self.actors["status"],
             follow_epochs=bool(self.callbacks),
+            class_counts=self.tree.class_counts,
         )
 
     def trainer(self, plan: ResourcePlan, datasets: dict):
@@ -324,7 +336,8 @@ def _fit(
     after a fault, say so in one line and run it again from the last checkpoint, on a plan made
     again, with datasets built for it where it changed (training/faults.py). Returns the last
     checkpoint's records (training/records.py) and model weights, the best epoch's ({"model",
-    "epoch", "val_acc"}), the files that failed to decode, and the faults survived."""
+    "epoch", "val_acc"}, and "ema": the last checkpoint's EMA weights, None without --model-ema),
+    the files that failed to decode, and the faults survived."""
     cfg, status = attempt.cfg, attempt.actors["status"]
     run_dir = cfg.run_dir
     faults = FaultLog(run_dir, cfg.max_failures)
@@ -359,14 +372,16 @@ def _fit(
         report_bad_files(attempt.actors["bad_log"], run_dir, log)
     if result.checkpoint is None:
         raise TrainingFailed("training ended without a checkpoint")
-    run, model = _load(result.checkpoint)
+    run, last = _load(result.checkpoint)
+    model = last["model"]
     damaged = set(run.passed_over)
     complete = [
         (c, m) for c, m in result.best_checkpoints or [] if c.path.rstrip("/").rsplit("/", 1)[-1] not in damaged
     ]
     best_checkpoint, best = max(complete or [(result.checkpoint, {})], key=_val_acc)
-    best_model = model if best_checkpoint.path == result.checkpoint.path else _load(best_checkpoint)[1]
+    best_model = model if best_checkpoint.path == result.checkpoint.path else _load(best_checkpoint)[1]["model"]
     best = {"model": best_model, "epoch": best.get("epoch", run.last_epoch + 1), "val_acc": best.get("val_acc")}
+    best["ema"] = last.get("ema")  # --model-ema: the last epoch's average (model_ema.pt)
     return run, model, best, ray.get(attempt.actors["bad_log"].get.remote()), faults.records()
 
 
@@ -375,13 +390,13 @@ def _val_acc(checkpoint_and_metrics) -> float:
 
 
 def _load(checkpoint) -> tuple[RunRecord, dict]:
-    """A checkpoint's records and model weights (the worker wrote them: training/worker/loop.py report)."""
+    """A checkpoint's records and learner state (the worker wrote them: training/worker/loop.py report)."""
     with checkpoint.as_directory() as d:
         try:
             state = load_checkpoint(d, map_location="cpu")
         except DamagedCheckpoint as e:
             raise TrainingFailed(f"training failed: the checkpoint {checkpoint.path} is damaged ({e})") from None
-    return RunRecord.from_state(state["records"]), state["learner"]["model"]
+    return RunRecord.from_state(state["records"]), state["learner"]
 
 
 def _attempt(trainer, status, run_dir: str):

@@ -13,7 +13,7 @@ import torch
 from augment.decode import DECODE_PLACES
 from augment.presets import Preset
 from training import artifacts, plots
-from training.audit import coverage, fingerprints, good_images
+from training.audit import coverage, fingerprints, good_images, sampled_coverage
 from training.bounds import steady_verdict
 from training.config import TrainConfig
 from training.forms.data import ImageTree
@@ -36,13 +36,16 @@ def write_results(
     cfg, tree, preset, plan, run: RunRecord, model: dict, bad: dict, *, start: float, log, faults=(), best=None
 ) -> dict:
     """model.pt (`model`: the last epoch's weights), model_best.pt (the best validation accuracy's:
-    `best`, from _fit; the last epoch's where None), the plots, TensorBoard files and summary.json
+    `best`, from _fit; the last epoch's where None), model_ema.pt (best["ema"], with --model-ema),
+    the plots, TensorBoard files and summary.json
     from the last checkpoint's records; `faults`: FaultLog.records() of the faults this invocation
     survived."""
     run_dir = cfg.run_dir
     best = best or {"model": model, "epoch": run.last_epoch + 1, "val_acc": run.history[-1]["val_acc"]}
     artifacts.write_bytes(artifacts.join(run_dir, "model.pt"), model_bytes(model, tree, preset, cfg))
     artifacts.write_bytes(artifacts.join(run_dir, "model_best.pt"), model_bytes(best["model"], tree, preset, cfg))
+    if best.get("ema") is not None:  # --model-ema: the weights' average, in model.pt's format
+        artifacts.write_bytes(artifacts.join(run_dir, "model_ema.pt"), model_bytes(best["ema"], tree, preset, cfg))
     artifacts.write_bytes(artifacts.join(run_dir, "curves.png"), plots.curves_png(run.history))
     confusion = plots.confusion_png(run.epochs[-1].confusion, list(tree.class_names))
     artifacts.write_bytes(artifacts.join(run_dir, "confusion.png"), confusion)
@@ -52,9 +55,12 @@ def write_results(
         # tensorboardX writes the files without TensorBoard itself, which has the viewer
         viewer = "" if shutil.which("tensorboard") else "pip install tensorboard, then "
         log(f"tensorboard: {viewer}tensorboard --logdir {logdir}")
-    summary = summarize(run, start, plan, tree, bad) | {"faults": list(faults), "best_epoch": best["epoch"]}
+    sampled = cfg.seed if cfg.sampler == "balanced" else None
+    summary = summarize(run, start, plan, tree, bad, sampled) | {"faults": list(faults), "best_epoch": best["epoch"]}
     for c in summary["coverage"]:
-        if c["as_expected"] is False:
+        if c["as_expected"] is False and c.get("sampled"):
+            log(f"warning: epoch {c['epoch']} trained on {c['seen']} rows, its balanced draw held {c['drawn']}")
+        elif c["as_expected"] is False:
             log(
                 f"warning: epoch {c['epoch']} trained on {c['seen']} rows of {c['distinct']} distinct images, "
                 f"expected each of {c['expected']} once ({c['repeated']} repeated, {c['missing']} missing)"
@@ -111,7 +117,11 @@ def write_bad_files(run_dir: str, bad: dict[str, str]) -> None:
     )
 
 
-def summarize(run: RunRecord, start: float, plan: ResourcePlan, tree: ImageTree, bad: dict[str, str]) -> dict:
+def summarize(
+    run: RunRecord, start: float, plan: ResourcePlan, tree: ImageTree, bad: dict[str, str], sampled=None
+) -> dict:
+    """summary.json's figures; `sampled`: the seed of a --sampler balanced run (its coverage is
+    checked against each epoch's draw)."""
     history, timings = run.history, run.timings
     last = history[-1]
     steady = timings[1:] or timings  # skip the first epoch (actor start-up) when there is more than one
@@ -149,7 +159,9 @@ def summarize(run: RunRecord, start: float, plan: ResourcePlan, tree: ImageTree,
             name: round(row[i] / sum(row), 6) if sum(row) else None
             for i, (name, row) in enumerate(zip(tree.class_names, confusion, strict=True))
         },
-        "coverage": coverage(run.seen, tree, bad),
+        "coverage": coverage(run.seen, tree, bad)
+        if sampled is None
+        else sampled_coverage(run.seen, tree, bad, sampled),
         "fingerprints": fingerprints(run.seen),
         "bad_files": len(bad),
         "resumed_at_epochs": run.resumed_at_epochs,

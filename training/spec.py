@@ -77,6 +77,7 @@ class WorkerSpec:
     clock: Any  # the EpochClock actor (training/stage.py): rank 0 advances it before each epoch
     status: Any  # the RunStatus actor (training/status.py): progress and lines go to the driver through it
     follow_epochs: bool = False  # the driver has epoch callbacks (training/epochs.py): wait for its verdict
+    class_counts: tuple[int, ...] = ()  # the training split's images per class: --class-weights balanced's weights
 
     @property
     def num_classes(self) -> int:

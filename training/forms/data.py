@@ -221,6 +221,20 @@ class ImageTree:
     def num_classes(self) -> int:
         return len(self.class_names)
 
+    @property
+    def class_counts(self) -> tuple[int, ...]:
+        """The training split's images per class, in class order."""
+        labels = self.train.labels
+        return tuple(int(c) for c in np.bincount(labels[labels >= 0], minlength=self.num_classes))
+
+    def imbalance(self) -> str:
+        """The training split's class balance, as the plan line shows it."""
+        counts = [c for c in self.class_counts if c]
+        if not counts:
+            return f"classes: {self.num_classes}, no training images"
+        ratio = max(counts) / min(counts)
+        return f"classes: {self.num_classes}, largest {max(counts)} / smallest {min(counts)} images ({ratio:.1f}x)"
+
     def describe(self) -> str:
         size = f", typically {self.typical_size[0]} x {self.typical_size[1]} px" if self.typical_size else ""
         empty = self.num_classes - len(np.unique(self.train.labels))  # a ClassLabel's names may outnumber them

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import math
 import random
+from collections.abc import Callable
 
 import numpy as np
 import ray.train
@@ -28,22 +30,18 @@ from training.config import TrainConfig
 from training.model import build_model, load_init_weights, uses_small_stem
 from training.spec import WorkerSpec
 from training.status import say
+from training.worker.recipe import build_ema, class_weights, head_parameters, param_groups, sync_batchnorm
 
 
 class CheckpointMismatch(RuntimeError):
     """The run's last checkpoint does not fit this version or these settings."""
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on conv/linear weights only: decaying BatchNorm scales and biases hurts."""
-    decay, no_decay = [], []
-    for p in model.parameters():
-        (decay if p.ndim > 1 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
 def build_optimizer(cfg: TrainConfig, model) -> torch.optim.Optimizer:
-    groups = param_groups(model, cfg.weight_decay)
+    """SGD or AdamW over recipe.param_groups: each group at its `lr_scale` of the peak."""
+    groups = param_groups(model, cfg.weight_decay, cfg.backbone_lr_scale)
+    for group in groups:
+        group["lr"] = cfg.peak_lr * group["lr_scale"]
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.peak_lr)
     return torch.optim.SGD(groups, lr=cfg.peak_lr, momentum=cfg.momentum, nesterov=True)
@@ -57,7 +55,10 @@ def build_scheduler(cfg: TrainConfig, optimizer, steps_per_epoch: int):
     lr = torch.optim.lr_scheduler
     if cfg.schedule == "onecycle":
         scheduler = lr.OneCycleLR(
-            optimizer, max_lr=cfg.peak_lr, total_steps=total + 1, pct_start=min(0.5, max(warmup / total, 0.01))
+            optimizer,
+            max_lr=[cfg.peak_lr * g.get("lr_scale", 1.0) for g in optimizer.param_groups],
+            total_steps=total + 1,
+            pct_start=min(0.5, max(warmup / total, 0.01)),
         )
     else:
         warmup = max(1, min(warmup, total))
@@ -149,12 +150,20 @@ class Learner:
     scaler: torch.amp.GradScaler
     normalize: torch.nn.Module  # uint8 (B, H, W, 3) -> float (B, 3, H, W) channels_last, on the device
     mix: MixUpCutMix | None = None
+    ema: torch.optim.swa_utils.AveragedModel | None = None  # --model-ema: the weights' moving average
+    class_weight: torch.Tensor | None = None  # --class-weights balanced: (classes,) float32 on the device
+    rewrap: Callable | None = None  # the plain module -> what steps call (DDP), again after a freeze changes
+    frozen: bool = False  # the backbone's parameters take no gradient (--freeze-epochs)
+    pending: int = 0  # micro-batches backpropagated since the last optimiser step (--grad-accum)
 
     @classmethod
-    def on_cpu(cls, cfg: TrainConfig, model: torch.nn.Module, steps_per_epoch: int) -> Learner:
+    def on_cpu(
+        cls, cfg: TrainConfig, model: torch.nn.Module, steps_per_epoch: int, class_counts: tuple = ()
+    ) -> Learner:
         """A single-process CPU learner (no DDP, a mid-grey Normalize): for tests and benchmarks
-        that run steps outside Ray Train."""
+        that run steps outside Ray Train; `steps_per_epoch`: optimiser steps."""
         optimizer = build_optimizer(cfg, model)
+        weight = class_weights(class_counts) if cfg.class_weights == "balanced" else None
         return cls(
             cfg=cfg,
             device=torch.device("cpu"),
@@ -164,7 +173,63 @@ class Learner:
             scheduler=build_scheduler(cfg, optimizer, steps_per_epoch),
             scaler=torch.amp.GradScaler("cpu", enabled=False),
             normalize=Normalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25)),
+            ema=build_ema(model, cfg.model_ema),
+            class_weight=torch.tensor(weight, dtype=torch.float32) if weight else None,
         )
+
+    # ----------------------------------------------------------------------- the recipe's step
+
+    def freeze_backbone(self, frozen: bool) -> None:
+        """Every parameter but the head's (recipe.head_parameters) takes no gradient while `frozen`
+        (the optimiser then skips them: their grad stays None). DDP registers the parameters that
+        take gradients when it wraps a model, so a change wraps the plain module again (every rank
+        at the same epoch). BatchNorm's running statistics still follow the batches."""
+        if frozen == self.frozen:
+            return
+        head = {id(p) for p in head_parameters(self.bare)}
+        for p in self.bare.parameters():
+            p.requires_grad_(not frozen or id(p) in head)
+        self.frozen = frozen
+        if self.rewrap is not None:
+            self.model = self.rewrap(self.bare)
+
+    def closes_step(self, last: bool) -> bool:
+        """Counts a micro-batch in; True where it is the last of a group of --grad-accum (or of
+        the epoch: `last`), whose backward the optimiser step follows."""
+        self.pending += 1
+        return last or self.pending >= self.cfg.grad_accum
+
+    def grad_sync(self, closing: bool):
+        """DDP's no_sync on a micro-batch that does not close a step: its gradients add up locally,
+        and the closing one's backward reduces the sum over the ranks once."""
+        if closing or not hasattr(self.model, "no_sync"):
+            return contextlib.nullcontext()
+        return self.model.no_sync()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Each micro-batch's loss counts 1 / --grad-accum of the step's (a mean over all its images)."""
+        self.scaler.scale(loss / self.cfg.grad_accum).backward()
+
+    def step(self) -> None:
+        """The optimiser step on the gradients summed since the last: a group cut short by the
+        epoch's end is scaled to its own mean, the norm clipped (--clip-grad-norm, after unscaling
+        fp16's), then the schedule moves and the EMA follows the new weights."""
+        short, clip = self.pending < self.cfg.grad_accum, self.cfg.clip_grad_norm
+        if short or clip:
+            self.scaler.unscale_(self.optimizer)
+        params = [p for p in self.bare.parameters() if p.grad is not None]
+        if short:
+            for p in params:
+                p.grad.mul_(self.cfg.grad_accum / self.pending)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.pending = 0
+        if self.ema is not None:
+            self.ema.update_parameters(self.bare)
 
     def reschedule(self, steps_done: int) -> None:
         """The schedule for --epochs as set now, moved on by the steps already taken (the optimizer's
@@ -173,7 +238,7 @@ class Learner:
 
         steps_per_epoch = self.scheduler.steps_per_epoch
         for group in self.optimizer.param_groups:  # a new schedule starts from the peak it scales
-            group["lr"] = self.cfg.peak_lr
+            group["lr"] = self.cfg.peak_lr * group.get("lr_scale", 1.0)
             group.pop("initial_lr", None)
         self.scheduler = build_scheduler(self.cfg, self.optimizer, steps_per_epoch)
         with warnings.catch_warnings():  # steps before any optimizer.step: torch warns of the order
@@ -195,11 +260,13 @@ class Learner:
         return torch.autocast(self.device.type, dtype=torch.bfloat16 if self.cfg.amp == "bf16" else torch.float16)
 
     def state_dict(self) -> dict:
+        ema = {"ema": self.ema.module.state_dict(), "ema_updates": int(self.ema.n_averaged)} if self.ema else {}
         return {
             "model": self.bare.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
+            **ema,  # the EMA's module state, as model.pt's (results write it as model_ema.pt)
         }
 
     def load_state_dict(self, state: dict, schedule_epochs: int | None = None) -> None:
@@ -216,6 +283,9 @@ class Learner:
             else:
                 self.reschedule(state["scheduler"]["last_epoch"])
             self.scaler.load_state_dict(state["scaler"])
+            if self.ema is not None:
+                self.ema.module.load_state_dict(state["ema"])
+                self.ema.n_averaged.fill_(state["ema_updates"])
         except (KeyError, ValueError, RuntimeError) as e:  # another model, optimizer or schedule
             raise CheckpointMismatch(
                 f"the last checkpoint of --name {self.cfg.name} was written by another version or other settings "
@@ -236,23 +306,34 @@ def build_learner(spec: WorkerSpec, world: int, device: torch.device) -> tuple[L
             fresh = ", ".join(sorted({k.rsplit(".", 1)[0] for k in skipped}))
             say(spec.status, f"init weights from {cfg.init_weights}; fresh: {fresh}")
     init_digest = params_digest(model)
-    model = ray.train.torch.prepare_model(model)
-    if cfg.compile:
-        model = torch.compile(model)
+    model = sync_batchnorm(model, cfg.sync_bn and world > 1 and device.type == "cuda")
+    wrap = functools.partial(wrap_model, compiled=cfg.compile)
+    model = wrap(model)
     bare = model.module if hasattr(model, "module") else model
     bare = getattr(bare, "_orig_mod", bare)
     optimizer = build_optimizer(cfg, model)
-    per_worker = spec.batch_per_worker
+    micro = max(1, math.ceil(spec.train_images / world / spec.batch_per_worker))  # micro-batches an epoch
     mix = spec.preset.mix
+    weight = class_weights(spec.class_counts) if cfg.class_weights == "balanced" else None
     learner = Learner(
         cfg=cfg,
         device=device,
         model=model,
         bare=bare,
         optimizer=optimizer,
-        scheduler=build_scheduler(cfg, optimizer, max(1, math.ceil(spec.train_images / world / per_worker))),
+        scheduler=build_scheduler(cfg, optimizer, max(1, math.ceil(micro / cfg.grad_accum))),  # optimiser steps
         scaler=torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16"),
         normalize=Normalize(spec.preset.mean, spec.preset.std).to(device),
         mix=MixUpCutMix(num_classes=num_classes, **({"label_smoothing": cfg.label_smoothing} | mix)) if mix else None,
+        ema=build_ema(bare, cfg.model_ema),
+        class_weight=torch.tensor(weight, dtype=torch.float32, device=device) if weight else None,
+        rewrap=wrap if world > 1 else None,  # one rank: the plain (or compiled) module sees the change itself
     )
     return learner, init_digest
+
+
+def wrap_model(model: torch.nn.Module, *, compiled: bool) -> torch.nn.Module:
+    """What steps call: Ray Train's DDP wrapper (on the device; none for one rank), compiled
+    where --compile says."""
+    model = ray.train.torch.prepare_model(model)
+    return torch.compile(model) if compiled else model

@@ -48,40 +48,47 @@ from training.worker.learner import (
     seed_rank,
     set_rng_state,
 )
+from training.worker.recipe import early_stop_line
 from training.worker.report import DamagedCheckpoint, epoch_record, inner_rate, load_checkpoint, report, write_records
 
 # --------------------------------------------------------------------------- a step, an epoch
 
 
-def train_step(learner: Learner, batch: dict, *, epoch: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step on one batch; returns the loss and the logits (still on the device)."""
+def train_step(
+    learner: Learner, batch: dict, *, epoch: int, step: int, rank: int, last: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch's forward and backward, and the optimizer step where it closes a group of
+    --grad-accum (or is the epoch's `last`); returns the loss and the logits (still on the device)."""
     cfg = learner.cfg
     x, y = learner.normalize(batch[IMAGE], learner.input_dtype), batch[LABEL]
     target, smoothing = y, cfg.label_smoothing
     if learner.mix is not None:  # soft targets, replayable from (seed, epoch, step, rank)
         x, target = learner.mix(x, y, mix_generator(cfg.seed, epoch, step, rank))
         smoothing = 0.0  # already folded into the soft targets
-    with learner.autocast():
-        logits = learner.model(x)
-        loss = F.cross_entropy(logits, target, label_smoothing=smoothing)
-    learner.optimizer.zero_grad(set_to_none=True)
-    learner.scaler.scale(loss).backward()
-    learner.scaler.step(learner.optimizer)
-    learner.scaler.update()
-    learner.scheduler.step()
+    closing = learner.closes_step(last)
+    with learner.grad_sync(closing):  # DDP reduces the gradients of a closing micro-batch only
+        with learner.autocast():
+            logits = learner.model(x)
+            loss = F.cross_entropy(logits, target, weight=learner.class_weight, label_smoothing=smoothing)
+        learner.backward(loss)
+    if closing:
+        learner.step()
     return loss, logits
 
 
 def train_epoch(learner: Learner, batches, *, epoch: int, rank: int, bar=None) -> dict:
     """One pass over this rank's shard (torchvision's train_one_epoch); loss and accuracy summed
-    over ranks. Fails (StaleBatch) if any batch was augmented for another epoch."""
+    over ranks. Fails (StaleBatch) if any batch was augmented for another epoch. The backbone is
+    frozen for the first --freeze-epochs (the epoch decides: a resumed run freezes alike)."""
+    learner.freeze_backbone(epoch < learner.cfg.freeze_epochs)
     learner.model.train()
     meter = EpochMeter(learner.device, epoch)
-    for batch in meter.timed(batches):
+    ahead = learner.cfg.grad_accum > 1  # then each batch must know whether it is the epoch's last
+    for batch, last in with_last(meter.timed(batches), ahead):
         if meter.steps == 0:
             check_stamp(batch[EPOCH], epoch)
         meter.begin_step()
-        loss, logits = train_step(learner, batch, epoch=epoch, step=meter.steps, rank=rank)
+        loss, logits = train_step(learner, batch, epoch=epoch, step=meter.steps, rank=rank, last=last)
         meter.update(batch, loss, logits)
         trace.after_step(learner.device, rank)  # RGA_TRACE: the GPU kit's trace of a few steps
         if bar is not None:
@@ -89,33 +96,69 @@ def train_epoch(learner: Learner, batches, *, epoch: int, rank: int, bar=None) -
     return meter.summary()
 
 
+def with_last(items, ahead: bool = True):
+    """(item, whether it is the last), one item read ahead; without `ahead`, (item, False)."""
+    if not ahead:
+        yield from ((item, False) for item in items)
+        return
+    it = iter(items)
+    held = next(it, None)
+    while held is not None:
+        ahead = next(it, None)
+        yield held, ahead is None
+        held = ahead
+
+
 @torch.no_grad()
 def evaluate(learner: Learner, batches, num_classes: int) -> dict:
     """Deterministic validation over this rank's shard (torchvision's evaluate); loss, top-1,
-    top-5 and the confusion matrix summed over ranks (every validation image is scored once)."""
-    model, device = learner.bare, learner.device  # the bare module: no DDP collectives per batch
-    model.eval()
-    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-    top5 = torch.zeros((), device=device, dtype=torch.float64)
-    confusion = torch.zeros(num_classes * num_classes, device=device, dtype=torch.float64)
+    top-5 and the confusion matrix summed over ranks (every validation image is scored once).
+    With --model-ema, the EMA's weights are scored on the same batches too (val_loss_ema, val_acc_ema)."""
+    models = {"": learner.bare}  # the bare module: no DDP collectives per batch
+    if learner.ema is not None:
+        models["_ema"] = learner.ema.module
+    scores = {tag: Scores(learner.device, num_classes) for tag in models}
+    for model in models.values():
+        model.eval()
     for batch in batches:
-        logits = model(learner.normalize(batch[IMAGE])).float()
-        y = batch[LABEL]
-        loss_sum += F.cross_entropy(logits, y, reduction="sum").double()
-        k = min(5, num_classes)
-        top5 += (logits.topk(k, dim=1).indices == y[:, None]).any(1).sum()
-        confusion += torch.bincount(y * num_classes + logits.argmax(1), minlength=num_classes**2).double()
-    packed = all_reduce(torch.cat([loss_sum[None], top5[None], confusion])).cpu()
-    confusion = packed[2:].view(num_classes, num_classes).long()  # rows: true class, cols: predicted
-    n = int(confusion.sum())
-    out = {
-        "val_loss": float(packed[0]) / n if n else float("nan"),
-        "val_acc": float(confusion.diag().sum()) / n if n else float("nan"),
-        "confusion": confusion.tolist(),
-    }
-    if num_classes >= 5:
-        out["val_top5"] = float(packed[1]) / n if n else float("nan")
+        x = learner.normalize(batch[IMAGE])
+        for tag, model in models.items():
+            scores[tag].add(model(x).float(), batch[LABEL])
+    out = scores[""].summary()
+    if "_ema" in scores:
+        ema = scores["_ema"].summary()
+        out |= {"val_loss_ema": ema["val_loss"], "val_acc_ema": ema["val_acc"]}
     return out
+
+
+class Scores:
+    """One model's validation sums on the device: the loss, the top-5 hits, the confusion matrix."""
+
+    def __init__(self, device: torch.device, num_classes: int):
+        self.num_classes = num_classes
+        self.loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+        self.top5 = torch.zeros((), device=device, dtype=torch.float64)
+        self.confusion = torch.zeros(num_classes * num_classes, device=device, dtype=torch.float64)
+
+    def add(self, logits: torch.Tensor, y: torch.Tensor) -> None:
+        k = self.num_classes
+        self.loss_sum += F.cross_entropy(logits, y, reduction="sum").double()
+        self.top5 += (logits.topk(min(5, k), dim=1).indices == y[:, None]).any(1).sum()
+        self.confusion += torch.bincount(y * k + logits.argmax(1), minlength=k**2).double()
+
+    def summary(self) -> dict:
+        """The figures over all ranks (a collective: every rank calls it)."""
+        packed = all_reduce(torch.cat([self.loss_sum[None], self.top5[None], self.confusion])).cpu()
+        confusion = packed[2:].view(self.num_classes, self.num_classes).long()  # rows: true class, cols: predicted
+        n = int(confusion.sum())
+        out = {
+            "val_loss": float(packed[0]) / n if n else float("nan"),
+            "val_acc": float(confusion.diag().sum()) / n if n else float("nan"),
+            "confusion": confusion.tolist(),
+        }
+        if self.num_classes >= 5:
+            out["val_top5"] = float(packed[1]) / n if n else float("nan")
+        return out
 
 
 # --------------------------------------------------------------------------- an epoch's bookkeeping
@@ -290,7 +333,9 @@ def train_loop(config: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = setup_worker(cfg, spec.threads_per_worker)
     run, learner_state, resumed_from, passed_over = restore(cfg, device)
-    first, last = run.last_epoch + 1, last_epoch(cfg, run.last_epoch + 1)
+    stopped = early_stop_line(run.history, cfg.early_stop)  # a run resumed after its early stop stays stopped
+    first = run.last_epoch + 1
+    last = first if stopped else last_epoch(cfg, first)
     data = EpochData(spec, rank, device)
     feed = data.feed(first) if first < last else None  # the first batch is on its way while the model builds
     learner, init_digest = build_learner(spec, world, device)
@@ -307,6 +352,8 @@ def train_loop(config: dict) -> None:
         spec.status.checkpointed.remote(resumed_from)  # what a stop before the next checkpoint resumes from
     run.resumed_at_epochs += [first + 1] if resumed_from else []
     steps = step_log(spec, learner, first) if rank == 0 else None  # --log-every: rank 0's figures for the trackers
+    if stopped and rank == 0:
+        say(spec.status, stopped)
     for epoch in range(first, last):
         bar = EpochProgress(spec.status.post.remote, rank=rank, epoch=epoch, steps=steps)  # every rank
         with feed or data.feed(epoch) as batches:  # the feed's thread stops with the epoch, however it ends
@@ -324,6 +371,11 @@ def train_loop(config: dict) -> None:
         if spec.follow_epochs and driver_verdict(spec.status, run.epochs[-1], rank=rank) == STOP:
             if rank == 0:
                 say(spec.status, f"stopped after epoch {epoch + 1} by an epoch callback")
+            break
+        stopped = early_stop_line(run.history, cfg.early_stop)  # the reduced metrics: every rank stops alike
+        if stopped:
+            if rank == 0:
+                say(spec.status, stopped)
             break
 
 

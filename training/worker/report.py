@@ -179,8 +179,9 @@ def file_digest(path: str) -> str:
 def format_row(row: dict, epochs: int, show_size: bool = False) -> str:
     """An epoch's line, less the verdict on what bounded it."""
     size = f"  {row['image_size']}px" if show_size else ""
+    ema = f"  val_acc_ema {row['val_acc_ema']:.4f}" if "val_acc_ema" in row else ""  # --model-ema
     return (
         f"epoch {row['epoch']:>3}/{epochs}{size}  loss {row['train_loss']:.4f}  acc {row['train_acc']:.4f}  "
-        f"val_loss {row['val_loss']:.4f}  val_acc {row['val_acc']:.4f}  "
+        f"val_loss {row['val_loss']:.4f}  val_acc {row['val_acc']:.4f}{ema}  "
         f"{row['images_per_s']:.0f} img/s  waiting for data {100 * row['data_wait_frac']:.0f}%"
     )
