@@ -14,6 +14,7 @@ missing library), one line on stderr. docs/guide.md, "Export".
 
 from __future__ import annotations
 
+import os
 import sys
 
 from training.config import FlagParser, error_line
@@ -44,13 +45,13 @@ def check_out(out: str, model: str, overwrite: bool) -> None:
     storage.check_writable(storage.parent(out), "--out")
     if artifacts.is_dir(out):
         raise storage.StorageError(f"--out {out.rstrip('/')}: a folder; give a file to write, e.g. {out}/model.onnx")
-    if out == model:
+    if out == model or not storage.is_uri(out) and os.path.realpath(out) == os.path.realpath(model):
         raise storage.StorageError(f"--out {out}: the --model file itself; give another --out")
     there = [p for p in (out, out + ".json") if artifacts.exists(p)]
     if there and not overwrite:
         raise storage.StorageError(
-            f"--out {out}: {' and '.join(there)} exist(s) already; nothing was written; give another --out, or "
-            "--overwrite to replace them"
+            f"--out {out}: {' and '.join(there)} exist{'s' if len(there) == 1 else ''} already; nothing was "
+            "written; give another --out, or --overwrite to replace them"
         )
 
 

@@ -213,3 +213,42 @@ def test_jobs_formats_are_the_librarys():
     from training import export
 
     assert job.FORMATS == export.FORMATS
+
+
+def guide_examples() -> dict[str, str]:
+    """docs/guide.md's "Export" examples: {"onnxruntime": code, "torchscript": code}."""
+    import re
+    from pathlib import Path
+
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "guide.md").read_text()
+    section = guide.split("### Export", 1)[1].split("\n## ", 1)[0]
+    onnx_code, ts_code = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    return {"onnxruntime": onnx_code, "torchscript": ts_code}
+
+
+@pytest.mark.parametrize("runtime", ["onnxruntime", "torchscript"])
+def test_the_guides_examples_print_jobs_predicts_classes_and_confidences(model_and_images, exported, runtime, tmp_path):
+    """Each example of the guide, run in a process that imports nothing of the project, on the files
+    (a crop and a pad), prints the classes and confidences of jobs.predict's model within 1e-4."""
+    import subprocess
+    import sys
+
+    model, files = model_and_images
+    fmt = {"onnxruntime": "onnx", "torchscript": "torchscript"}[runtime]
+    (tmp_path / "example.py").write_text(guide_examples()[runtime])
+    run = (
+        "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__'); "
+        "assert not {'training', 'augment', 'jobs'} & {m.split('.')[0] for m in sys.modules}, 'imported the project'"
+    )
+    args = [str(tmp_path / "example.py"), str(exported[fmt]), *map(str, files)]
+    out = subprocess.run(
+        [sys.executable, "-I", "-W", "ignore::FutureWarning", "-c", run, *args],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    _, logits = predict_logits(model, files)
+    probs = torch.from_numpy(logits).softmax(1)
+    printed = [line.split() for line in out.stdout.splitlines()]
+    assert [p for p, _, _ in printed] == [str(f) for f in files]
+    assert [c for _, c, _ in printed] == [["cat", "dog", "eel"][i] for i in probs.argmax(1)]
+    assert np.abs(np.array([float(p) for _, _, p in printed]) - probs.max(1).values.numpy()).max() < TOLERANCE
