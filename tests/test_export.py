@@ -252,3 +252,18 @@ def test_the_guides_examples_print_jobs_predicts_classes_and_confidences(model_a
     assert [p for p, _, _ in printed] == [str(f) for f in files]
     assert [c for _, c, _ in printed] == [["cat", "dog", "eel"][i] for i in probs.argmax(1)]
     assert np.abs(np.array([float(p) for _, _, p in printed]) - probs.max(1).values.numpy()).max() < TOLERANCE
+
+
+def test_an_export_that_differs_from_jobs_predict_is_not_written(model_and_images, tmp_path, capsys, monkeypatch):
+    """The check before writing: logits 1e-3 away (a stand-in for an exporter's error) are exit 1, one
+    line, and no file."""
+    from training import export
+
+    model, _ = model_and_images
+    run = export.run_export
+    monkeypatch.setattr(export, "run_export", lambda *a: run(*a) + 1e-3)
+    out = tmp_path / "m.safetensors"
+    code, err = run_main(["--model", str(model), "--format", "safetensors", "--out", str(out)], capsys)
+    assert code == 1 and err.count("\n") == 1
+    assert "away from jobs.predict's model (more than 0.0001); nothing was written" in err, err
+    assert list(tmp_path.iterdir()) == []

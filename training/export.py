@@ -26,7 +26,7 @@ from training.modelfile import ModelFile
 
 FORMATS = ("onnx", "torchscript", "safetensors")
 NEEDS = {"onnx": ("onnx", "onnxruntime"), "torchscript": (), "safetensors": ("safetensors",)}
-TOLERANCE = 1e-4  # the largest |logit difference| from jobs.predict's model an export may have
+TOLERANCE = 1e-4  # the largest |logit difference| from jobs.predict's model (x the largest logit, above 1)
 ONNX_OPSET = 17  # onnxruntime 1.18 (the `export` extra's floor) runs up to opset 21
 
 
@@ -97,7 +97,9 @@ def export_bytes(info: ModelFile, fmt: str) -> tuple[bytes, dict]:
 
 def onnx_bytes(model: torch.nn.Module, example: torch.Tensor) -> bytes:
     buf = io.BytesIO()
-    with torch.no_grad(), warnings.catch_warnings():
+    # with gradients on: under no_grad nn.MultiheadAttention (a ViT's) takes its fused fast path,
+    # aten::_native_multi_head_attention, which has no ONNX form; the export runs the model once either way
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the TorchScript-based exporter's deprecation notice
         # dynamo=False: torch's default (torch.export-based) exporter needs onnxscript, which is not one of
         # the `export` extra's packages; the TorchScript-based one needs only torch and gives the same graph
@@ -226,9 +228,12 @@ def check_export(info: ModelFile, fmt: str, data: bytes, n: int = 3) -> float:
         why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
         raise ExportError(f"the {fmt} export of {info.arch} does not run on a batch of {n} ({why})") from None
     diff = float(np.abs(got - want).max())
-    if not diff <= TOLERANCE:
+    # float32 rounding grows with the logits' size: a ViT-B/32 with logits up to 55 differed by 6.7e-05 under
+    # onnxruntime; above 1, the tolerance is relative to the largest logit
+    allowed = TOLERANCE * max(1.0, float(np.abs(want).max()))
+    if not diff <= allowed:
         raise ExportError(
             f"the {fmt} export of {info.arch} gives logits {diff:.2e} away from jobs.predict's model "
-            f"(more than {TOLERANCE:g}); nothing was written; try another --format"
+            f"(more than {allowed:.2g}); nothing was written; try another --format"
         )
     return diff
