@@ -267,3 +267,22 @@ def test_an_export_that_differs_from_jobs_predict_is_not_written(model_and_image
     assert code == 1 and err.count("\n") == 1
     assert "away from jobs.predict's model (more than 0.0001); nothing was written" in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_model_and_out_on_object_storage(s3, model_and_images, capsys):
+    """--model and --out as s3:// URIs (a local S3 server, tests/s3server.py): the file and its sidecar
+    land there, and a second export to the same --out is refused."""
+    from safetensors.torch import load
+
+    from training.inference import load_model_file
+
+    model, _ = model_and_images
+    s3.client.upload_file(str(model), "runs", "export/model.pt")
+    argv = ["--model", "s3://runs/export/model.pt", "--format", "safetensors", "--out", "s3://runs/export/m.st"]
+    assert run_main(argv, capsys)[0] == 0
+    weights = load(s3.read("s3://runs/export/m.st"))
+    want = load_model_file(str(model)).state_dict
+    assert weights.keys() == want.keys() and all(torch.equal(weights[k], want[k]) for k in want)
+    assert json.loads(s3.read("s3://runs/export/m.st.json"))["class_names"] == ["cat", "dog", "eel"]
+    code, err = run_main(argv, capsys)
+    assert code == 2 and "s3://runs/export/m.st and s3://runs/export/m.st.json exist already" in err, err
