@@ -102,8 +102,8 @@ def onnx_bytes(model: torch.nn.Module, example: torch.Tensor) -> bytes:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the TorchScript-based exporter's deprecation notice
         # dynamo=False: torch's default (torch.export-based) exporter needs onnxscript, which is not one of
-        # the `export` extra's packages; the TorchScript-based one needs only torch and gives the same graph
-        # for these models (tests/test_export.py compares the logits).
+        # the `export` extra's packages; the TorchScript-based one needs torch alone, and its files give
+        # jobs.predict's logits (check_export below; tests/test_export.py on real images)
         torch.onnx.export(
             model,
             (example,),
@@ -123,8 +123,8 @@ def onnx_bytes(model: torch.nn.Module, example: torch.Tensor) -> bytes:
 def torchscript_bytes(model: torch.nn.Module, example: torch.Tensor) -> bytes:
     buf = io.BytesIO()
     with torch.no_grad(), warnings.catch_warnings():
-        # torch marks TorchScript deprecated in favour of torch.export, whose files TorchServe and plain
-        # torch.jit.load users cannot load; the issue asks for TorchScript, and torch 2.14 still writes it
+        # torch marks TorchScript deprecated in favour of torch.export, whose .pt2 files torch.jit.load does
+        # not read; the issue asks for files that plain torch.jit.load runs, and torch 2.14 still writes them
         warnings.simplefilter("ignore", FutureWarning)
         torch.jit.save(torch.jit.trace(model, example), buf)
     return buf.getvalue()
