@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs import evaluate, predict, prepare, preview
+from jobs import evaluate, export, predict, prepare, preview
 from jobs import train as train_job
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,8 +41,9 @@ def test_a_misspelled_flag_is_one_line_with_the_closest_flags(argv, hint, capsys
         (evaluate, ["--model", "m.pt", "--data", "d", "--batch", "8"]),
         (prepare, ["src", "out", "--shard", "8"]),
         (preview, ["--data", "d", "--pre", "cifar"]),
+        (export, ["--model", "m.pt", "--format", "onnx", "--out", "m.onnx", "--over"]),
     ],
-    ids=["predict", "evaluate", "prepare", "preview"],
+    ids=["predict", "evaluate", "prepare", "preview", "export"],
 )
 def test_every_entry_point_refuses_abbreviations(module, argv, capsys):
     with pytest.raises(SystemExit) as exit_:

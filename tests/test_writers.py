@@ -218,7 +218,7 @@ def test_preset_auto_reads_the_headers_of_images_inside_shards_and_exports(tmp_p
 def _guide_snippet() -> str:
     """The torchvision-only snippet of docs/guide.md's "Prediction and evaluation"."""
     guide = (REPO / "docs" / "guide.md").read_text()
-    section = guide.split("## Prediction and evaluation", 1)[1].split("\n## ", 1)[0]
+    section = guide.split("## Prediction and evaluation", 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
     (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     return code
 
