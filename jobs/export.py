@@ -17,7 +17,8 @@ from __future__ import annotations
 import os
 import sys
 
-from training.config import FlagParser, error_line
+from training.config import error_line
+from training.flags import FlagParser
 
 FORMATS = ("onnx", "torchscript", "safetensors")  # training/export.py's, without importing torch for --help
 
