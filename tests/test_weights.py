@@ -226,9 +226,16 @@ def test_a_timm_model_and_one_of_the_users_train_and_predict(model, kind, ray_cl
     data = write_tree(tmp_path / "data", {"a": 12, "b": 12})
     runs = tmp_path / "runs"
     args = ["--data", str(data), "--model", model, "--epochs", "1", "--batch-size", "8", "--val-fraction", "0.25"]
-    assert jobs.train.main([*args, "--storage-path", str(runs), "--name", kind, "--quiet"]) == 0, (
-        capsys.readouterr().err[-3000:]
-    )
+    if kind == "callable":  # and from weights of the user's model, saved as DDP saves them
+        from tests.user_model import build
+
+        torch.save({f"module.{k}": v for k, v in build(5).state_dict().items()}, tmp_path / "mine.pt")
+        args += ["--init-weights", str(tmp_path / "mine.pt")]
+    assert jobs.train.main([*args, "--storage-path", str(runs), "--name", kind]) == 0, capsys.readouterr().err[-3000:]
+    said = capsys.readouterr().out
+    if kind == "callable":  # the line before the plan: the head (the last Linear, "5.") is new
+        loaded = f"weights: {tmp_path / 'mine.pt'}, 7 of 9 tensors loaded; new: 5.weight, 5.bias\nplan: "
+        assert loaded in said, said[-3000:]
     saved = torch.load(runs / kind / "model.pt", weights_only=True)
     assert saved["arch"] == model and saved["model_source"]["kind"] == kind and saved["torchvision_model"] is None
     if kind == "timm":
@@ -240,5 +247,5 @@ def test_a_timm_model_and_one_of_the_users_train_and_predict(model, kind, ray_cl
         capsys.readouterr().err
     )
     rows = list(csv.DictReader(out.open()))
-    assert len(rows) == 24 and {r["pred"] for r in rows} <= {"a", "b"}
+    assert len(rows) == 24 and {r["predicted"] for r in rows} <= {"a", "b"}
     assert json.loads((runs / kind / "config.json").read_text())["config"]["model"] == model
