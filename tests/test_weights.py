@@ -249,3 +249,25 @@ def test_a_timm_model_and_one_of_the_users_train_and_predict(model, kind, ray_cl
     rows = list(csv.DictReader(out.open()))
     assert len(rows) == 24 and {r["predicted"] for r in rows} <= {"a", "b"}
     assert json.loads((runs / kind / "config.json").read_text())["config"]["model"] == model
+
+
+def test_a_model_file_of_each_kind_rebuilds_or_is_refused_in_one_line(tmp_path):
+    """jobs.predict's reader (training.inference.load_model_file) rebuilds a timm model and a
+    user's model from model.pt's arch; one whose module does not import here is refused."""
+    from training.inference import ModelFileError, load_model_file
+    from training.modelfile import ModelFile
+
+    def saved(arch: str, state: dict) -> str:
+        transform = {"ops": [{"center_crop": {"size": 32}}], "mean": [0.5] * 3, "std": [0.5] * 3}
+        info = ModelFile(arch, state, ("a", "b"), 32, False, transform)
+        path = tmp_path / f"{len(list(tmp_path.iterdir()))}.pt"
+        torch.save(info.to_state(), path)
+        return str(path)
+
+    from tests.user_model import build
+
+    assert load_model_file(saved("tests.user_model:build", build(2).state_dict())).arch == "tests.user_model:build"
+    timm_state = build_model("timm/test_resnet", 2, small_stem=False, image_size=32).state_dict()
+    assert load_model_file(saved("timm/test_resnet", timm_state)).num_classes == 2
+    with pytest.raises(ModelFileError, match=r"trained as --model tests.gone:build: cannot import tests.gone"):
+        load_model_file(saved("tests.gone:build", build(2).state_dict()))
