@@ -70,8 +70,8 @@ def test_init_weights_load_a_torchvision_state_dict_into_another_model(tmp_path)
     source = {k: v + 0.5 if v.is_floating_point() else v for k, v in source.items()}
     torch.save(source, tmp_path / "b0.pt")
     model = build_model("efficientnet_b0", 4, small_stem=False, image_size=32)
-    skipped = load_init_weights(model, str(tmp_path / "b0.pt"), "efficientnet_b0")
-    assert skipped == ["classifier.1.bias", "classifier.1.weight"]
+    report = load_init_weights(model, str(tmp_path / "b0.pt"), "efficientnet_b0")
+    assert sorted(report.new) == ["classifier.1.bias", "classifier.1.weight"]
     loaded = model.state_dict()
     assert all(torch.equal(loaded[k], source[k]) for k in loaded if not k.startswith("classifier.1."))
     with pytest.raises(ConfigError, match=r"no mobilenet_v3_small weights found \(1 of its 242 tensors"):

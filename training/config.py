@@ -158,7 +158,9 @@ class TrainConfig:
     model: str = _f(
         "resnet18",
         "any classification model of torchvision.models by name (resnet50, convnext_tiny, efficientnet_b0, "
-        "vit_b_16, ...), at random init with a head for the run's classes",
+        "vit_b_16, ...), timm/NAME for any timm model (pip install -e '.[timm]'), or module.path:function for "
+        "your own (function(num_classes=N) returns an nn.Module; importable from the job's working directory); "
+        "with a head for the run's classes, at random init unless --weights or --init-weights",
     )
     small_stem: str = _f(
         "auto",
@@ -171,7 +173,18 @@ class TrainConfig:
         choices=("off", "bf16", "fp16"),
     )
     compile: bool = _f(False, "torch.compile the model (first steps are slower while it compiles)")
-    init_weights: str = _f("", "fine-tune from a local torchvision state_dict file of --model; the head is replaced")
+    weights: str = _f(
+        "",
+        "pretrained weights of --model by name: torchvision's (DEFAULT, IMAGENET1K_V1, ...) or, for timm/NAME, "
+        "DEFAULT or a pretrained tag (a1_in1k, ...); fetched by the library into its cache (TORCH_HOME, "
+        "Hugging Face's HF_HUB_CACHE), read from there offline. The head is new where the class count differs; "
+        "the eval resize, crop, mean and std follow the weights' unless a preset file or --image-size sets them",
+    )
+    init_weights: str = _f(
+        "",
+        "fine-tune from a local state_dict file of --model (torch.save'd or .safetensors; DDP's module. and "
+        "Lightning's model. prefixes are stripped); the head is replaced",
+    )
     # resources
     num_workers: int = _f(0, "Ray Train workers (DDP ranks); 0 = one per GPU, or 1 on a CPU-only cluster")
     device: str = _f(
@@ -347,6 +360,8 @@ class TrainConfig:
                 "drop --augment-gpus, or use --device cuda or auto"
             )
         self.check_recipe()
+        if self.weights and self.init_weights:
+            raise ConfigError("--weights and --init-weights both set the first weights; give one")
         if self.quiet and self.verbose:
             raise ConfigError("--quiet and --verbose contradict each other; give one")
         if self.name:

@@ -60,15 +60,32 @@ def load_model_file(path: str) -> ModelFile:
         raise ModelFileError(
             f"--model {path}: missing {missing}; give the model.pt of a run directory (runs/<name>/model.pt)"
         )
-    from training.model import model_names
-
-    if info["arch"] != "resnet18" and info["arch"] not in model_names():  # torchvision's import: seconds
-        raise ModelFileError(
-            f"--model {path}: architecture {info['arch']!r}, which this torchvision does not have; run it with the "
-            "torchvision that trained it"
-        )
+    check_arch(info["arch"], path)
     check_model_values(info, path)
     return ModelFile.from_state(info, path)
+
+
+def check_arch(arch, path: str) -> None:
+    """ModelFileError where this process cannot build the model.pt's model: a torchvision name this
+    torchvision does not have, a timm model without timm or unknown to it, a function of the
+    user's that does not import (run from the folder that trained it, or put it on PYTHONPATH)."""
+    from training.config import ConfigError
+    from training.model import check_model, model_names
+    from training.weights import model_kind
+
+    if not isinstance(arch, str) or arch == "resnet18":  # a bad value: check_model_values says so
+        return
+    if model_kind(arch) == "torchvision":
+        if arch not in model_names():  # torchvision's import: seconds
+            raise ModelFileError(
+                f"--model {path}: architecture {arch!r}, which this torchvision does not have; run it with the "
+                "torchvision that trained it"
+            )
+        return
+    try:
+        check_model(arch, small_stem="off")
+    except ConfigError as e:
+        raise ModelFileError(f"--model {path}: trained as {e}") from None
 
 
 def check_model_values(info: dict, path: str) -> None:

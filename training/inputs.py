@@ -15,7 +15,7 @@ import dataclasses
 import os
 
 from augment.errors import PresetError
-from augment.presets import check_preset_name
+from augment.presets import PRESETS, check_preset_name
 from augment.schedule import parse_resize, parse_schedule
 from training import artifacts, lease, storage, userfiles
 from training.config import ConfigError, TrainConfig, check_amp, check_sync_bn
@@ -116,6 +116,10 @@ def cuda_devices() -> int:
 def sized_preset(cfg: TrainConfig, preset):
     """The preset at --image-size, checked at every side the run trains and evaluates at
     (--progressive-resize's, epoch by epoch): ConfigError for one that does not fit."""
+    if cfg.weights and preset == PRESETS.get(preset.name):  # a built-in preset: the weights' transform
+        from training.weights import pretrained_transform, weights_preset
+
+        preset = weights_preset(preset, pretrained_transform(cfg.model, cfg.weights), cfg.image_size)
     if cfg.image_size:
         preset = preset.at_size(cfg.image_size)
     check_resize_start(cfg, preset.train_size)
@@ -133,11 +137,9 @@ def check_sizes_and_device(cfg: TrainConfig, name: str, preset=None) -> None:
     size, the preset file's ops at the run's sizes (`preset`: loaded, None for a built-in one,
     whose ops fit any size), and --amp fp16 for a run that starts a cluster of this machine,
     where it would find no GPU."""
-    from augment.presets import PRESETS
-
     check_resize_start(cfg, cfg.image_size or (preset or PRESETS[name]).train_size)
-    if preset is not None and (cfg.image_size or cfg.progressive_resize != "none"):
-        sized_preset(cfg, preset)  # torch: loaded with the preset file already
+    if (preset is not None and (cfg.image_size or cfg.progressive_resize != "none")) or cfg.weights:
+        sized_preset(cfg, preset or PRESETS[name])  # torch: loaded with the preset file or the weights already
     if cfg.model.startswith("vit_"):  # one input side, a multiple of its patches
         from training.model import check_model_sizes
 
@@ -247,6 +249,10 @@ def check_inputs(cfg: TrainConfig) -> tuple[TrainConfig, ImageTree]:
         from training.model import check_model
 
         check_model(cfg.model, small_stem=cfg.small_stem)
+    if cfg.weights:  # the name, then the file in the library's cache (fetched there where it may be)
+        from training.weights import check_weights
+
+        check_weights(cfg.model, cfg.weights)
     if cfg.init_weights:  # last: it imports torch and torchvision
         check_init_weights(cfg.init_weights, cfg.model)
     return cfg, tree
@@ -295,7 +301,7 @@ def check_init_weights(path: str, model: str = "resnet18") -> None:
     from training.model import build_model, load_init_weights
 
     # the head and the stem are not what it checks
-    load_init_weights(build_model(model, 1, small_stem=False, image_size=224), path, model)
+    load_init_weights(build_model(model, 2, small_stem=False, image_size=224), path, model)
 
 
 # What a run directory's records and checkpoints are of: a rerun of NAME that changes one of these
@@ -303,6 +309,7 @@ def check_init_weights(path: str, model: str = "resnet18") -> None:
 # (--epochs, --stop-after, resources, the device, the console) a rerun may change.
 SAME_RUN_SETTINGS = (
     "model",
+    "weights",
     "val_fraction",
     "image_size",
     "small_stem",
@@ -389,6 +396,10 @@ def prepare(cfg: TrainConfig):
 
         preset = load_preset(name)
     check_sizes_and_device(cfg, name, preset)
+    if ":" in cfg.model:  # a model of the user's: its output for the run's classes and size
+        from training.model import check_model_output
+
+        check_model_output(cfg.model, len(tree.class_names), sized_preset(cfg, preset or PRESETS[name]).image_size)
     lease.acquire(cfg.run_dir, cfg.name)  # held until the run ends (training.job.run) or this process does
     start_fresh(cfg)  # --fresh: the old run goes only once every input has passed, and under the lease
     return cfg, tree, name, preset

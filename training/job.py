@@ -50,6 +50,7 @@ from training.spec import IngestNeeds, StallLimits, WorkerSpec
 from training.stamp import EpochClock, StaleBatch
 from training.status import BadFileLog, RunStatus
 from training.tracking import Tracking, parse_log_to
+from training.weights import weights_record
 from training.worker.feed import IngestStalled
 from training.worker.learner import CheckpointMismatch
 from training.worker.loop import RunStopped, train_loop
@@ -148,6 +149,10 @@ def _run(cfg, tree, preset, log, start, own_cluster, stall, bar_stream, callback
     if warning:
         log(warning)
     rows = augment_rows(cfg.augment_batch_size, tree.train, decode, plan.use_gpu)
+    if cfg.weights or cfg.init_weights:  # which tensors the first weights give: built here as the workers will
+        from training.model import initial_model
+
+        log(initial_model(cfg, len(tree.class_names), preset.image_size)[1].describe())
     chosen = f" (--preset auto: {auto_preset(tree)[1]})" if cfg.preset == "auto" else ""
     log(
         f"plan: preset {preset.name}{chosen}; {plan.describe()}; {decode.describe()}; "
@@ -217,6 +222,7 @@ def write_config(run_dir: str, attempt: "Attempt", plan: ResourcePlan, rows: int
             "image_size": preset.image_size,  # evaluation's, and training's at the end
             "train_image_sizes": preset.train_sides(cfg.progressive_resize, cfg.epochs),  # per epoch
             "class_names": list(tree.class_names),
+            "weights": weights_record(cfg),
             "git_commit": git_commit(),
             "data_root": data_place(tree.root),
         },

@@ -1,6 +1,8 @@
-"""The model: any classification model of torchvision.models by name (--model), built with
-weights=None and the run's class count; ResNets take the small-image stem for inputs of 32 px
-or less (--small-stem auto)."""
+"""The model (--model): any classification model of torchvision.models by name, any timm model
+(timm/NAME), or a model of the user's (module.path:function, called as function(num_classes=N)),
+with a head for the run's classes; at random init, or from --weights (training/weights.py) or an
+--init-weights file. torchvision's ResNets take the small-image stem for inputs of 32 px or less
+(--small-stem auto)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import re
 import torch
 
 from training.config import ConfigError
+from training.weights import LoadReport, model_kind, read_state_dict, strip_prefix, timm_module, timm_pretrained_name
 
 # --small-stem auto: the small stem at or below this side (docs/design.md, "Choices and where they were measured")
 SMALL_IMAGE_MAX_SIDE = 32
@@ -28,6 +31,21 @@ def uses_small_stem(setting: str, image_size: int, model: str = "resnet18") -> b
     return small and has_small_stem(model)
 
 
+def model_source(name: str, num_classes: int, *, small_stem: bool, image_size: int, width: int = 64) -> dict:
+    """How to rebuild --model `name` (model.pt's `model_source`, plain data): torchvision's get_model
+    arguments and replaced stem (torchvision_model), timm's create_model arguments, or the user's
+    function and its argument."""
+    kind = model_kind(name)
+    if kind == "timm":
+        return {"kind": kind, "create_model": {"model_name": name.split("/", 1)[1], "num_classes": num_classes}}
+    if kind == "callable":
+        return {"kind": kind, "callable": name, "kwargs": {"num_classes": num_classes}}
+    return {
+        "kind": kind,
+        **torchvision_model(name, num_classes, small_stem=small_stem, image_size=image_size, width=width),
+    }
+
+
 def model_names() -> list[str]:
     """torchvision's classification models (its detection, segmentation, video and optical-flow
     models live in submodules, which this leaves out)."""
@@ -37,18 +55,88 @@ def model_names() -> list[str]:
 
 
 def check_model(name: str, *, small_stem: str) -> None:
-    """ConfigError, one line with the fix, for a --model that torchvision does not have, or a
-    small stem asked of a model that is no ResNet."""
-    names = model_names()
-    if name not in names:
+    """ConfigError, one line with the fix, for a --model that torchvision or timm does not have (with
+    the closest names), a callable that does not import, or a small stem asked of a model that is
+    no torchvision ResNet."""
+    kind = model_kind(name)
+    if kind == "callable":
+        user_callable(name)
+    elif kind == "timm":
+        arch = name.split("/", 1)[1]
+        timm = timm_module()
+        if not timm.is_model(arch):
+            close = difflib.get_close_matches(arch, timm.list_models(), n=4, cutoff=0.6)
+            maybe = f"did you mean {', '.join('timm/' + c for c in close)}? " if close else ""
+            raise ConfigError(
+                f"--model {name}: not a model of timm {timm.__version__}; {maybe}timm.list_models() lists them"
+            )
+    elif name not in model_names():
+        names = model_names()
         close = difflib.get_close_matches(name, names, n=4, cutoff=0.6)
         maybe = f"did you mean {', '.join(close)}? " if close else ""
         raise ConfigError(
             f"--model {name}: not a classification model of torchvision {_version()}; {maybe}"
-            "torchvision.models.list_models(module=torchvision.models) lists them"
+            "torchvision.models.list_models(module=torchvision.models) lists them, timm/NAME a timm model, "
+            "module.path:function one of yours"
         )
     if small_stem == "on" and not has_small_stem(name):
         raise ConfigError(f"--small-stem on: the small stem is a ResNet's, and {name} is none; drop --small-stem")
+
+
+def user_callable(name: str):
+    """The function `name` (module.path:function) names, imported as the workers import it (from
+    the job's working directory, PYTHONPATH or a runtime_env's working_dir or py_modules);
+    ConfigError, one line, where it does not import or is not callable."""
+    import importlib
+
+    module, _, attr = name.partition(":")
+    if not re.fullmatch(r"[A-Za-z_][\w.]*", module) or not re.fullmatch(r"[A-Za-z_][\w.]*", attr):
+        raise ConfigError(f"--model {name}: a model of your own is module.path:function, like my_pkg.models:build")
+    try:
+        found = importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - the user's module: whatever its import raises
+        raise ConfigError(
+            f"--model {name}: cannot import {module} ({type(e).__name__}: {str(e)[:200]}); run the job from the "
+            "folder that holds it, or add that folder to PYTHONPATH"
+        ) from None
+    fn = found
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+    if not callable(fn):
+        raise ConfigError(
+            f"--model {name}: {module} has no function {attr}; give module.path:function, a function that returns "
+            "an nn.Module for num_classes"
+        )
+    return fn
+
+
+def check_model_output(name: str, num_classes: int, image_size: int) -> None:
+    """A model of the user's: function(num_classes=N) returns an nn.Module that maps a batch of
+    two image_size images to N logits each; ConfigError, one line, where it does not."""
+    if model_kind(name) != "callable":
+        return
+    try:
+        model = user_callable(name)(num_classes=num_classes)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's code
+        raise ConfigError(f"--model {name}: {name}(num_classes={num_classes}) raised {type(e).__name__}: {e}") from None
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"--model {name}: returned a {type(model).__name__}, not a torch.nn.Module")
+    try:
+        with torch.no_grad():
+            out = model.eval()(torch.zeros(2, 3, image_size, image_size))
+    except Exception as e:  # noqa: BLE001 - the user's code
+        raise ConfigError(
+            f"--model {name}: the model fails on a batch of 2 x 3 x {image_size} x {image_size} images "
+            f"({type(e).__name__}: {str(e)[:200]})"
+        ) from None
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, num_classes):
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ConfigError(
+            f"--model {name}: a batch of 2 images gave {shape}, not (2, {num_classes}) logits; build the head "
+            "with num_classes outputs"
+        )
 
 
 def check_model_sizes(name: str, image_sizes: list[int]) -> None:
@@ -72,8 +160,19 @@ def _version() -> str:
 
 
 def build_model(name: str, num_classes: int, *, small_stem: bool, image_size: int) -> torch.nn.Module:
-    """torchvision's `name` at random init (from torch's global RNG: seed it first so every rank
-    builds the same weights), with a head for `num_classes`; a ViT for `image_size`."""
+    """--model `name` at random init (from torch's global RNG: seed it first so every rank builds the
+    same weights), with a head for `num_classes`; a torchvision ViT for `image_size`."""
+    kind = model_kind(name)
+    if kind == "timm":
+        model = timm_module().create_model(name.split("/", 1)[1], pretrained=False, num_classes=num_classes)
+    elif kind == "callable":
+        model = user_callable(name)(num_classes=num_classes)
+    else:
+        model = torchvision_build(name, num_classes, small_stem=small_stem, image_size=image_size)
+    return model.to(memory_format=torch.channels_last)
+
+
+def torchvision_build(name: str, num_classes: int, *, small_stem: bool, image_size: int) -> torch.nn.Module:
     # here, not at the top: its import pulls torch._dynamo, slow to import (docs/design.md, "Choices and where
     # they were measured"), which the driver needs only to check an --init-weights file
     import torchvision
@@ -85,7 +184,55 @@ def build_model(name: str, num_classes: int, *, small_stem: bool, image_size: in
         width = model.conv1.out_channels
         model.conv1 = torch.nn.Conv2d(3, width, **SMALL_STEM_CONV)
         model.maxpool = torch.nn.Identity()
-    return model.to(memory_format=torch.channels_last)
+    return model
+
+
+def initial_model(cfg, num_classes: int, image_size: int) -> tuple[torch.nn.Module, LoadReport | None]:
+    """The run's model as training starts it: built (seeded by the caller), then --weights or
+    --init-weights loaded; and which tensors those gave (None at random init)."""
+    small = uses_small_stem(cfg.small_stem, image_size, cfg.model)
+    if cfg.weights and model_kind(cfg.model) == "timm":
+        return timm_pretrained(cfg.model, cfg.weights, num_classes)
+    model = build_model(cfg.model, num_classes, small_stem=small, image_size=image_size)
+    if cfg.weights:
+        return model, load_torchvision_weights(model, cfg.model, cfg.weights, num_classes)
+    if cfg.init_weights:
+        return model, load_init_weights(model, cfg.init_weights, cfg.model)
+    return model, None
+
+
+def timm_pretrained(model: str, weights: str, num_classes: int) -> tuple[torch.nn.Module, LoadReport]:
+    """timm's model with its pretrained weights (timm reads them from Hugging Face's cache or
+    fetches them there), its classifier new where the class count differs (timm drops it then)."""
+    timm, full = timm_module(), timm_pretrained_name(model, weights)
+    net = timm.create_model(full, pretrained=True, num_classes=num_classes)
+    cfg = net.pretrained_cfg
+    own = list(net.state_dict())
+    heads = cfg.get("classifier") or ()
+    heads = (heads,) if isinstance(heads, str) else tuple(heads)
+    differs = cfg.get("num_classes", num_classes) != num_classes
+    new = tuple(k for k in own if differs and k.startswith(tuple(h + "." for h in heads)))
+    report = LoadReport(
+        f"{full} (timm)", len(own) - len(new), len(own), new, (cfg["num_classes"], num_classes) if differs else None
+    )
+    return net.to(memory_format=torch.channels_last), report
+
+
+def load_torchvision_weights(model: torch.nn.Module, name: str, weights: str, num_classes: int) -> LoadReport:
+    """torchvision's pretrained `weights` of `name` into `model` (read from torchvision's cache, or
+    fetched there): every tensor whose name and shape match; the head is new where the class count
+    differs, and so is a small stem."""
+    from training.weights import torchvision_weights
+
+    w = torchvision_weights(name, weights)
+    state = w.get_state_dict(progress=False)
+    own = model.state_dict()
+    matched = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
+    model.load_state_dict(matched, strict=False)
+    head = head_prefix(model) + "weight"  # the weights' own head says how many classes they were trained for
+    trained = state[head].shape[0] if head in state else len(w.meta.get("categories") or ()) or num_classes
+    classes = (trained, num_classes) if trained != num_classes else None
+    return LoadReport(w.name, len(matched), len(own), tuple(k for k in own if k not in matched), classes)
 
 
 def torchvision_model(name: str, num_classes: int, *, small_stem: bool, image_size: int, width: int = 64) -> dict:
@@ -110,27 +257,28 @@ def head_prefix(model: torch.nn.Module) -> str:
     return owners[-1] + "."
 
 
-def load_init_weights(model: torch.nn.Module, path: str, name: str = "resnet18") -> list[str]:
-    """Copy every tensor of a torchvision `name` state_dict whose name and shape match.
+def load_init_weights(model: torch.nn.Module, path: str, name: str = "resnet18") -> LoadReport:
+    """Copy every tensor of a state_dict file of `name` whose name and shape match: a torch.save'd
+    dict or a .safetensors file, wrapped or not in a checkpoint's `state_dict`/`model` key, its
+    names with or without DDP's `module.` or Lightning's `model.` prefix (training/weights.py).
 
     The classification head (head_prefix) is always left at its fresh init, and so is a stem
-    whose shape differs (ImageNet 7x7 weights into the small 3x3 stem). Returns the skipped
-    names. ConfigError, one line naming the file and the fix, for a file that torch.load with
-    weights_only=True refuses (a pickled object: it could run code), that is no state_dict,
+    whose shape differs (ImageNet 7x7 weights into the small 3x3 stem). Returns which tensors
+    were loaded. ConfigError, one line naming the file and the fix, for a file that torch.load
+    with weights_only=True refuses (a pickled object: it could run code), that is no state_dict,
     or in which fewer than half of the model's other tensors are found. The driver runs this
     once before Ray starts (training.inputs.check_inputs), as every train worker does.
     """
     fix = init_weights_fix(name)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - pickle, zip and torch errors alike mean "not a state_dict file"
+        state = read_state_dict(path)
+    except ValueError as e:
+        raise ConfigError(f"--init-weights {path}: {e}; {fix}") from None
+    except Exception as e:  # noqa: BLE001 - pickle, zip, safetensors and torch errors alike: not a state_dict file
         raise ConfigError(f"--init-weights {path}: {load_refusal(e)}; {fix}") from None
-    if isinstance(state, dict) and "state_dict" in state:  # our own model.pt
-        state = state["state_dict"]
-    if not isinstance(state, dict):
-        raise ConfigError(f"--init-weights {path}: holds a {type(state).__name__}, not a state_dict; {fix}")
     own, head = model.state_dict(), head_prefix(model)
     body = [k for k in own if not k.startswith(head)]
+    state, _ = strip_prefix(state, body)
     matched = {k: v for k, v in state.items() if k in body and isinstance(v, torch.Tensor) and own[k].shape == v.shape}
     if len(matched) * 2 < len(body):
         example = next((k for k in body if k.endswith(".weight")), body[0])
@@ -139,11 +287,11 @@ def load_init_weights(model: torch.nn.Module, path: str, name: str = "resnet18")
             f"expected keys like {example!r} with {name}'s shapes); {fix}"
         )
     model.load_state_dict(matched, strict=False)  # the head and a reshaped stem keep their fresh init
-    return sorted(k for k in own if k not in matched)
+    return LoadReport(path, len(matched), len(own), tuple(k for k in own if k not in matched))
 
 
 def init_weights_fix(name: str) -> str:
-    return f"give a torchvision {name} state_dict saved with torch.save(model.state_dict(), path)"
+    return f"give a {name} state_dict saved with torch.save(model.state_dict(), path) or as .safetensors"
 
 
 def load_refusal(error: Exception) -> str:

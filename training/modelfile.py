@@ -18,13 +18,15 @@ REQUIRED = ("arch", "state_dict", "class_names", "image_size", "small_stem", "ev
 
 @dataclasses.dataclass(frozen=True)
 class ModelFile:
-    arch: str  # a torchvision classifier's name
+    arch: str  # --model: a torchvision classifier's name, timm/NAME or module.path:function
     state_dict: dict  # its weights
     class_names: tuple[str, ...]  # output i is class_names[i]
     image_size: int  # the side the model saw
     small_stem: bool  # conv1 3x3 stride 1 and no max-pool (training/model.py)
     eval_transform: dict  # {"ops": the project's eval op list, "mean": [...], "std": [...]}
     torchvision_model: dict | None = None  # get_model's arguments and the layers the small stem replaces
+    model_source: dict | None = None  # how to rebuild it: {"kind": torchvision/timm/callable, and its arguments}
+    weights: dict | None = None  # the first weights: --weights (name, their transform) or --init-weights (file)
     torchvision_eval: list | None = None  # the eval steps as torchvision.transforms.v2 classes; None: none
     config: dict = dataclasses.field(default_factory=dict)  # the run's TrainConfig.to_dict()
     path: str = ""  # where it was read from ("" for one built in memory); not written

@@ -17,11 +17,12 @@ from training.audit import coverage, fingerprints, good_images, sampled_coverage
 from training.bounds import steady_verdict
 from training.config import TrainConfig
 from training.forms.data import ImageTree
-from training.model import torchvision_model, uses_small_stem
+from training.model import model_source, torchvision_model, uses_small_stem
 from training.modelfile import ModelFile
 from training.planning import ResourcePlan
 from training.records import RunRecord
 from training.tracking import parse_log_to
+from training.weights import model_kind, weights_record
 
 
 def report_bad_files(bad_log, run_dir: str, log) -> None:
@@ -86,7 +87,13 @@ def model_bytes(state_dict, tree: ImageTree, preset: Preset, cfg: TrainConfig) -
         # the same model and eval steps for torchvision alone (docs/guide.md, "Prediction and evaluation")
         torchvision_model=torchvision_model(
             cfg.model, len(tree.class_names), small_stem=small_stem, image_size=preset.image_size, width=width
+        )
+        if model_kind(cfg.model) == "torchvision"
+        else None,
+        model_source=model_source(
+            cfg.model, len(tree.class_names), small_stem=small_stem, image_size=preset.image_size, width=width
         ),
+        weights=weights_record(cfg),
         torchvision_eval=torchvision_eval(preset),
         config=cfg.to_dict(),
     )

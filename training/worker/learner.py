@@ -27,9 +27,8 @@ from augment.mix import MixUpCutMix
 from augment.ops import Normalize
 from augment.streams import stream_seed
 from training.config import TrainConfig
-from training.model import build_model, load_init_weights, uses_small_stem
+from training.model import initial_model
 from training.spec import WorkerSpec
-from training.status import say
 from training.worker.recipe import build_ema, class_weights, head_parameters, param_groups, sync_batchnorm
 
 
@@ -298,13 +297,7 @@ def build_learner(spec: WorkerSpec, world: int, device: torch.device) -> tuple[L
     """The learner, with initial weights identical on every rank, and their digest."""
     cfg, num_classes = spec.config, spec.num_classes
     torch.manual_seed(cfg.seed)
-    small = uses_small_stem(cfg.small_stem, spec.image_size, cfg.model)
-    model = build_model(cfg.model, num_classes, small_stem=small, image_size=spec.image_size)
-    if cfg.init_weights:
-        skipped = load_init_weights(model, cfg.init_weights, cfg.model)
-        if ray.train.get_context().get_world_rank() == 0:
-            fresh = ", ".join(sorted({k.rsplit(".", 1)[0] for k in skipped}))
-            say(spec.status, f"init weights from {cfg.init_weights}; fresh: {fresh}")
+    model, _ = initial_model(cfg, num_classes, spec.image_size)  # the driver said which tensors it loaded
     init_digest = params_digest(model)
     model = sync_batchnorm(model, cfg.sync_bn and world > 1 and device.type == "cuda")
     wrap = functools.partial(wrap_model, compiled=cfg.compile)
