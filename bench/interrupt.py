@@ -42,7 +42,8 @@ def _tree(root: Path) -> Path:
     return root
 
 
-def _alive(pids: set[int]) -> set[int]:
+def alive(pids: set[int]) -> set[int]:
+    """The processes of `pids` still running (a zombie is not)."""
     import psutil
 
     def up(pid):
@@ -54,7 +55,8 @@ def _alive(pids: set[int]) -> set[int]:
     return {p for p in pids if up(p)}
 
 
-def _descendants(pid: int) -> set[int]:
+def descendants(pid: int) -> set[int]:
+    """Every process `pid` started, and theirs (a plain local run's embedded cluster among them)."""
     import psutil
 
     try:
@@ -74,7 +76,7 @@ def trial(i: int, rng: random.Random, data: Path, work: Path) -> dict:
     first = subprocess.Popen(args, env=env, start_new_session=True, **quiet)
     while time.time() - start < after and first.poll() is None:
         time.sleep(0.1)
-    ours = _descendants(first.pid)
+    ours = descendants(first.pid)
     if first.poll() is None:
         if how == "kill-9-group":
             os.killpg(first.pid, signal.SIGKILL)
@@ -82,7 +84,7 @@ def trial(i: int, rng: random.Random, data: Path, work: Path) -> dict:
             first.send_signal(signal.SIGINT if how == "sigint" else signal.SIGTERM)
     first_rc = first.wait(timeout=300)
     deadline = time.time() + 60
-    while _alive(ours) and time.time() < deadline:
+    while alive(ours) and time.time() < deadline:
         time.sleep(0.5)
     rerun = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900)
     summary = runs / "r" / "summary.json"
@@ -92,7 +94,7 @@ def trial(i: int, rng: random.Random, data: Path, work: Path) -> dict:
         "how": how,
         "after_s": round(after, 1),
         "first_rc": first_rc,
-        "left": len(_alive(ours)),
+        "left": len(alive(ours)),
         "rerun_rc": rerun.returncode,
         "resumed_at": s.get("resumed_at_epochs"),
         "exact": bool(s.get("coverage")) and all(c["exactly_once"] for c in s["coverage"]) and s["epochs"] == 3,

@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from bench.interrupt import alive, descendants
 from tests.conftest import TEST_STEM, prepare, registered_checkpoint, write_tree
 from training import job
 from training.config import TrainConfig
@@ -37,23 +38,6 @@ def _args(data: Path, runs: Path, epochs: int = 3) -> list[str]:
     ]
 
 
-def _descendants(pid: int) -> set[int]:
-    try:
-        return {p.pid for p in psutil.Process(pid).children(recursive=True)}
-    except psutil.NoSuchProcess:
-        return set()
-
-
-def _alive(pids: set[int]) -> set[int]:
-    def up(pid):
-        try:
-            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
-
-    return {p for p in pids if up(p)}
-
-
 @pytest.mark.parametrize("how", ["sigterm", "kill-9-group"])
 def test_a_stopped_run_resumes_with_the_same_command(ray_cluster, small_tree, tmp_path, how):
     runs = tmp_path / "runs"
@@ -69,7 +53,7 @@ def test_a_stopped_run_resumes_with_the_same_command(ray_cluster, small_tree, tm
     assert first.poll() is None, first.stdout.read()[-3000:]
     pause = random.Random().uniform(0, 3)  # a random step of epoch 2: the stop may come anywhere in it
     time.sleep(pause)
-    ours = _descendants(first.pid)
+    ours = descendants(first.pid)
     assert ours  # its embedded cluster's processes
     if how == "sigterm":
         # a second run with the same name, --fresh included, is refused and touches nothing
@@ -86,9 +70,9 @@ def test_a_stopped_run_resumes_with_the_same_command(ray_cluster, small_tree, tm
         os.killpg(first.pid, signal.SIGKILL)
         first.communicate(timeout=60)
     deadline = time.time() + 60
-    while _alive(ours) and time.time() < deadline:  # its cluster and workers went with it
+    while alive(ours) and time.time() < deadline:  # its cluster and workers went with it
         time.sleep(0.5)
-    assert not _alive(ours), [psutil.Process(p).cmdline()[:3] for p in _alive(ours)]
+    assert not alive(ours), [psutil.Process(p).cmdline()[:3] for p in alive(ours)]
 
     again = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, (
