@@ -85,15 +85,21 @@ def run_trial(params: dict, *, base: dict, share) -> None:
     from training.api import JobError, fit
 
     config = base | params | {"name": trial_run_name(ray_tune.get_context().get_trial_id()), "fresh": False}
+    last = []  # the last epoch's figures: reported once the run has written its files (below)
 
     def report(record):
         numbers = {k: float(v) for k, v in record.metrics.items() if isinstance(v, (int, float))}
-        ray_tune.report(numbers | {"epoch": record.epoch})
+        if record.epoch >= int(config["epochs"]):
+            last.append(numbers | {"epoch": record.epoch})
+        else:
+            ray_tune.report(numbers | {"epoch": record.epoch})
 
     try:
         fit(config, [report], log=lambda *a: None, share=share)
     except JobError as e:
         raise TrialFailed(str(e)) from None
+    if last:  # reported after fit: the scheduler ends a trial at its last epoch, before model.pt is written
+        ray_tune.report(last[-1])
 
 
 class TrialFailed(RuntimeError):
