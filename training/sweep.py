@@ -62,16 +62,6 @@ class SweepOptions:
             raise ConfigError(f"--search {self.search}: use random or optuna")
 
 
-@dataclasses.dataclass(frozen=True)
-class SweepResult:
-    """A finished (or partly failed) sweep: its folder, one row a trial, the best trial's command."""
-
-    sweep_dir: str
-    rows: list[dict]  # trials.csv's rows
-    best: dict | None  # the best trial's row; None where no trial reported
-    best_command: str  # `python -m jobs.train ...` for the long run with the best trial's settings
-
-
 def trial_run_name(trial_id: str) -> str:
     return f"trial-{trial_id}"
 

@@ -14,6 +14,16 @@ from training import artifacts
 from training.config import TrainConfig
 
 
+@dataclasses.dataclass(frozen=True)
+class SweepResult:
+    """A finished (or partly failed) sweep: its folder, one row a trial, the best trial's command."""
+
+    sweep_dir: str
+    rows: list[dict]  # trials.csv's rows
+    best: dict | None  # the best trial's row; None where no trial reported
+    best_command: str  # `python -m jobs.train ...` for the long run with the best trial's settings
+
+
 def trial_label(trial) -> str:
     return f"trial-{trial.trial_id}"
 
@@ -95,7 +105,6 @@ def trial_row(result, params: list[str], cfg: TrainConfig, metric: str, mode: st
 def finish(cfg: TrainConfig, dims, options, grid, log):
     """trials.csv, trials.png, the end table and the best trial's command; the SweepResult."""
     from training.plots import sweep_png
-    from training.sweep import SweepResult
 
     params = [d.key for d in dims if d.swept]
     metric = options.metric
