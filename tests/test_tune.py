@@ -4,6 +4,9 @@ and one sweep on the shared test cluster: 4 trials of up to 3 epochs, 2 at a tim
 from __future__ import annotations
 
 import csv
+import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -88,43 +91,98 @@ def test_the_cli_refuses_before_ray(tmp_path, capsys):
     assert not (tmp_path / "runs").exists()
 
 
-def test_a_sweep_of_four_trials_two_at_a_time_under_asha(ray_cluster, tmp_path):
+def test_a_sweep_of_four_trials_under_asha_interrupted_and_continued(ray_cluster, tmp_path):
+    """4 trials of up to 3 epochs, 2 at a time, ASHA with grace 1; Ctrl-C (Tune's SIGUSR1, the same
+    handler) once the first trial has ended; the same call again continues without running it again."""
     import ray
 
-    from training import tune
+    from training import JobError, tune
     from training.inference import load_model_file
-    from training.sweep import SweepOptions
+    from training.sweep import TRIAL_DRIVER_CPUS, SweepOptions
 
     data = write_tree(tmp_path / "data", {"a": 8, "b": 8})
     space = _space(tmp_path, "lr: grid([0.3, 0.03, 0.003, 0.0003])\n")  # 4 trials with known values
     base = {"data": str(data), "epochs": 3, "batch_size": 8, "small_stem": TEST_STEM}
     base |= {"storage_path": str(tmp_path / "runs"), "name": "sw"}
-    lines = []
-    sweep = tune(base, space, SweepOptions(trials=1, max_concurrent=2, grace_epochs=1), log=lines.append)
+    options = SweepOptions(trials=1, max_concurrent=2, grace_epochs=1)
+    lines, ended = [], []
 
-    with open(tmp_path / "runs" / "sw" / "trials.csv") as f:
+    def log(line):
+        lines.append(line)
+        if (" finished: " in line or " stopped early after epoch" in line) and not ended:
+            ended.append(line.split(" ")[0])
+            os.kill(os.getpid(), signal.SIGUSR1)  # Tune's interrupt, as Ctrl-C
+
+    with pytest.raises(JobError) as stopped:
+        tune(base, space, options, log=log)
+    assert stopped.value.exit_code == 130 and "the same command continues the sweep" in str(stopped.value)
+    sweep_dir = tmp_path / "runs" / "sw"
+    assert sum(" started: lr=" in line for line in lines) >= 2, lines
+    with open(sweep_dir / "trials.csv") as f:
+        first = {r["trial"]: r for r in csv.DictReader(f)}
+    assert first[ended[0]]["status"] in ("finished", "stopped early") and "interrupted" in [
+        r["status"] for r in first.values()
+    ], first
+    kept = sweep_dir / ended[0] / "metrics.csv"
+    kept_before = (kept.read_bytes(), kept.stat().st_mtime_ns)
+
+    sweep = tune(base, space, options, log=lines.append)
+    assert "sweep sw: continuing from " + str(sweep_dir / "tune") + " (finished trials are kept)" in lines
+    assert (kept.read_bytes(), kept.stat().st_mtime_ns) == kept_before, "the ended trial ran again"
+    with open(sweep_dir / "trials.csv") as f:
         rows = list(csv.DictReader(f))
     assert sorted(float(r["lr"]) for r in rows) == [0.0003, 0.003, 0.03, 0.3], rows
     for row in rows:
         assert row["status"] in ("finished", "stopped early"), row
         assert 1 <= int(row["epochs"]) <= 3 and (row["stopped_early"] == "True") == (int(row["epochs"]) < 3)
         assert 0 <= float(row["best_val_acc"]) <= 1 and Path(row["run_dir"], "metrics.csv").is_file()
-    assert sum(" started: lr=" in line for line in lines) == 4, lines
-    early = [r["trial"] for r in rows if r["stopped_early"] == "True"]
-    assert sorted(line.split(" ")[0] for line in lines if "stopped early after epoch" in line) == sorted(early)
-    assert (tmp_path / "runs" / "sw" / "trials.png").stat().st_size > 0
+    assert (sweep_dir / "trials.png").stat().st_size > 0
+    share = ray.cluster_resources()["CPU"] / 2  # each trial's plan fits its half: two never crowd the cluster
+    for row in rows:
+        plan = json.loads(Path(row["run_dir"], "config.json").read_text())["plan"]
+        reserved = plan["num_workers"] * plan["cpus_per_worker"] + plan["augment_cpus"] + TRIAL_DRIVER_CPUS
+        assert reserved <= share, plan
     best = sweep.best
     assert best is not None and float(best["best_val_acc"]) == max(float(r["best_val_acc"]) for r in rows)
     assert load_model_file(str(Path(best["run_dir"]) / "model.pt")) is not None
     assert sweep.best_command.startswith("python -m jobs.train ") and "--lr " in sweep.best_command
     assert sweep.best_command.endswith("--name sw-best")
-    again = []  # the same sweep again: Tune's experiment is restored, and no finished trial runs again
-    tune(base, space, SweepOptions(trials=1, max_concurrent=2, grace_epochs=1), log=again.append)
-    assert any(line.startswith("sweep sw: continuing from ") for line in again), again
-    assert not [line for line in lines + again if " started: " in line][4:]
-    with open(tmp_path / "runs" / "sw" / "trials.csv") as f:
-        assert list(csv.DictReader(f)) == rows
     deadline = time.monotonic() + 20  # a stopped trial's actors go at once; Ray's tables lag a little
     while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"] - 0.01:
         assert time.monotonic() < deadline, "a trial still holds CPUs after the sweep"
         time.sleep(0.5)
+
+
+def test_each_trials_row_says_how_it_ended(tmp_path):
+    import types
+
+    import pandas as pd
+
+    from training.config import TrainConfig
+    from training.sweep_report import trial_row
+
+    cfg = TrainConfig(epochs=3, storage_path=str(tmp_path), name="sw")
+
+    def result(trial, epochs, done=True, error=None):
+        frame = pd.DataFrame({"epoch": list(range(1, epochs + 1)), "val_acc": [0.5 + e / 10 for e in range(epochs)]})
+        metrics = {"done": done, "time_total_s": 12.34}
+        return types.SimpleNamespace(
+            path=f"{tmp_path}/sw/tune/{trial}",
+            metrics_dataframe=frame,
+            config={"lr": 0.1},
+            metrics=metrics,
+            error=error,
+        )
+
+    failed = RuntimeError("Traceback ...\ntraining.sweep.TrialFailed: error: 3 unreadable image(s), e.g. a/1.png")
+    rows = [
+        trial_row(result("t0", 3), ["lr"], cfg, "val_acc", "max"),
+        trial_row(result("t1", 1), ["lr"], cfg, "val_acc", "max"),
+        trial_row(result("t2", 2, done=False), ["lr"], cfg, "val_acc", "max"),
+        trial_row(result("t3", 1, done=False, error=failed), ["lr"], cfg, "val_acc", "max"),
+    ]
+    assert [r["status"] for r in rows] == ["finished", "stopped early", "interrupted", "failed"]
+    assert [r["stopped_early"] for r in rows] == [False, True, False, False]
+    assert rows[0]["best_val_acc"] == 0.7 and rows[0]["epochs"] == 3 and rows[0]["wall_s"] == 12.3
+    assert rows[3]["error"] == "error: 3 unreadable image(s), e.g. a/1.png"
+    assert rows[1]["trial"] == "trial-t1" and rows[1]["run_dir"] == f"{tmp_path}/sw/trial-t1"

@@ -118,7 +118,9 @@ def check_sweep(cfg: TrainConfig, space: str, options: SweepOptions) -> list[Dim
     options.check(dims)
     base = trial_base(cfg)
     check_space(dims, base, as_config)
-    check_inputs(cfg)  # the data, the preset and the files named: once, not in every trial
+    # the data, the preset and the files named: once, not in every trial (as a trial's run, whose
+    # folder lies inside the sweep's)
+    check_inputs(dataclasses.replace(cfg, storage_path=cfg.run_dir, name="trial-check"))
     sweep_dir = cfg.run_dir
     if "://" not in sweep_dir and os.path.isdir(sweep_dir) and os.listdir(sweep_dir):
         if not os.path.isdir(os.path.join(sweep_dir, "tune")):
@@ -156,7 +158,13 @@ def tune(config, space: str, options: SweepOptions | None = None, *, name=None, 
     grid = run_tuner(cfg, dims, options, share, log)
     from training.sweep_report import finish
 
-    return finish(cfg, dims, options, grid, log)
+    result = finish(cfg, dims, options, grid, log)
+    unfinished = len(grid) - grid.num_terminated - grid.num_errors
+    if unfinished:  # Ctrl-C (Tune saves the experiment and returns)
+        raise JobError(
+            f"stopped: interrupted with {unfinished} trial(s) unfinished; the same command continues the sweep", 130
+        )
+    return result
 
 
 def connect_and_share(cfg: TrainConfig, options: SweepOptions):

@@ -51,6 +51,12 @@ class TrialEvents(ray_tune.Callback):
     def __init__(self, epochs: int, metric: str, log):
         self.epochs, self.metric, self.log = epochs, metric, log
 
+    def __getstate__(self) -> dict:  # saved with Tune's experiment: a restored sweep prints its lines
+        return {"epochs": self.epochs, "metric": self.metric}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, log=say)
+
     def on_trial_start(self, iteration, trials, trial, **info):
         self.log(f"{trial_label(trial)} started: {params_text(trial.config)}")
 
@@ -67,6 +73,10 @@ class TrialEvents(ray_tune.Callback):
 
     def on_trial_error(self, iteration, trials, trial, **info):
         self.log(f"{trial_label(trial)} failed: {error_of(trial)}")
+
+
+def say(*parts) -> None:
+    print(*parts, flush=True)
 
 
 def error_of(trial) -> str:
@@ -87,7 +97,12 @@ def trial_row(result, params: list[str], cfg: TrainConfig, metric: str, mode: st
     epochs = int(frame["epoch"].max()) if frame is not None and "epoch" in frame and len(frame) else 0
     planned = int(result.config.get("epochs", cfg.epochs))
     best = (max if mode == "max" else min)(history) if history else None
-    status = "failed" if result.error else ("stopped early" if epochs < planned else "finished")
+    if result.error:
+        status = "failed"
+    elif not (result.metrics or {}).get("done"):  # Tune marks the last result of a finished or stopped trial
+        status = "interrupted"
+    else:
+        status = "stopped early" if epochs < planned else "finished"
     wall = result.metrics.get("time_total_s") if result.metrics else None
     return {
         "trial": f"trial-{trial_id}",
