@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TEST_STEM, write_tree
-from training.config import ConfigError
+from training.config import ConfigError, TrainConfig
 from training.space import check_space, parse_dimension, read_space
 
 
@@ -186,3 +186,17 @@ def test_each_trials_row_says_how_it_ended(tmp_path):
     assert rows[0]["best_val_acc"] == 0.7 and rows[0]["epochs"] == 3 and rows[0]["wall_s"] == 12.3
     assert rows[3]["error"] == "error: 3 unreadable image(s), e.g. a/1.png"
     assert rows[1]["trial"] == "trial-t1" and rows[1]["run_dir"] == f"{tmp_path}/sw/trial-t1"
+
+
+def test_a_trials_share_of_the_cluster_and_the_refusal_when_one_cannot_fit():
+    from training.planning import Capacity, plan_resources, share_of
+
+    cluster = Capacity(cpus=4, gpus=2, hosts=2, nodes=((2.0, 1.0), (2.0, 1.0)))
+    half = share_of(cluster, 2)
+    assert (half.cpus, half.gpus, half.nodes) == (2, 1, ((1.0, 0.5), (1.0, 0.5)))
+    assert share_of(cluster, 2, cpus=1).cpus == 1
+    plan = plan_resources(TrainConfig(device="cpu"), share_of(cluster, 2))
+    assert plan.num_workers * plan.cpus_per_worker + plan.augment_cpus <= 2
+    for parts, cpus, gpus in ((8, 0, 0), (1, 6, 0), (1, 0, 3)):
+        with pytest.raises(ConfigError, match=r"one trial's share \(.*\) does not fit the cluster's 4 CPU and 2 GPU"):
+            share_of(cluster, parts, cpus, gpus)
