@@ -180,9 +180,13 @@ def connect_and_share(cfg: TrainConfig, options: SweepOptions):
         raise JobError(error_line(f"Ray did not start: {str(e).strip().splitlines()[0][:300]}"), 1) from None
     try:
         share = share_of(cluster_capacity(), options.max_concurrent, options.trial_cpus, options.trial_gpus)
+    except ConfigError as e:
+        raise JobError(error_line(e), 2) from None
+    try:
         plan_resources(cfg, share)
     except ConfigError as e:
-        raise JobError(error_line(f"one trial cannot fit: {e}"), 2) from None
+        where = f"one trial's share ({share.cpus} CPU, {share.gpus} GPU)"
+        raise JobError(error_line(f"{where} cannot hold its run: {e}; lower --max-concurrent"), 2) from None
     return share
 
 
