@@ -17,6 +17,7 @@ actors and placement groups are owned by that actor's process and go with it, as
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 
@@ -159,7 +160,9 @@ def tune(config, space: str, options: SweepOptions | None = None, *, name=None, 
     from training.sweep_report import finish
 
     result = finish(cfg, dims, options, grid, log)
-    unfinished = len(grid) - grid.num_terminated - grid.num_errors
+    # the grid lists the trials made so far: those Tune had not drawn yet are unfinished too
+    expected = options.trials * math.prod(len(d.args) for d in dims if d.kind == "grid")
+    unfinished = sum(r["status"] == "interrupted" for r in result.rows) + max(0, expected - len(result.rows))
     if unfinished:  # Ctrl-C (Tune saves the experiment and returns)
         raise JobError(
             f"stopped: interrupted with {unfinished} trial(s) unfinished; the same command continues the sweep", 130
