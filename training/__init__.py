@@ -1,7 +1,8 @@
 """The Ray side of the job. From Python: `from training import fit` (training/api.py), which trains as
 `python -m jobs.train` does and returns a RunResult, and `from training import tune`, a sweep of such
 runs on Ray Tune (training/sweep.py). Loaded on first use (importlib, not an import
-statement): `import training` stays light, and no module of the package imports the API."""
+statement): `import training` stays light, and no module of the package imports the API but the
+sweep's (training/sweep.py, whose trials are runs)."""
 
 import importlib
 
