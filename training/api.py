@@ -91,8 +91,9 @@ def as_config(config) -> TrainConfig:
     return parse_config(ap, argv)[0]
 
 
-def fit(config, callbacks: list[EpochCallback] | tuple = (), *, log=None) -> RunResult:
-    """Train as `python -m jobs.train` does with `config`; the run's lines go to `log` (default: print)."""
+def fit(config, callbacks: list[EpochCallback] | tuple = (), *, log=None, share=None) -> RunResult:
+    """Train as `python -m jobs.train` does with `config`; the run's lines go to `log` (default: print).
+    `share`: the part of the cluster to plan for (training/planning.py share_of; a sweep's trial)."""
     from augment.errors import PresetError
     from training import lease
     from training.forms.data import DataError
@@ -106,12 +107,12 @@ def fit(config, callbacks: list[EpochCallback] | tuple = (), *, log=None) -> Run
     except (DataError, ConfigError, PresetError, StorageError) as e:
         raise JobError(error_line(e), 2) from None
     try:
-        return _train(cfg, tree, name, preset, list(callbacks), log, connect)
+        return _train(cfg, tree, name, preset, list(callbacks), log, connect, share)
     finally:
         lease.release(cfg.run_dir)
 
 
-def _train(cfg, tree, name, preset, callbacks, log, connect) -> RunResult:
+def _train(cfg, tree, name, preset, callbacks, log, connect, share=None) -> RunResult:
     from augment.presets import load_preset
     from training import artifacts, job
     from training.forms.data import DataError
@@ -124,7 +125,9 @@ def _train(cfg, tree, name, preset, callbacks, log, connect) -> RunResult:
         raise JobError(error_line(f"Ray did not start: {str(e).strip().splitlines()[0][:300]}"), 1) from None
     preset = preset or load_preset(name)
     try:
-        summary = job.run(cfg, tree, preset, log=log, launched_at=started, own_cluster=own, callbacks=callbacks)
+        summary = job.run(
+            cfg, tree, preset, log=log, launched_at=started, own_cluster=own, callbacks=callbacks, share=share
+        )
     except (ConfigError, DataError, StorageError) as e:
         raise JobError(error_line(e), 2) from None
     except job.Interrupted as e:

@@ -43,7 +43,14 @@ from training.faults import (
 from training.forms.data import DataError, ImageTree
 from training.ingest import DecodePlan, SplitValUnequally, augment_rows, build_datasets, choose_decode
 from training.inputs import auto_preset, data_place, few_steps_warning, sized_preset
-from training.planning import ResourcePlan, check_storage, cluster_capacity, plan_resources, wait_for_a_plan
+from training.planning import (
+    Capacity,
+    ResourcePlan,
+    check_storage,
+    cluster_capacity,
+    plan_resources,
+    wait_for_a_plan,
+)
 from training.records import RunRecord
 from training.results import report_bad_files, write_bad_files, write_results
 from training.spec import IngestNeeds, StallLimits, WorkerSpec
@@ -106,6 +113,7 @@ def run(
     stall: StallLimits | None = None,
     bar_stream=None,
     callbacks: tuple | list = (),
+    share: Capacity | None = None,
 ) -> dict:
     """Train on a connected Ray cluster; returns the summary written to summary.json.
     `launched_at` (a time.time() value, e.g. process_started_at()) is when start-up began;
@@ -113,10 +121,12 @@ def run(
     cluster was started by this process and ends with it. `stall`: how long a train worker
     waits for a batch before it asks Ray why (training/worker/feed.py, IngestWatch). `bar_stream`: where
     the per-epoch progress bar is drawn (a terminal; None: no bar); the epoch lines go to `log`.
-    `callbacks`: called on the driver with each epoch's record (training/epochs.py)."""
+    `callbacks`: called on the driver with each epoch's record (training/epochs.py). `share`: the
+    part of the cluster this run plans for (a sweep's trial: training/planning.py share_of); None:
+    all of it."""
     try:
         start = launched_at or time.time()
-        return _run(cfg, tree, preset, log, start, own_cluster, stall, bar_stream, tuple(callbacks))
+        return _run(cfg, tree, preset, log, start, own_cluster, stall, bar_stream, tuple(callbacks), share)
     except OSError as e:  # the driver's own files (faults.log, the results) on a full disk: one line too
         words = next((w for w in FULL if w in str(e)), None)
         if words is None:
@@ -129,12 +139,12 @@ def run(
         lease.release(cfg.run_dir)  # however the run ends, its folder is free for the next (training/lease.py)
 
 
-def _run(cfg, tree, preset, log, start, own_cluster, stall, bar_stream, callbacks) -> dict:
+def _run(cfg, tree, preset, log, start, own_cluster, stall, bar_stream, callbacks, share) -> dict:
     preset = sized_preset(cfg, preset)
     run_dir = cfg.run_dir
     if cfg.deterministic:  # rows reach the trainer in file order, so batches are the same every run
         ray.data.DataContext.get_current().execution_options.preserve_order = True
-    capacity = cluster_capacity()
+    capacity = share or cluster_capacity()
     check_storage(cfg.storage_path, capacity, log)
     plan = plan_resources(cfg, capacity)
     if capacity.note():
@@ -178,6 +188,7 @@ def _run(cfg, tree, preset, log, start, own_cluster, stall, bar_stream, callback
         stall=stall or StallLimits(),
         own_cluster=own_cluster,
         callbacks=callbacks + ((tracking,) if tracking else ()),
+        share=share,
     )
     ok = False
     try:
@@ -242,6 +253,7 @@ class Attempt:
     stall: StallLimits
     own_cluster: bool
     callbacks: tuple = ()  # the driver's epoch callbacks (training/epochs.py)
+    share: Capacity | None = None  # the part of the cluster the run plans for (a sweep's trial); None: all
 
     @property
     def resizes(self) -> bool:
@@ -262,7 +274,9 @@ class Attempt:
             batch_per_worker=plan.batch_per_worker(cfg.batch_size),
             sizes=tuple(preset.train_sides(cfg.progressive_resize, cfg.epochs)) if self.resizes else None,
             ingest=IngestNeeds(worker=plan.worker, tasks=tuple(plan.ingest_tasks()), autoscaling=self.autoscaling),
-            slots=DataSlots.of(plan, cluster_cpus(), decode_in_read=self.decode.where == "read"),
+            slots=DataSlots.of(
+                plan, self.share.cpus if self.share else cluster_cpus(), decode_in_read=self.decode.where == "read"
+            ),
             stall=self.stall,
             clock=self.actors["clock"],
             status=self.actors["status"],
@@ -436,7 +450,7 @@ def _after_fault(attempt: Attempt, plan: ResourcePlan, error, nodes: dict, fault
         raise TrainingFailed(f"training failed: {stop}")
     say(fault.line(faults.left))
     try:
-        new = wait_for_a_plan(cfg, cfg.node_wait_s)
+        new = wait_for_a_plan(cfg, cfg.node_wait_s, share=attempt.share)
     except ConfigError as e:
         raise TrainingFailed(
             f"training failed: {fault.summary()}, and for {cfg.node_wait_s:g} s no plan fitted the nodes left: {e}, "

@@ -92,6 +92,23 @@ def cluster_capacity() -> Capacity:
     )
 
 
+def share_of(capacity: Capacity, parts: int, cpus: float = 0, gpus: float = 0) -> Capacity:
+    """The part of `capacity` one of `parts` runs side by side plans for (a sweep's trials): `cpus`
+    and `gpus` where given, else an equal share; each node shrunk in proportion. A ConfigError
+    where a share is more than the cluster has, or no CPU."""
+    want_cpus = cpus or capacity.cpus // max(parts, 1)
+    want_gpus = gpus or capacity.gpus // max(parts, 1)
+    if want_cpus < 1 or (capacity.bounded and (want_cpus > capacity.cpus or want_gpus > capacity.gpus)):
+        raise ConfigError(
+            f"one trial's share ({want_cpus:g} CPU, {want_gpus:g} GPU) does not fit the cluster's {capacity.cpus} CPU "
+            f"and {capacity.gpus} GPU; lower --max-concurrent, or --trial-cpus/--trial-gpus"
+        )
+    fraction = want_cpus / capacity.cpus if capacity.cpus else 1.0
+    gpu_fraction = want_gpus / capacity.gpus if capacity.gpus else 0.0
+    nodes = tuple((c * fraction, g * gpu_fraction) for c, g in capacity.nodes)
+    return dataclasses.replace(capacity, cpus=int(want_cpus), gpus=int(want_gpus), nodes=nodes, host_cores=0)
+
+
 def machine_cores() -> int:
     """The cores this process may run on (its affinity where the OS has one)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
@@ -309,13 +326,16 @@ def leave_room_for_ingest(plan: ResourcePlan, capacity: Capacity, *, fixed: bool
     )
 
 
-def wait_for_a_plan(cfg: TrainConfig, wait_s: float, poll_s: float = 2.0) -> ResourcePlan:
-    """A plan for the nodes alive now, waiting up to `wait_s` for nodes to join where none
-    fits; the last ConfigError after that (it names what is missing and the flags that help)."""
+def wait_for_a_plan(
+    cfg: TrainConfig, wait_s: float, poll_s: float = 2.0, share: Capacity | None = None
+) -> ResourcePlan:
+    """A plan for the nodes alive now (`share`: for that part of the cluster, a sweep trial's),
+    waiting up to `wait_s` for nodes to join where none fits; the last ConfigError after that
+    (it names what is missing and the flags that help)."""
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            return plan_resources(cfg, cluster_capacity())
+            return plan_resources(cfg, share or cluster_capacity())
         except ConfigError:
             if time.monotonic() >= deadline:
                 raise

@@ -113,3 +113,30 @@ def write_tensorboard(run_dir: str, history: list[dict], timings: list[dict] | N
             with open(os.path.join(tmp, name), "rb") as f:
                 artifacts.write_bytes(artifacts.join(out, name), f.read())
     return out
+
+
+def sweep_png(rows: list[dict], params: list[str], metric: str) -> bytes:
+    """A sweep's `metric` against each swept setting, one panel a setting (a log axis for a
+    range over more than a decade; names and flags as categories)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, max(len(params), 1), figsize=(4 * max(len(params), 1), 3.4), squeeze=False)
+    for ax, param in zip(axes[0], params, strict=False):
+        values = [r[param] for r in rows]
+        scores = [r[metric] for r in rows]
+        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+        if numeric:
+            ax.scatter(values, scores)
+            positive = [v for v in values if v > 0]
+            if len(positive) == len(values) and max(values) > 10 * min(values):
+                ax.set_xscale("log")
+        else:
+            names = sorted({str(v) for v in values})
+            ax.scatter([names.index(str(v)) for v in values], scores)
+            ax.set_xticks(range(len(names)), names, rotation=20)
+        ax.set(xlabel=param, ylabel=metric)
+        ax.grid(alpha=0.3)
+    return _figure_bytes(fig)

@@ -1,0 +1,251 @@
+"""A sweep: Ray Tune over the job. Each Tune trial is a small driver function that trains one normal
+run (training.api.fit) under STORAGE_PATH/SWEEP/trial-<id>/, planned for its share of the cluster
+(training/planning.py share_of), and reports each epoch's figures to Tune from an epoch callback;
+Tune's own schedulers (ASHA), searchers (random, Optuna) and experiment restore do the rest.
+
+    from training import tune
+    sweep = tune({"data": "~/photos", "epochs": 10, "name": "photos-lr"}, "space.yaml",
+                 trials=16, max_concurrent=2)
+    print(sweep.best_command)
+
+Layout: SWEEP/tune/ is Tune's experiment (what restore reads), SWEEP/trial-<id>/ each trial's run,
+SWEEP/trials.csv and SWEEP/trials.png the sweep's table and plot (training/sweep_report.py).
+A trial that ASHA stops is ended by Tune (its actor exits): the trial's TorchTrainer, helper
+actors and placement groups are owned by that actor's process and go with it, as does its lease.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+
+from training.config import ConfigError, TrainConfig, error_line
+from training.space import Dimension, check_space, read_space
+
+TRIAL_DRIVER_CPUS = 0.05  # the Tune trial itself only waits on its TorchTrainer; its workers take the share
+METRICS = ("val_acc", "val_loss", "val_top5", "train_acc", "train_loss")
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepOptions:
+    """How the sweep runs (jobs.tune's flags beside the base config's)."""
+
+    trials: int = 8  # samples drawn from the space (each grid() value gets this many)
+    max_concurrent: int = 2  # trials at once; each plans for 1/max_concurrent of the cluster
+    scheduler: str = "asha"  # asha: Tune's ASHAScheduler stops poor trials early; none: every trial runs out
+    grace_epochs: int = 1  # ASHA never stops a trial before this many epochs
+    metric: str = "val_acc"
+    mode: str = "max"
+    search: str = "random"  # random: Tune's variant generator; optuna: Tune's OptunaSearch
+    trial_cpus: float = 0  # CPUs each trial plans for; 0: the cluster's / max_concurrent
+    trial_gpus: float = 0  # GPUs each trial plans for; 0: the cluster's / max_concurrent
+
+    def check(self, dims: list[Dimension]) -> None:
+        """ConfigError for a mistake (before Ray)."""
+        if self.trials < 1 or self.max_concurrent < 1 or self.grace_epochs < 1:
+            raise ConfigError("--trials, --max-concurrent and --grace-epochs must be 1 or more")
+        if self.metric not in METRICS:
+            raise ConfigError(f"--metric {self.metric}: use one of {', '.join(METRICS)}")
+        if self.mode not in ("max", "min") or self.scheduler not in ("asha", "none"):
+            raise ConfigError("--mode takes max or min; --scheduler asha or none")
+        if self.search == "optuna":
+            try:
+                import optuna  # noqa: F401
+            except ImportError:
+                raise ConfigError(
+                    "--search optuna: Optuna is not installed; pip install optuna, or use --search random"
+                ) from None
+            if any(d.kind == "grid" for d in dims):
+                raise ConfigError("--search optuna draws every setting itself; use choice() instead of grid()")
+        elif self.search != "random":
+            raise ConfigError(f"--search {self.search}: use random or optuna")
+
+
+def trial_run_name(trial_id: str) -> str:
+    return f"trial-{trial_id}"
+
+
+def run_trial(params: dict, *, base: dict, share) -> None:
+    """A Tune trial: the base config with the trial's values, trained as one run named after the
+    trial, each epoch's figures reported to Tune. A run that fails raises its one line: Tune
+    records it as the trial's error, and the sweep goes on."""
+    from ray import tune as ray_tune
+
+    from training.api import JobError, fit
+
+    config = base | params | {"name": trial_run_name(ray_tune.get_context().get_trial_id()), "fresh": False}
+    last = []  # the last epoch's figures: reported once the run has written its files (below)
+
+    def report(record):
+        numbers = {k: float(v) for k, v in record.metrics.items() if isinstance(v, (int, float))}
+        if record.epoch >= int(config["epochs"]):
+            last.append(numbers | {"epoch": record.epoch})
+        else:
+            ray_tune.report(numbers | {"epoch": record.epoch})
+
+    try:
+        fit(config, [report], log=lambda *a: None, share=share)
+    except JobError as e:
+        raise TrialFailed(str(e)) from None
+    if last:  # reported after fit: the scheduler ends a trial at its last epoch, before model.pt is written
+        ray_tune.report(last[-1])
+
+
+class TrialFailed(RuntimeError):
+    """A trial's run refused or failed: its message is the job's own line."""
+
+
+def base_config(config, name: str | None, storage_path: str | None) -> TrainConfig:
+    """The sweep's base TrainConfig (through the CLI's checks), with the sweep's name and an
+    absolute storage path: trials run in Tune's processes, whose working folder is not this one's."""
+    from training.api import as_config
+
+    cfg = as_config(config)
+    cfg = dataclasses.replace(cfg, name=name or cfg.name, storage_path=storage_path or cfg.storage_path)
+    if not cfg.name:
+        cfg = dataclasses.replace(cfg, name=time.strftime("sweep-%Y%m%d-%H%M%S"))
+    return cfg.with_defaults_resolved()
+
+
+def check_sweep(cfg: TrainConfig, space: str, options: SweepOptions) -> list[Dimension]:
+    """Every check that needs no Ray: the space, the options, the base config's data and files,
+    and the sweep's folder; the dimensions. ConfigError/DataError/... (exit 2) for a mistake."""
+    from training.api import as_config
+    from training.inputs import check_inputs
+
+    dims = read_space(space)
+    options.check(dims)
+    base = trial_base(cfg)
+    check_space(dims, base, as_config)
+    # the data, the preset and the files named: once, not in every trial (as a trial's run, whose
+    # folder lies inside the sweep's)
+    check_inputs(dataclasses.replace(cfg, storage_path=cfg.run_dir, name="trial-check"))
+    sweep_dir = cfg.run_dir
+    if "://" not in sweep_dir and os.path.isdir(sweep_dir) and os.listdir(sweep_dir):
+        if not os.path.isdir(os.path.join(sweep_dir, "tune")):
+            raise ConfigError(
+                f"--name {cfg.name}: {sweep_dir} holds files that are not a sweep's; choose another --name"
+            )
+    return dims
+
+
+def trial_base(cfg: TrainConfig) -> dict:
+    """The base config as a dict every trial starts from: its run goes under the sweep's folder."""
+    data = cfg.to_dict() | {"storage_path": cfg.run_dir}
+    if data["data"] and "://" not in data["data"]:
+        data["data"] = os.path.abspath(os.path.expanduser(data["data"]))
+    return {k: v for k, v in data.items() if v is not None}
+
+
+def tune(config, space: str, options: SweepOptions | None = None, *, name=None, storage_path=None, log=None):
+    """Run (or continue) a sweep of `config` (as training.fit takes it) over the --space file
+    `space`; a SweepResult. JobError with the CLI's line for a mistake (exit_code 2) or a sweep
+    that could not run (1); a failed trial is a row with its reason, not an error."""
+    from augment.errors import PresetError
+    from training.api import JobError
+    from training.forms.data import DataError
+    from training.storage import StorageError
+
+    options = options or SweepOptions()
+    log = log or (lambda *a: print(*a, flush=True))
+    try:
+        cfg = base_config(config, name, storage_path)
+        dims = check_sweep(cfg, space, options)
+    except (ConfigError, DataError, PresetError, StorageError) as e:
+        raise JobError(error_line(e), 2) from None
+    share = connect_and_share(cfg, options)
+    grid = run_tuner(cfg, dims, options, share, log)
+    from training.sweep_report import finish
+
+    result = finish(cfg, dims, options, grid, log)
+    # the grid lists the trials made so far: those Tune had not drawn yet are unfinished too
+    expected = options.trials * math.prod(len(d.args) for d in dims if d.kind == "grid")
+    unfinished = sum(r["status"] == "interrupted" for r in result.rows) + max(0, expected - len(result.rows))
+    if unfinished:  # Ctrl-C (Tune saves the experiment and returns)
+        raise JobError(
+            f"stopped: interrupted with {unfinished} trial(s) unfinished; the same command continues the sweep", 130
+        )
+    return result
+
+
+def connect_and_share(cfg: TrainConfig, options: SweepOptions):
+    """Join or start Ray; one trial's share of the cluster, checked by planning the base config
+    for it (JobError 2 where one trial cannot fit)."""
+    from training.api import JobError
+    from training.planning import cluster_capacity, plan_resources, share_of
+    from training.session import connect
+
+    try:
+        connect(cfg.verbose, cfg.dashboard)
+    except Exception as e:  # noqa: BLE001  (Ray's own start-up)
+        raise JobError(error_line(f"Ray did not start: {str(e).strip().splitlines()[0][:300]}"), 1) from None
+    try:
+        share = share_of(cluster_capacity(), options.max_concurrent, options.trial_cpus, options.trial_gpus)
+    except ConfigError as e:
+        raise JobError(error_line(e), 2) from None
+    try:
+        plan_resources(cfg, share)
+    except ConfigError as e:
+        where = f"one trial's share ({share.cpus} CPU, {share.gpus} GPU)"
+        raise JobError(error_line(f"{where} cannot hold its run: {e}; lower --max-concurrent"), 2) from None
+    return share
+
+
+def run_tuner(cfg: TrainConfig, dims: list[Dimension], options: SweepOptions, share, log):
+    """Tune's Tuner over the trials, restored from SWEEP/tune where an earlier run of the same
+    sweep left it (finished trials kept, unfinished ones run again: their runs resume from their
+    own checkpoints); Tune's ResultGrid."""
+    from ray import tune as ray_tune
+
+    from training.sweep_report import TrialEvents
+
+    trainable = ray_tune.with_resources(
+        ray_tune.with_parameters(run_trial, base=trial_base(cfg), share=share), {"CPU": TRIAL_DRIVER_CPUS}
+    )
+    param_space = {d.key: d.tune_domain() for d in dims}
+    path = cfg.run_dir.rstrip("/") + "/tune"
+    if ray_tune.Tuner.can_restore(path):
+        log(f"sweep {cfg.name}: continuing from {path} (finished trials are kept)")
+        tuner = ray_tune.Tuner.restore(path, trainable, resume_unfinished=True, param_space=param_space)
+    else:
+        tuner = ray_tune.Tuner(
+            trainable,
+            param_space=param_space,
+            tune_config=ray_tune.TuneConfig(
+                metric=options.metric,
+                mode=options.mode,
+                num_samples=options.trials,
+                max_concurrent_trials=options.max_concurrent,
+                scheduler=scheduler(cfg, options),
+                search_alg=searcher(options),
+                trial_dirname_creator=lambda trial: trial.trial_id,
+                trial_name_creator=lambda trial: trial_run_name(trial.trial_id),
+            ),
+            run_config=ray_tune.RunConfig(
+                name="tune",
+                storage_path=cfg.run_dir,
+                verbose=0,
+                callbacks=[TrialEvents(cfg.epochs, options.metric, log)],
+                failure_config=ray_tune.FailureConfig(max_failures=0),
+            ),
+        )
+    return tuner.fit()
+
+
+def scheduler(cfg: TrainConfig, options: SweepOptions):
+    if options.scheduler == "none":
+        return None
+    from ray.tune.schedulers import ASHAScheduler
+
+    grace = min(options.grace_epochs, cfg.epochs)
+    return ASHAScheduler(time_attr="epoch", max_t=cfg.epochs, grace_period=grace, reduction_factor=2)
+
+
+def searcher(options: SweepOptions):
+    if options.search != "optuna":
+        return None  # Tune's BasicVariantGenerator
+    from ray.tune.search.optuna import OptunaSearch
+
+    return OptunaSearch()
