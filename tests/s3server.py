@@ -21,7 +21,11 @@ from werkzeug.serving import make_server
 
 POLICIES = {  # IAM user -> the S3 actions it may take
     "writer": ["s3:*"],
-    "reader": ["s3:GetObject", "s3:ListBucket", "s3:GetBucketLocation"],
+    # AWS's names for reading, and moto 5.2's: it names some operations' actions after the operation
+    # (ListObjectsV2 as s3:ListObjectsV2, HeadObject as s3:HeadObject), where AWS checks s3:ListBucket and
+    # s3:GetObject; the reader may still do nothing but read
+    "reader": ["s3:GetObject", "s3:ListBucket", "s3:GetBucketLocation", "s3:ListObjectsV2", "s3:HeadObject"]
+    + ["s3:HeadBucket"],
 }
 
 
