@@ -17,12 +17,40 @@ Two launches over a grid of (output tile, image), for `chunk` images at a time (
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
 GRAY_R, GRAY_G, GRAY_B = 0.2989, 0.587, 0.114  # torchvision's rgb_to_grayscale (augment/ops.py _GRAY)
 RINT = 12582912.0  # 1.5 * 2**23: x + RINT - RINT rounds a float32 |x| < 2**22 half to even
 ROWS = 32  # source rows a horizontal pass takes at once (RB)
+
+
+def interpreter_loop_bounds_fixed() -> bool:
+    """Triton's interpreter before 3.8 reads a loop bound held in a tensor as int(array), which
+    NumPy 2.4 and later refuse for the interpreter's scalars, arrays of shape (1,) ("only
+    0-dimensional arrays can be converted to Python scalars"): every loop of these kernels has
+    such a bound. Under TRITON_INTERPRET=1 with such a Triton, the interpreter's tensors get 3.8's
+    reading (the array squeezed first). Whether it was needed."""
+    if os.environ.get("TRITON_INTERPRET") != "1" or tuple(map(int, triton.__version__.split(".")[:2])) >= (3, 8):
+        return False
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang_tensor
+    if getattr(patch, "squeezes", False):
+        return True
+
+    def squeezing(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    squeezing.squeezes = True
+    interpreter._patch_lang_tensor = squeezing
+    return True
+
+
+interpreter_loop_bounds_fixed()
 
 
 @triton.jit
@@ -76,9 +104,10 @@ def _rows(src, rs, ps, cs, h, w, top, left, j, row_end, x0, xe, cx, supx, kx, fi
 
 
 @triton.jit
-def _resample(src, rs, ps, cs, h, w, top, left, bh, bw, sy, sx, ry, rx, cols_ok, fill, RB: tl.constexpr):
-    """The box's antialiased resample at output rows `ry` (TH,) and columns `rx` (TW,) of the
-    resized image (`cols_ok`: those of the output): float32 (TH, TW) per channel in [0, 1]."""
+def _resample(src, rs, ps, cs, h, w, top, left, bh, bw, sy, sx, ry, rx, rows, cols_ok, fill, RB: tl.constexpr):
+    """The box's antialiased resample at output rows `ry` (TH,), ascending from the first to the
+    last of `rows` (two scalars), and columns `rx` (TW,) of the resized image (`cols_ok`: those of
+    the output): float32 (TH, TW) per channel in [0, 1]."""
     supy, supx = tl.maximum(sy, 1.0), tl.maximum(sx, 1.0)
     # taps an output position may have along each axis (more weigh nothing): 2 x support + 2
     ky, kx = (2.0 * supy).to(tl.int32) + 2, (2.0 * supx).to(tl.int32) + 2
@@ -87,7 +116,10 @@ def _resample(src, rs, ps, cs, h, w, top, left, bh, bw, sy, sx, ry, rx, cols_ok,
     r = tl.zeros((ry.shape[0], rx.shape[0]), tl.float32)
     g = tl.zeros((ry.shape[0], rx.shape[0]), tl.float32)
     b = tl.zeros((ry.shape[0], rx.shape[0]), tl.float32)
-    row_first, row_end = tl.min(y0, axis=0), tl.max(ye, axis=0)  # the tile's vertical span
+    # the tile's vertical span, from its first row's window to its last's (a row's window moves
+    # down with it): scalars, as Triton 3.6's interpreter takes no reduction's result as a loop bound
+    row_first, _, _ = _axis(rows[0], sy, supy, bh)
+    _, row_end, _ = _axis(rows[1], sy, supy, bh)
     for start in range(row_first, row_end, RB):
         j = start + tl.arange(0, RB)
         hr, hg, hb = _rows(src, rs, ps, cs, h, w, top, left, j, row_end, x0, xe, cx, supx, kx, fill, cols_ok)
@@ -137,12 +169,14 @@ def _store(ptr, base, r, g, b, valid, FLOAT_OUT: tl.constexpr):
 
 @triton.jit
 def _tile(t, OH, OW, TH: tl.constexpr, TW: tl.constexpr):
-    """Tile t's output rows and columns, clamped into the image, and which of its pixels are in it."""
+    """Tile t's output rows and columns, clamped into the image, which of its pixels are in it, and
+    its first and last row (scalars)."""
     tiles_x = tl.cdiv(OW, TW)
-    oy = (t // tiles_x) * TH + tl.arange(0, TH)
+    first = (t // tiles_x) * TH
+    oy = first + tl.arange(0, TH)
     ox = (t % tiles_x) * TW + tl.arange(0, TW)
     valid = (oy < OH)[:, None] & (ox < OW)[None, :]
-    return tl.minimum(oy, OH - 1), tl.minimum(ox, OW - 1), valid, ox < OW
+    return tl.minimum(oy, OH - 1), tl.minimum(ox, OW - 1), valid, ox < OW, (first, tl.minimum(first + TH - 1, OH - 1))
 
 
 @triton.jit
@@ -162,10 +196,11 @@ def tile_kernel(
     flip = tl.load(m + 14) != 0
     o0, o1, o2 = tl.load(m + 17), tl.load(m + 18), tl.load(m + 19)
     fb, fc, fs = tl.load(factors_ptr + i * 3), tl.load(factors_ptr + i * 3 + 1), tl.load(factors_ptr + i * 3 + 2)
-    oy, ox, valid, cols_ok = _tile(t, OH, OW, TH, TW)
+    oy, ox, valid, cols_ok, rows = _tile(t, OH, OW, TH, TW)
     col = tl.where(flip, OW - 1 - ox, ox)  # the flip: the mirrored column's pixel
     sy, sx = bh.to(tl.float32) / rh, bw.to(tl.float32) / rw
-    r, g, b = _resample(src, rs, ps, cs, h, w, top, left, bh, bw, sy, sx, oy0 + oy, ox0 + col, cols_ok, fill, RB)
+    rows = (oy0 + rows[0], oy0 + rows[1])
+    r, g, b = _resample(src, rs, ps, cs, h, w, top, left, bh, bw, sy, sx, oy0 + oy, ox0 + col, rows, cols_ok, fill, RB)
     base = ((i.to(tl.int64) * OH + oy[:, None]) * OW + ox[None, :]) * 3
     if fc != 1.0:
         # contrast's mean grey level is the whole image's as it stands before the contrast step:
@@ -195,7 +230,7 @@ def contrast_kernel(
         o0, o1, o2 = tl.load(m + 17), tl.load(m + 18), tl.load(m + 19)
         k = tl.arange(0, TILES_P2)
         mean = tl.sum(tl.load(partial_ptr + i * TILES + k, mask=k < TILES, other=0.0), axis=0) / (OH * OW)
-        oy, ox, valid, _ = _tile(t, OH, OW, TH, TW)
+        oy, ox, valid, _, _ = _tile(t, OH, OW, TH, TW)
         base = ((i.to(tl.int64) * OH + oy[:, None]) * OW + ox[None, :]) * 3
         r = tl.load(scratch_ptr + base, mask=valid, other=0.0)
         g = tl.load(scratch_ptr + base + 1, mask=valid, other=0.0)
