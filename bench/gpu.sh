@@ -8,6 +8,11 @@
 #   bash bench/gpu.sh --smoke --rehearse  # this machine: the carry set's quick check, the smoke on the CPU
 #   OUT=DIR bash bench/gpu.sh             # where feed.json, kit.tar.gz, profile.txt and the traces go
 #                                         #   (default: bench/results/<date>-gpu/)
+#   KIT_PYTHON=PATH bash bench/gpu.sh ... # the Python to run it with (default: .venv/bin/python where it
+#                                         #   exists, else python3; the rehearsal's: .venv/bin/python)
+#
+# The first line is bench/kit_versions.py's: the versions found, or the refusal of ones the kit is
+# known not to work with (exit 2, nothing else run).
 #
 # On a bare GPU machine with no network (Python 3.12, torch, no Ray): carry .gpu-carry/ (or $CARRY) with
 # the working tree (python -m bench.gpu_carry builds it here; docs/benchmarks.md, "The GPU kit", has the
@@ -28,6 +33,7 @@ for arg in "${ARGS[@]}"; do [ "$arg" = "--smoke" ] && SMOKE=1; done
 if [ "$REHEARSE" = 1 ]; then
     PY=${KIT_PYTHON:-.venv/bin/python}
     test -x "$PY" || make venv || exit 1
+    "$PY" -m bench.kit_versions --rehearse || exit 2
     if [ ! -f "$CARRY/carry.json" ]; then
         "$PY" -m bench.gpu_carry --out "$CARRY" || exit 1
     fi
@@ -39,6 +45,8 @@ fi
 
 PY=python3
 test -x .venv/bin/python && PY=.venv/bin/python
+PY=${KIT_PYTHON:-$PY}
+"$PY" -m bench.kit_versions || exit 2
 if ! "$PY" -c "import ray" 2>/dev/null; then
     ls "$CARRY"/*.whl >/dev/null 2>&1 || { echo "error: no Ray here and no $CARRY/*.whl to install; build it with python -m bench.gpu_carry" >&2; exit 2; }
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$CARRY"/*.whl || exit 1
