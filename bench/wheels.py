@@ -27,6 +27,7 @@ from bench.carry_set import (
     DEVICE_PACKAGES,
     DEVICE_PY,
     DROPPED_EXTRAS,
+    DROPPED_REQUIREMENTS,
     LZMA_MIN_BYTES,
     NO_STAND_IN,
     REPO,
@@ -160,7 +161,8 @@ def env_python(env: dict | None) -> str:
 
 
 def project_roots(pyproject: Path = REPO / "pyproject.toml") -> list[str]:
-    """The project's needs on the device: its dependencies and its `gpu` extra, less DROPPED_EXTRAS."""
+    """The project's needs on the device: its dependencies and its `gpu` extra, less DROPPED_EXTRAS
+    and DROPPED_REQUIREMENTS."""
     try:
         import tomllib
     except ImportError:  # Python 3.10: pip's copy of the same parser
@@ -171,6 +173,8 @@ def project_roots(pyproject: Path = REPO / "pyproject.toml") -> list[str]:
     out = []
     for line in [*project["dependencies"], *project["optional-dependencies"]["gpu"]]:
         req = Requirement(line)
+        if normalize(req.name) in DROPPED_REQUIREMENTS:
+            continue
         req.extras -= set(DROPPED_EXTRAS.get(normalize(req.name), {}))
         out.append(str(req))
     return out
