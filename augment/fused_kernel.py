@@ -10,7 +10,12 @@ Two launches over a grid of (output tile, image), for `chunk` images at a time (
   (TH, RB) weights @ (RB, TW) in float32 (the flip: each output column takes its mirror's taps).
   Then the jitter: all of it for an image
   that does not jitter contrast (the tile is final), only the steps before contrast for one that
-  does (the tile goes to `scratch` in float32, its grey level's sum to `partial`).
+  does (the tile goes to `scratch`, its grey level's sum to `partial`). For a uint8 output a
+  scratch pixel is packed in 32 bits (_pack: 11, 11 and 10 bits of fixed point, within 1/8 of a
+  level; 4 bytes where float32 took 12) where the image's meta says so (FusedPlan: where the
+  steps from contrast on scale that eighth to at most PACK_GAIN / 8 of a level, so that the
+  output stays within a level of the float32 path's), else float32; for a float32 output the
+  output itself is the scratch.
 * `contrast_kernel`: for an image that jitters contrast, the mean grey level from its tiles' sums,
   then contrast and the steps after it on the scratch's pixels, into the output.
 """
@@ -168,6 +173,34 @@ def _store(ptr, base, r, g, b, valid, FLOAT_OUT: tl.constexpr):
 
 
 @triton.jit
+def _pack(r, g, b):
+    """r, g, b in [0, 1] as one int32: 11, 11 and 10 bits of fixed point, rounded (b's error the
+    largest: 1 / 2046, an eighth of a uint8 level)."""
+    qr = (r * 2047.0 + 0.5).to(tl.uint32)
+    qg = (g * 2047.0 + 0.5).to(tl.uint32)
+    qb = (b * 1023.0 + 0.5).to(tl.uint32)
+    return (qr | (qg << 11) | (qb << 22)).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _load3(ptr, base, valid):
+    return (
+        tl.load(ptr + base, mask=valid, other=0.0),
+        tl.load(ptr + base + 1, mask=valid, other=0.0),
+        tl.load(ptr + base + 2, mask=valid, other=0.0),
+    )
+
+
+@triton.jit
+def _unpack(p):
+    p = p.to(tl.uint32, bitcast=True)
+    r = (p & 2047).to(tl.float32) / 2047.0
+    g = ((p >> 11) & 2047).to(tl.float32) / 2047.0
+    b = (p >> 22).to(tl.float32) / 1023.0
+    return r, g, b
+
+
+@triton.jit
 def _tile(t, OH, OW, TH: tl.constexpr, TW: tl.constexpr):
     """Tile t's output rows and columns, clamped into the image, which of its pixels are in it, and
     its first and last row (scalars)."""
@@ -193,7 +226,7 @@ def tile_kernel(
     bh, bw = tl.load(m + 8).to(tl.int32), tl.load(m + 9).to(tl.int32)
     rh, rw = tl.load(m + 10).to(tl.float32), tl.load(m + 11).to(tl.float32)
     oy0, ox0 = tl.load(m + 12).to(tl.int32), tl.load(m + 13).to(tl.int32)
-    flip = tl.load(m + 14) != 0
+    flip, packed = tl.load(m + 14) != 0, tl.load(m + 15) != 0
     o0, o1, o2 = tl.load(m + 17), tl.load(m + 18), tl.load(m + 19)
     fb, fc, fs = tl.load(factors_ptr + i * 3), tl.load(factors_ptr + i * 3 + 1), tl.load(factors_ptr + i * 3 + 2)
     oy, ox, valid, cols_ok, rows = _tile(t, OH, OW, TH, TW)
@@ -201,7 +234,8 @@ def tile_kernel(
     sy, sx = bh.to(tl.float32) / rh, bw.to(tl.float32) / rw
     rows = (oy0 + rows[0], oy0 + rows[1])
     r, g, b = _resample(src, rs, ps, cs, h, w, top, left, bh, bw, sy, sx, oy0 + oy, ox0 + col, rows, cols_ok, fill, RB)
-    base = ((i.to(tl.int64) * OH + oy[:, None]) * OW + ox[None, :]) * 3
+    pix = (i.to(tl.int64) * OH + oy[:, None]) * OW + ox[None, :]
+    base = pix * 3
     if fc != 1.0:
         # contrast's mean grey level is the whole image's as it stands before the contrast step:
         # the steps before it here, the rest in contrast_kernel once every tile has its sum
@@ -210,7 +244,12 @@ def tile_kernel(
         r, g, b = _blend(r, g, b, o1, fb, fc, fs, 0.0, before > 1)
         grey = tl.where(valid, r * 0.2989 + g * 0.587 + b * 0.114, 0.0)
         tl.store(partial_ptr + i * TILES + t, tl.sum(tl.sum(grey, axis=1), axis=0))
-        _store(scratch_ptr, base, r, g, b, valid, True)
+        if FLOAT_OUT:
+            _store(scratch_ptr, base, r, g, b, valid, True)
+        elif packed:
+            tl.store(scratch_ptr.to(tl.pointer_type(tl.int32)) + pix, _pack(r, g, b), mask=valid)
+        else:
+            _store(scratch_ptr, base, r, g, b, valid, True)
     else:
         r, g, b = _blend(r, g, b, o0, fb, fc, fs, 0.0, True)  # contrast, at factor 1, is the identity
         r, g, b = _blend(r, g, b, o1, fb, fc, fs, 0.0, True)
@@ -227,14 +266,18 @@ def contrast_kernel(
     fb, fc, fs = tl.load(factors_ptr + i * 3), tl.load(factors_ptr + i * 3 + 1), tl.load(factors_ptr + i * 3 + 2)
     if fc != 1.0:
         m = meta_ptr + i * 20
-        o0, o1, o2 = tl.load(m + 17), tl.load(m + 18), tl.load(m + 19)
+        o0, o1, o2, packed = tl.load(m + 17), tl.load(m + 18), tl.load(m + 19), tl.load(m + 15) != 0
         k = tl.arange(0, TILES_P2)
         mean = tl.sum(tl.load(partial_ptr + i * TILES + k, mask=k < TILES, other=0.0), axis=0) / (OH * OW)
         oy, ox, valid, _, _ = _tile(t, OH, OW, TH, TW)
-        base = ((i.to(tl.int64) * OH + oy[:, None]) * OW + ox[None, :]) * 3
-        r = tl.load(scratch_ptr + base, mask=valid, other=0.0)
-        g = tl.load(scratch_ptr + base + 1, mask=valid, other=0.0)
-        b = tl.load(scratch_ptr + base + 2, mask=valid, other=0.0)
+        pix = (i.to(tl.int64) * OH + oy[:, None]) * OW + ox[None, :]
+        base = pix * 3
+        if FLOAT_OUT:
+            r, g, b = _load3(scratch_ptr, base, valid)
+        elif packed:
+            r, g, b = _unpack(tl.load(scratch_ptr.to(tl.pointer_type(tl.int32)) + pix, mask=valid, other=0))
+        else:
+            r, g, b = _load3(scratch_ptr, base, valid)
         before = tl.where(o0 == 1, 0, tl.where(o1 == 1, 1, 2))
         r, g, b = _blend(r, g, b, o0, fb, fc, fs, mean, before <= 0)
         r, g, b = _blend(r, g, b, o1, fb, fc, fs, mean, before <= 1)
@@ -242,11 +285,21 @@ def contrast_kernel(
         _store(out_ptr, base, r, g, b, valid, FLOAT_OUT)
 
 
+def scratch_bytes(meta, factors, out_h: int, out_w: int, float_out: bool) -> int:
+    """The bytes the two launches write to the scratch and read back (beyond the op's inputs and
+    output) for `meta` and `factors` (FusedPlan's): an image that jitters contrast, a pixel's 4
+    bytes packed or 12 in float32 (a float32 output: written twice and read once), each twice."""
+    contrast = factors[:, 1] != 1.0
+    packed = (meta[:, 15] != 0) & contrast & (not float_out)
+    pixels = 2 * out_h * out_w
+    return int(packed.sum()) * pixels * 4 + int((contrast & ~packed).sum()) * pixels * 12
+
+
 def launch_shape(device_type: str) -> tuple[tuple[int, int], int]:
     """((TH, TW) output pixels a program computes, images a pair of launches takes). On a GPU
     32 x 32 tiles: many programs a batch, and a source row span that the taps of 32 output rows
-    share; and 32 images at a time, whose float32 scratch (19 MB at 224 px, reused by the next 32)
-    fits in a Hopper GPU's L2 between the two launches. Triton's interpreter (the CPU) pays per
+    share; and 32 images at a time, whose scratch (6.4 MB at 224 px packed, 19 MB in float32;
+    reused by the next 32) fits in a Hopper GPU's L2 between the two launches. Triton's interpreter (the CPU) pays per
     operation, not per element: 64 x 64 tiles and the whole batch there."""
     return ((64, 64), 1 << 30) if device_type == "cpu" else ((32, 32), 32)
 
@@ -262,7 +315,7 @@ def launch(meta, factors, out, fill: float, out_h: int, out_w: int, float_out: b
     chunk = min(chunk or images, len(meta))
     tiles = triton.cdiv(out_h, th) * triton.cdiv(out_w, tw)
     shape = (chunk, out_h, out_w, 3)
-    scratch = None if float_out else torch.empty(shape, dtype=torch.float32, device=out.device)
+    scratch = None if float_out else torch.empty(shape, dtype=torch.float32, device=out.device)  # packed: a third
     partial = torch.empty((chunk, tiles), dtype=torch.float32, device=out.device)
     for start in range(0, len(meta), chunk):
         m, f, o = meta[start : start + chunk], factors[start : start + chunk], out[start : start + chunk]

@@ -48,6 +48,17 @@ def _both(specs, images, seed: int = 3, epoch: int = 1, request=None):
     return pipe.finish(request, images, path="fused"), pipe.finish(request, images, path="ragged")
 
 
+def _close(got, expected, packed: bool = True) -> None:
+    """Within a level everywhere; the share of pixels a level off: but for a rounding tie (the
+    kernel computes in float32 as the torch path does on a CPU), or where images that jitter
+    contrast keep a packed scratch (an eighth of a level before the steps from contrast on), about
+    1 pixel in 30 of them."""
+    diff = (got.int() - expected.int()).abs()
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    assert int(diff.max()) <= 1
+    assert float((diff > 0).float().mean()) < (0.06 if packed else 1e-3)
+
+
 CASES = {
     "imagenet train": (_small(PRESETS["imagenet"].train, 40), [(90, 130), (61, 47), (40, 40), (123, 77)]),
     "imagenet eval": (_small(PRESETS["imagenet"].eval, 40, resize=46), [(90, 130), (61, 47), (50, 50), (47, 93)]),
@@ -55,15 +66,18 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("scratch", ["packed", "float32"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_the_kernel_gives_the_torch_paths_pixels(case):
+def test_the_kernel_gives_the_torch_paths_pixels(case, scratch, monkeypatch):
     """Odd sizes, a grayscale image, one in nvjpeg's planar layout: the kernel computes in float32
-    as the torch path does on a CPU, so the bytes agree but for a rounding tie."""
+    as the torch path does on a CPU, so with a float32 scratch (no image may pack it: PACK_GAIN
+    0) the bytes agree but for a rounding tie, and with the packed one within a level."""
+    if scratch == "float32":
+        monkeypatch.setattr(fused, "PACK_GAIN", 0.0)
     specs, sizes = CASES[case]
     got, expected = _both(specs, _images(sizes, gray=1, chw=2))
-    diff = (got.int() - expected.int()).abs()
-    assert got.shape == expected.shape and got.dtype == torch.uint8
-    assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 1e-3, case
+    assert got.dtype == torch.uint8
+    _close(got, expected, packed=scratch == "packed")
 
 
 def test_crops_touching_every_edge_and_the_scales_extremes():
@@ -179,8 +193,7 @@ def test_tiles_of_images_of_very_different_crops_in_one_batch(monkeypatch):
     images = _images([(300, 400), (50, 60), (97, 83), (210, 160), (64, 64)], chw=3)
     boxes = [[0, 0, 300, 400], [20, 30, 3, 3], [0, 81, 97, 2], [5, 0, 200, 160], [1, 2, 40, 60]]
     got, expected = _with_boxes(specs, images, boxes)
-    diff = (got.int() - expected.int()).abs()
-    assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 1e-3
+    _close(got, expected)
     specs, sizes = CASES["cifar train (padded crops)"]  # a crop's padding read across four tiles
     got, expected = _both(specs, _images(sizes, chw=1))
     assert int((got.int() - expected.int()).abs().max()) <= 1
@@ -203,8 +216,38 @@ def test_a_crop_of_a_4000_by_3000_photo(monkeypatch):
     specs = _small(PRESETS["imagenet"].train, 40)
     images = [synthetic_photo(3000, 4000, 0), synthetic_photo(90, 120, 1)]
     got, expected = _with_boxes(specs, images, [[700, 1100, 1500, 2000], [10, 10, 60, 90]])
-    diff = (got.int() - expected.int()).abs()
-    assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 1e-3
+    _close(got, expected)
+
+
+def test_a_packed_scratch_stays_within_a_level_up_to_the_largest_gain_it_is_kept_for(monkeypatch):
+    """Jitter of 0.6 each: the steps from contrast on scale a scratch pixel's error up to 1.6 x
+    2.2 x 1.6 = 5.6 times, under PACK_GAIN, so every image packs its scratch, in tiles and
+    chunks; the output still within a level of the torch path's."""
+    _small_tiles(monkeypatch, tile=(16, 16), chunk=2)
+    specs = [{"random_resized_crop": {"size": 40}}, {"color_jitter": dict.fromkeys(JITTER, 0.6)}]
+    pipe = Pipeline(specs, seed=5).at_epoch(0)
+    images = _images([(90, 130), (61, 47), (123, 77), (64, 64), (100, 100)])
+    sizes = torch.tensor([im.shape[:2] for im in images])
+    request = pipe.request(sizes, torch.arange(len(images)))
+    factors = request.draws.rest[0]["factors"][:, :3]
+    assert bool(fused.packable(factors).all()) and float(factors[:, 1].sub(1).abs().min()) > 0
+    got, expected = pipe.finish(request, images, path="fused"), pipe.finish(request, images, path="ragged")
+    _close(got, expected)
+
+
+JITTER = ("brightness", "contrast", "saturation")
+
+
+def test_an_image_whose_jitter_could_scale_the_packing_error_past_a_level_keeps_float32():
+    from augment.fused_kernel import scratch_bytes
+
+    factors = torch.tensor([[1.4, 1.4, 1.4], [1.8, 1.8, 1.8], [0.2, 1.9, 1.0], [1.9, 1.0, 1.9]])
+    assert fused.packable(factors).tolist() == [True, False, True, True]  # 3.5, 8.4, 0.4; no contrast
+    meta = torch.zeros((4, fused.META), dtype=torch.int64)
+    meta[:, 15] = fused.packable(factors)
+    pixels = 2 * 224 * 224  # each written once and read once
+    assert scratch_bytes(meta, factors, 224, 224, False) == pixels * (4 + 12 + 4)  # the last: no contrast
+    assert scratch_bytes(meta, factors, 224, 224, True) == pixels * 12 * 3  # a float32 output is its own
 
 
 def test_the_loads_an_output_pixel_grow_with_the_source_rows_not_rows_times_columns(monkeypatch):
