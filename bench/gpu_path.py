@@ -52,9 +52,9 @@ from bench.decode import encoded_photos
 class OpCounter(TorchDispatchMode):
     """Counts dispatched torch operations by kind (see the module's docstring), and the bytes the
     operations that are not views read and write: the tensors they are given (in lists too) and
-    return. `run_kernel=False` leaves the fused kernel's launch out and returns its output's
-    shape unfilled: its bytes are the same, and Triton's interpreter on a CPU takes minutes for
-    a batch of 1,024 photos."""
+    return, and the fused op's scratch (its own row of `bytes`). `run_kernel=False` leaves the
+    fused kernel's launch out and returns its output's shape unfilled: its bytes are the same,
+    and Triton's interpreter on a CPU takes minutes for a batch of 1,024 photos."""
 
     def __init__(self, run_kernel: bool = True):
         super().__init__()
@@ -76,11 +76,21 @@ class OpCounter(TorchDispatchMode):
         if kind != "views" and str(func.overloadpacket) not in ALLOCATIONS:
             given = {k: v for k, v in kwargs.items() if k != "out"}  # an out= tensor is the output, counted once
             self.bytes[str(func.overloadpacket)] += tensor_bytes(args) + tensor_bytes(given) + tensor_bytes(out)
+        if str(func.overloadpacket) == "rga.augment_first_ops":
+            self.bytes["rga.augment_first_ops scratch"] += fused_scratch_bytes(*args, **kwargs)
         return out
 
     @property
     def total_bytes(self) -> int:
         return sum(self.bytes.values())
+
+
+def fused_scratch_bytes(images, meta, factors, out_h, out_w, fill, float_out) -> int:
+    """What the fused op's two launches write to their scratch and read back, beyond its inputs
+    and output (augment/fused_kernel.py scratch_bytes)."""
+    from augment import fused_kernel
+
+    return fused_kernel.scratch_bytes(meta, factors, out_h, out_w, float_out)
 
 
 ALLOCATIONS = ("aten.empty", "aten.empty_like", "aten.new_empty", "aten.empty_strided")  # no byte moved
@@ -214,6 +224,11 @@ def main(argv=None) -> dict:
     for which in ("before", "after"):
         for size, counts in loads.get(which, {}).items():
             print(f"fused kernel {which}, {size} full frame to 224 px: {counts['issued']} loads an output pixel")
+    for size, moved in loads.get("traffic_bytes_an_image", {}).items():
+        print(
+            f"fused kernel after, {size} full frame to 224 px: {moved['source'] / 1e6:.2f} MB of the photo read, "
+            f"{moved['beyond_source'] / 1e6:.2f} MB beyond it (output, scratch, sums)"
+        )
     for amp, figures in result["trainer"].items():
         print(f"trainer, amp {amp}: {figures['bytes_per_image'] / 1e6:.2f} MB an image, {figures['ops']} operations")
     same = result["nothing_per_image"]

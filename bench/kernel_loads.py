@@ -12,6 +12,12 @@ whole photo, its flip and its colour jitter with contrast on), for a 500 x 375 p
   few scalars a program reads about its image), masked lanes included: what the loop bounds cost;
 * read: the elements whose mask is on, the bytes that are read.
 
+And the kernel after's memory traffic an image (`traffic`), its loads and stores counted by where
+they point: the photo's distinct bytes read (each read from memory at least once, however often
+its taps share it), the output's distinct bytes written, and the rest, each lane's bytes (the
+scratch of an image that jitters contrast, written once and read once, and the tiles' sums),
+the few scalars a program reads about its image apart.
+
 The kernel before, one program per image, runs here as one block of 65,536 lanes (its GPU launch:
 196 blocks of 256), the lanes past the 50,176 output pixels not counted: the same count as its
 GPU launch's, in one block's steps instead of 196. The kernel after runs at its GPU tiles.
@@ -52,6 +58,48 @@ def counting_loads(lanes: int | None = None):
         InterpreterBuilder.create_masked_load = load
 
 
+@contextlib.contextmanager
+def counting_traffic(source: torch.Tensor, out: torch.Tensor):
+    """Bytes the interpreter's loads and stores move, with their masks on: {"source": distinct
+    bytes of `source` read, "output": distinct bytes of `out` written, "scratch": every other
+    vector load's and store's bytes, "scalars": scalar loads' bytes}."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    spans = {name: (t.data_ptr(), t.data_ptr() + t.nbytes) for name, t in (("source", source), ("output", out))}
+    seen = {name: np.zeros(hi - lo, dtype=bool) for name, (lo, hi) in spans.items()}
+    counts = {"scratch": 0, "scalars": 0}
+    load, store = InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store
+
+    def tally(ptrs, mask, itemsize: int) -> None:
+        where = np.ravel(ptrs.data)[np.ravel(mask.data)].astype(np.int64)
+        if ptrs.data.size == 1:
+            counts["scalars"] += where.size * itemsize
+            return
+        rest = np.ones(where.size, dtype=bool)
+        for name, (lo, hi) in spans.items():
+            inside = (where >= lo) & (where < hi)
+            for byte in range(itemsize):
+                seen[name][where[inside] - lo + byte] = True
+            rest &= ~inside
+        counts["scratch"] += int(rest.sum()) * itemsize
+
+    def loaded(self, ptrs, mask, *args):
+        ret = load(self, ptrs, mask, *args)
+        tally(ptrs, mask, ret.data.dtype.itemsize)
+        return ret
+
+    def stored(self, ptrs, value, mask, *args):
+        tally(ptrs, mask, value.data.dtype.itemsize)
+        return store(self, ptrs, value, mask, *args)
+
+    InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store = loaded, stored
+    try:
+        yield counts
+    finally:
+        InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store = load, store
+        counts |= {name: int(bits.sum()) for name, bits in seen.items()}
+
+
 def full_frame_plan(h: int, w: int):
     """(image, meta, factors, fill) for the imagenet train preset's first three ops on one (h, w)
     photo with its box the whole frame and contrast jittered (factor 1.1)."""
@@ -74,15 +122,16 @@ def full_frame_plan(h: int, w: int):
 
 
 def count_after(h: int, w: int) -> dict:
+    """The kernel's loads, and its traffic (counting_traffic's bytes) as "traffic"."""
     from augment import fused_kernel
 
     image, meta, factors, fill = full_frame_plan(h, w)
     out = torch.empty((1, SIDE, SIDE, 3), dtype=torch.uint8)
-    with counting_loads() as counts:
+    with counting_loads() as counts, counting_traffic(image, out) as traffic:
         tile, _ = fused_kernel.launch_shape("cuda")
         fused_kernel.launch(meta, factors, out, fill, SIDE, SIDE, False, tile=tile)
     del image
-    return counts
+    return counts | {"traffic": traffic}
 
 
 def count_before(h: int, w: int) -> dict:
@@ -104,25 +153,37 @@ def loads_per_output_pixel() -> dict:
         return {"error": "counted through Triton's interpreter only: run with TRITON_INTERPRET=1"}
     pixels = SIDE * SIDE
     result = {"before": {}, "after": {}}
+    traffic = {}
     for name, (h, w) in SIZES.items():
         for which, count in (("before", count_before), ("after", count_after)):
             counts = count(h, w)
+            if "traffic" in counts:
+                moved = counts.pop("traffic")
+                beyond = moved["output"] + moved["scratch"] + moved["scalars"]
+                traffic[name] = moved | {"beyond_source": beyond, "all": beyond + moved["source"]}
             result[which][name] = {k: round(v / pixels, 1) for k, v in counts.items()}
     result["after_over_before"] = {
         name: round(result["after"][name]["issued"] / result["before"][name]["issued"], 3) for name in SIZES
     }
-    return result | {"scratch": scratch_bytes()}
+    return result | {"traffic_bytes_an_image": traffic, "scratch": scratch_bytes()}
 
 
 def scratch_bytes() -> dict:
-    """The float32 scratch the kernel writes and reads back for an image that jitters contrast
-    (uint8 output), beside bench.gpu_path's bytes (those of the op's inputs and output), and the
-    chunk of images that shares one scratch on a GPU (sized to stay in its L2)."""
+    """The scratch the kernel writes and reads back for an image that jitters contrast (uint8
+    output), packed and in float32 (an image whose jitter could scale the packing's error past a
+    level, augment/fused.py packable), and the chunk of images that shares one scratch on a GPU."""
     from augment import fused_kernel
 
     _, chunk = fused_kernel.launch_shape("cuda")
-    image = SIDE * SIDE * 3 * 4
-    return {"written_and_read_per_contrast_image": 2 * image, "images_a_chunk": chunk, "chunk_bytes": chunk * image}
+    meta, factors = torch.zeros((2, 20), dtype=torch.int64), torch.tensor([[1.0, 1.1, 1.0]] * 2)
+    meta[0, 15] = 1
+    packed, both = (
+        fused_kernel.scratch_bytes(m, f, SIDE, SIDE, False) for m, f in ((meta[:1], factors[:1]), (meta, factors))
+    )
+    return {
+        "written_and_read_per_contrast_image": {"packed": packed, "float32": both - packed},
+        "images_a_chunk": chunk,
+    }
 
 
 if __name__ == "__main__":
