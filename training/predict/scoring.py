@@ -19,8 +19,8 @@ import dataclasses
 
 import numpy as np
 
-from training import artifacts, storage
-from training.faults import driver_actor
+from training import storage
+from training.driver.faults import driver_actor
 from training.forms.data import Split
 from training.modelfile import ModelFile
 from training.rows import LABEL, PATH
@@ -98,7 +98,7 @@ def score_to(
     """Score every image of `splits` into `out` (see the module's docstring)."""
     import ray
 
-    from training.inference import scoring_dataset
+    from training.predict.inference import scoring_dataset
 
     ray.data.DataContext.get_current().execution_options.preserve_order = True
     if device == "auto":
@@ -151,7 +151,7 @@ def write(ds, out: str) -> None:
     try:
         (merge_csv if kind == "csv" else merge_parquet)(parts, out)
     finally:
-        artifacts.remove_tree(parts)
+        storage.remove_tree(parts)
 
 
 def part_files(folder: str, suffix: str) -> list[str]:
