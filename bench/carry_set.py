@@ -47,7 +47,7 @@ CARRY = (
         "pydantic's needs >=4.16 and the device's list gives no versions: carried, it shadows an older one "
         "(later releases keep every earlier name, so the device's torch takes it too)",
     ),
-    Carried("tensorboardx", "2.6.5", "ray[train]'s; training/plots.py writes event files with it"),
+    Carried("tensorboardx", "2.6.5", "ray[train]'s; training/driver/plots.py writes event files with it"),
     Carried("kornia", "0.9.0", "the augment ops on the GPU (pyproject)"),
     Carried("kornia-rs", "0.2.0", "kornia's"),
     Carried("simplejpeg", "1.9.0", "JPEG decoding on CPUs (pyproject)"),

@@ -108,12 +108,12 @@ def time_scan(root: str) -> tuple[int, float, object]:
 
 def time_read(tree) -> tuple[int, float, int]:
     """(images, seconds, encoded bytes) of every unit of both splits through read_units, a read
-    task's units at a time as training.ingest.SplitSource hands them out: the train split's in
+    task's units at a time as training.stream.ingest.SplitSource hands them out: the train split's in
     an epoch's order, the validation split's in their own."""
     import numpy as np
 
     from training.forms.formats import read_units
-    from training.ingest import ROWS_PER_TASK, epoch_order, read_plan
+    from training.stream.ingest import ROWS_PER_TASK, epoch_order, read_plan
 
     images = nbytes = 0
     start = time.perf_counter()

@@ -12,7 +12,7 @@ Seeds, written with Pillow and pyarrow in the layouts the job reads:
   jpeg png gif webp bmp tiff   a 56 x 40 image each (JPEG baseline and progressive; TIFF plain,
   tiff-lzw tiff-pages          LZW-compressed, and two pages): augment.decode's decode_image
                                (full size and at 1/2, as the CPU train path decodes) and
-                               read_header, and training.inputs' header sampling (typical_size)
+                               read_header, and training.driver.inputs' header sampling (typical_size)
   tar                          a WebDataset shard (<class>/<key>.jpg + .cls, tarfile in
                                webdataset's layout): training.forms.webdataset's scan (scan_data),
                                then every unit through the read task's function
@@ -192,8 +192,8 @@ def mutate(data: bytes, rng: random.Random, hot: list[tuple[int, int]]) -> bytes
 def check_image(fmt: str, data: bytes, work: Path) -> str:
     """A mutant image's outcome, "decoded" or "bad"; anything else raises."""
     from augment.decode import BadImage, decode_image, read_header
+    from training.driver.inputs import typical_size
     from training.forms.data import make_split
-    from training.inputs import typical_size
 
     (work / "mutant").write_bytes(data)
     typical_size(make_split(str(work), ["mutant"], [0], [len(data)]))  # --preset auto's sample: a size or None

@@ -2,7 +2,7 @@
 YAML that changes settings quietly or takes the machine (aliases and the alias bomb, anchors,
 tags, keys given twice, YAML 1.1's number and text forms, long values, nesting), some of them
 then mutated with YAML's own punctuation. Each goes through the job's reading
-(training.flags.load_config_file, then TrainConfig): it must be read as meant (where the case
+(training.driver.flags.load_config_file, then TrainConfig): it must be read as meant (where the case
 says what it means) or refused with one line, never anything else, and within a second.
 
 Columns in bench/fuzz.py's table: decoded (read, as meant where known); bad (refused in one line).
@@ -95,7 +95,7 @@ def check_settings(text: str, meant: dict | None, work: Path) -> str:
     """ "decoded" where the job reads `text` (as `meant`, where given), "bad" where it refuses it
     with one short line; AssertionError for anything else it does, or for taking too long."""
     from training.config import ConfigError, TrainConfig, error_line
-    from training.flags import load_config_file
+    from training.driver.flags import load_config_file
 
     path = work / "run.yaml"
     path.write_text(text)

@@ -9,7 +9,7 @@ Each tree is DIR/class<k>/<i>.jpg, photo-like JPEGs of 64-160 px in 100 classes,
 under --work (100,000 of them take about 0.5 GB; building a tree is not part of any figure).
 Each size runs in a fresh process with a fresh local Ray, as jobs.train does:
 training.forms.formats.scan_data, then the datasets exactly as jobs.train builds them
-(training.ingest.build_datasets, with the job's plan for this machine), the train split
+(training.stream.ingest.build_datasets, with the job's plan for this machine), the train split
 iterated in the driver for two epochs. Per tree size:
 
 * scan_s         the driver's scan of the tree (listing, split, keys);
@@ -81,13 +81,13 @@ def child(data: str, preset_name: str, batch: int) -> dict:
     import ray
 
     from augment.presets import load_preset
-    from training import planning
     from training.config import TrainConfig
+    from training.driver import planning
+    from training.driver.session import connect
     from training.forms.formats import scan_data
-    from training.ingest import build_datasets, choose_decode
-    from training.session import connect
-    from training.stamp import EpochClock
     from training.status import BadFileLog
+    from training.stream.ingest import build_datasets, choose_decode
+    from training.stream.stamp import EpochClock
 
     connect()
     cfg = TrainConfig(data=data, preset=preset_name, batch_size=batch)

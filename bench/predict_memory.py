@@ -1,5 +1,5 @@
 """The driver's peak memory of `jobs.predict` against the number of images: the rows stream from the
-Ray Data pipeline into the output (training/scoring.py), so it must not grow with them. Each size
+Ray Data pipeline into the output (training/predict/scoring.py), so it must not grow with them. Each size
 runs jobs.predict in a process of its own (its own local Ray), on a tree of tiny PNGs (the same few
 files repeated under new names), with a freshly initialised model.pt of the trainer's format; the
 driver's resident memory is sampled every 0.1 s (its own process, not Ray's workers).
@@ -49,9 +49,9 @@ def make_model(path: Path) -> None:
 
     from augment.presets import PRESETS
     from training.config import TrainConfig
+    from training.driver.results import model_bytes
     from training.forms.tree import scan_tree
     from training.model import resnet18
-    from training.results import model_bytes
 
     with tempfile.TemporaryDirectory() as tmp:
         make_tree(Path(tmp), 4)

@@ -3,7 +3,7 @@
     python -m bench.ray_floor          # prints one JSON line
 
 The same set-up as `jobs.train` on a machine of its own (a local cluster started by
-`training.session.connect`, Ray Train without its placement-group cleaner (training/ray_private.py)
+`training.driver.session.connect`, Ray Train without its placement-group cleaner (training/ray_private.py)
 with one worker and the job's data config, so no split coordinator), with no model, no
 images and no augmentation: the train loop takes one batch of a trivial Ray Data pipeline (a
 range, one map_batches task) and reports. It gives, from the process's start:
@@ -41,17 +41,17 @@ def _identity(batch):
 
 
 def main() -> dict:
-    from training.job import process_started_at
+    from training.driver.job import process_started_at
 
     started = process_started_at()
-    from training.session import connect
+    from training.driver.session import connect
 
     own_cluster = connect()
     import ray.data
     from ray.train import RunConfig, ScalingConfig
 
-    from training.ingest import SplitValUnequally
     from training.ray_private import trainer_without_placement_group_cleaner
+    from training.stream.ingest import SplitValUnequally
 
     ds = ray.data.range(1024, override_num_blocks=4).map_batches(_identity, batch_size=64)
     with tempfile.TemporaryDirectory(prefix="ray-floor-") as storage:
@@ -78,7 +78,7 @@ def main() -> dict:
 
 
 def parse(argv=None):
-    from training.flags import FlagParser
+    from training.driver.flags import FlagParser
 
     ap = FlagParser(prog="python -m bench.ray_floor", description=__doc__.split("\n")[0])
     ap.add_argument("--json", metavar="FILE", help="also write the figures to FILE as JSON")

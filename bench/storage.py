@@ -14,7 +14,7 @@ code, then times three things, local and S3 alternating within every round:
           shard whole, as training from prepared data reads it
 
 and, on S3 only, one 45 MB object (a model.pt's size) read whole as an input stream and as an
-input file (training/artifacts.py reads the second way).
+input file (training/storage.py reads the second way).
 
 Needs the test extras (moto, Flask). moto is a Python server: on loopback it adds no network
 latency, but it serves requests with one core's worth of Python, so the ratios show what a

@@ -62,8 +62,8 @@ def main(argv=None) -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
+    from training.driver.planning import machine_cores
     from training.forms.tree import default_dataset_dir
-    from training.planning import machine_cores
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": args.node_cpus, "include_dashboard": False})
     for _ in range(args.nodes - 1):

@@ -16,8 +16,8 @@ Cases (trees generated once under --work; building them is not timed):
 
 Variants, each in a fresh process, alternating their order round by round:
 
-* ray   training.forms.formats.scan_data + training.planning.plan_resources on a local cluster of this
-        machine's cores + training.ingest.build_datasets (what jobs.train hands its trainer),
+* ray   training.forms.formats.scan_data + training.driver.planning.plan_resources on a local cluster of this
+        machine's cores + training.stream.ingest.build_datasets (what jobs.train hands its trainer),
         the train split iterated in the driver with iter_torch_batches as the train loop
         does (batch 64; the local shuffle buffer and prefetching from epoch 1 on); Ray
         Data's own stats of the last epoch go to <work>/stats-<case>.txt;
@@ -132,13 +132,13 @@ def run_ray(
     import ray
 
     from augment.presets import load_preset
-    from training import planning
     from training.config import TrainConfig
+    from training.driver import planning
+    from training.driver.session import connect
     from training.forms.formats import scan_data
-    from training.ingest import build_datasets, choose_decode
-    from training.session import connect
-    from training.stamp import EpochClock
     from training.status import BadFileLog
+    from training.stream.ingest import build_datasets, choose_decode
+    from training.stream.stamp import EpochClock
 
     connect()
     cfg = TrainConfig(data=data, preset=preset_name, batch_size=batch, epochs=epochs, decode=decode, **overrides)

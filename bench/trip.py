@@ -4,7 +4,7 @@
     python -m bench.trip --json trip.json
 
 A CPU run of an image tree (80 JPEGs of 160 x 120, the imagenet preset at 64 px), in this
-process: a read task of training/ingest.py's SplitSource, training/stage.py's AugmentStage on
+process: a read task of training/stream/ingest.py's SplitSource, training/stream/stage.py's AugmentStage on
 its first 16 rows, then training/worker/'s BatchFeed, and loop.py's train_step and EpochMeter.
 The batch goes through once to warm up, then once traced: every call of a project function
 from a project function in another file is a call site (caller function -> callee function,
@@ -45,10 +45,10 @@ def _batch_runner(root: str):
     from augment.presets import PRESETS
     from training.config import TrainConfig
     from training.forms.formats import scan_data
-    from training.ingest import SplitSource
     from training.model import build_model
     from training.rows import EPOCH, IMAGE, KEY, LABEL
-    from training.stage import AugmentStage, StageArgs
+    from training.stream.ingest import SplitSource
+    from training.stream.stage import AugmentStage, StageArgs
     from training.worker.feed import BatchFeed
     from training.worker.learner import Learner
     from training.worker.loop import EpochMeter, train_step

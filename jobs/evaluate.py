@@ -14,7 +14,7 @@ import sys
 
 from jobs.predict import add_inference_arguments, auto_actors, check_numbers
 from training.config import error_line
-from training.flags import FlagParser
+from training.driver.flags import FlagParser
 
 OUTPUTS = ("confusion.png", "per_class.csv", "predictions.csv")  # what an evaluation writes into --out
 
@@ -41,11 +41,13 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    from training import artifacts, inference, plots, scoring, storage
+    from training import storage
+    from training.driver import plots
+    from training.driver.session import connect
     from training.forms.data import DataError
-    from training.session import connect
+    from training.predict import inference, scoring
 
-    out = args.out or artifacts.join(storage.parent(args.model), "eval")
+    out = args.out or storage.join(storage.parent(args.model), "eval")
     try:
         actors = check_numbers(args)
         info = inference.load_model_file(args.model)
@@ -58,7 +60,7 @@ def main(argv=None) -> int:
                 "(use jobs.predict for unlabelled images)"
             )
         storage.check_writable(out, "--out")
-        there = [f for f in OUTPUTS if artifacts.exists(artifacts.join(out, f))]
+        there = [f for f in OUTPUTS if storage.exists(storage.join(out, f))]
         if there and not args.overwrite:
             raise storage.StorageError(
                 f"--out {out} holds {', '.join(there)} already (an earlier evaluation's?); nothing was written; give "
@@ -71,7 +73,7 @@ def main(argv=None) -> int:
     report = scoring.score_to(
         info,
         splits,
-        artifacts.join(out, "predictions.csv"),
+        storage.join(out, "predictions.csv"),
         batch_size=args.batch_size,
         actors=actors or auto_actors(args.device),
         device=args.device,
@@ -79,8 +81,8 @@ def main(argv=None) -> int:
     )
     names = list(info.class_names)
     stats = inference.per_class(report.confusion, names)
-    artifacts.write_bytes(artifacts.join(out, "confusion.png"), plots.confusion_png(report.confusion, names))
-    artifacts.write_csv(artifacts.join(out, "per_class.csv"), stats)
+    storage.write_bytes(storage.join(out, "confusion.png"), plots.confusion_png(report.confusion, names))
+    storage.write_csv(storage.join(out, "per_class.csv"), stats)
     print(inference.per_class_table(stats))
     if report.unread:
         first = sorted(report.unread)[0]

@@ -18,9 +18,9 @@ import os
 import sys
 
 from training.config import error_line
-from training.flags import FlagParser
+from training.driver.flags import FlagParser
 
-FORMATS = ("onnx", "torchscript", "safetensors")  # training/export.py's, without importing torch for --help
+FORMATS = ("onnx", "torchscript", "safetensors")  # training/predict/export.py's, without importing torch for --help
 
 
 def parse(argv=None):
@@ -41,14 +41,14 @@ def parse(argv=None):
 def check_out(out: str, model: str, overwrite: bool) -> None:
     """StorageError unless `out` and its sidecar can be written: a writable place, not a folder, not the
     model itself, and not there already without --overwrite."""
-    from training import artifacts, storage
+    from training import storage
 
     storage.check_writable(storage.parent(out), "--out")
-    if artifacts.is_dir(out):
+    if storage.is_dir(out):
         raise storage.StorageError(f"--out {out.rstrip('/')}: a folder; give a file to write, e.g. {out}/model.onnx")
     if out == model or not storage.is_uri(out) and os.path.realpath(out) == os.path.realpath(model):
         raise storage.StorageError(f"--out {out}: the --model file itself; give another --out")
-    there = [p for p in (out, out + ".json") if artifacts.exists(p)]
+    there = [p for p in (out, out + ".json") if storage.exists(p)]
     if there and not overwrite:
         raise storage.StorageError(
             f"--out {out}: {' and '.join(there)} exist{'s' if len(there) == 1 else ''} already; nothing was "
@@ -58,7 +58,8 @@ def check_out(out: str, model: str, overwrite: bool) -> None:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    from training import artifacts, export, inference, storage
+    from training import storage
+    from training.predict import export, inference
 
     try:  # bad --model, --out or a missing library: exit 2 before anything is built
         export.check_libraries(args.format)
@@ -74,8 +75,8 @@ def main(argv=None) -> int:
         print(error_line(e), file=sys.stderr)
         return 1
     try:
-        artifacts.write_bytes(args.out, data)
-        artifacts.write_json(args.out + ".json", sidecar | {"file": args.out.rstrip("/").rsplit("/", 1)[-1]})
+        storage.write_bytes(args.out, data)
+        storage.write_json(args.out + ".json", sidecar | {"file": args.out.rstrip("/").rsplit("/", 1)[-1]})
     except OSError as e:
         print(error_line(f"--out {args.out}: writing failed ({e}); choose a writable path"), file=sys.stderr)
         return 1

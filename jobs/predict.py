@@ -8,7 +8,7 @@
 
 The model's own eval transform (saved in model.pt) prepares each image. One row per image:
 path (relative to --data), predicted, confidence, label, streamed from the Ray Data pipeline
-into the output (training/scoring.py): no process holds every row. When images sit in
+into the output (training/predict/scoring.py): no process holds every row. When images sit in
 directories named after the model's classes, the label is that name and the accuracy is
 printed. Exit codes: 0 done; 2 bad input (model file, data folder, --out), one line on stderr.
 """
@@ -19,7 +19,7 @@ import argparse
 import sys
 
 from training.config import error_line
-from training.flags import FlagParser
+from training.driver.flags import FlagParser
 
 
 def add_inference_arguments(ap: argparse.ArgumentParser) -> None:
@@ -77,9 +77,10 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    from training import inference, scoring, storage
+    from training import storage
+    from training.driver.session import connect
     from training.forms.data import DataError
-    from training.session import connect
+    from training.predict import inference, scoring
 
     try:  # bad flags, --model, --data or --out: exit 2 before Ray starts
         actors = check_numbers(args)
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
 
 def check_numbers(args) -> tuple[int, int] | None:
     """--batch-size, --gpus-per-actor and --actors ((min, max); None: auto), or ValueError with the line."""
-    from training import scoring
+    from training.predict import scoring
 
     if args.batch_size <= 0:
         raise ValueError(f"--batch-size must be positive, got {args.batch_size}")
@@ -130,27 +131,37 @@ def auto_actors(device: str) -> tuple[int, int]:
 
 def check_out(out: str, overwrite: bool) -> None:
     """StorageError unless `out` can be written: its folder writable, and what is there already replaced
-    only with --overwrite (a folder of Parquet files: its .parquet files)."""
-    from training import artifacts, scoring, storage
+        only with --overwrite (a folder: the Parquet files an earlier jobs.predict wrote there, by its record;
+    a folder with Parquet files of someone else's is refused)."""
+    from training import storage
+    from training.predict import scoring
 
     kind = scoring.out_kind(out)
     target = out.rstrip("/")
     storage.check_writable(storage.parent(target) if kind != "dir" else target, "--out")
-    if kind != "dir" and artifacts.is_dir(out):  # else found only after the whole inference
+    if kind != "dir" and storage.is_dir(out):  # else found only after the whole inference
         raise storage.StorageError(f"--out {target}: a folder; give a file to write, e.g. {target}/predictions.csv")
-    if kind == "dir" and artifacts.exists(target) and not artifacts.is_dir(target):
+    if kind == "dir" and storage.exists(target) and not storage.is_dir(target):
         raise storage.StorageError(f"--out {target}: a file; give a folder, or a name ending in .csv or .parquet")
-    if artifacts.exists(f"{target}.parts"):
+    if storage.exists(f"{target}.parts"):
         raise storage.StorageError(f"--out {target}: {target}.parts is in the way (an earlier run's parts); remove it")
-    there = artifacts.exists(target) and not (kind == "dir" and artifacts.is_empty_dir(target))
+    there = storage.exists(target) and not (kind == "dir" and storage.is_empty_dir(target))
     if there and not overwrite:
         what = "holds files already" if kind == "dir" else "exists already"
         raise storage.StorageError(
             f"--out {target} {what}; nothing was written; give another --out, or --overwrite to replace it"
         )
     if there and kind == "dir":
-        for old in scoring.part_files(target, ".parquet"):  # an earlier prediction's files, not others
-            artifacts.remove_file(old)
+        ours = scoring.earlier_parts(target)
+        if ours is None and scoring.part_files(target, ".parquet"):
+            raise storage.StorageError(
+                f"--out {target} holds Parquet files that jobs.predict did not write; nothing was removed; "
+                "give another --out"
+            )
+        for old in ours or []:  # an earlier prediction's files, and only those
+            storage.remove_file(old)
+        if ours is not None:
+            storage.remove_file(storage.join(target, scoring.PARTS_RECORD))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 
 from training.config import error_line
-from training.flags import FlagParser
+from training.driver.flags import FlagParser
 
 
 def parse(argv=None):

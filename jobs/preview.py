@@ -14,7 +14,7 @@ import functools
 import sys
 
 from training.config import error_line
-from training.flags import FlagParser
+from training.driver.flags import FlagParser
 
 
 def parse(argv=None):
@@ -43,10 +43,10 @@ def main(argv=None) -> int:
     args = parse(argv)
     from augment.presets import PresetError, load_preset
     from augment.preview import read_examples, render_grid
+    from training.driver.inputs import auto_preset, typical_size
     from training.forms.data import DataError
     from training.forms.formats import scan_data, shard_examples
     from training.forms.tree import default_dataset_dir
-    from training.inputs import auto_preset, typical_size
     from training.storage import StorageError, read_file
 
     try:

@@ -17,12 +17,12 @@ import sys
 import threading
 
 from augment.errors import PresetError
-from training import console
 from training.config import ConfigError, error_line
-from training.flags import FlagParser, add_arguments, parse_config
+from training.driver import console
+from training.driver.flags import FlagParser, add_arguments, parse_config
+from training.driver.inputs import prepare
+from training.driver.session import connect, quiet_ray_env
 from training.forms.data import DataError
-from training.inputs import prepare
-from training.session import connect, quiet_ray_env
 from training.storage import StorageError
 
 
@@ -55,7 +55,7 @@ class _Preload(threading.Thread):
             from augment.presets import load_preset
 
             self.preset = self.preset or load_preset(self.preset_name)
-            import training.job  # noqa: F401  (torch, Ray Train)
+            import training.driver.job  # noqa: F401  (torch, Ray Train)
         except BaseException as e:  # handed to the main thread, which reports it
             self.error = e
 
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
         return 1
     terminated = stop_on_sigterm()  # after Ray's start, whose own handler would print a stack dump
     preset = preload.result()  # a file preset was checked above; a built-in one cannot fail
-    from training import job
+    from training.driver import job
 
     try:
         bar = sys.stderr if not cfg.quiet and sys.stderr.isatty() else None  # no bar in log files or `ray job logs`

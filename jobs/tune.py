@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import sys
 
-from training.flags import FlagParser, add_arguments
-from training.sweep import SweepOptions
+from training.driver.flags import FlagParser, add_arguments
+from training.sweep.tuner import SweepOptions
 
 
 def parser() -> FlagParser:
@@ -39,11 +39,11 @@ def parser() -> FlagParser:
 
 
 def main(argv=None) -> int:
-    from training.api import JobError
     from training.config import ConfigError, error_line
-    from training.flags import parse_config
-    from training.session import quiet_ray_env
-    from training.sweep import tune
+    from training.driver.api import JobError
+    from training.driver.flags import parse_config
+    from training.driver.session import quiet_ray_env
+    from training.sweep.tuner import tune
 
     ap = parser()
     try:

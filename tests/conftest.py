@@ -75,11 +75,11 @@ TEST_STEM = "off"
 
 
 def prepare(cfg):
-    """training.inputs.prepare with a built-in preset loaded too: (cfg, tree, preset), what
-    jobs.train hands training.job.run; a config that leaves --small-stem at auto trains with
+    """training.driver.inputs.prepare with a built-in preset loaded too: (cfg, tree, preset), what
+    jobs.train hands training.driver.job.run; a config that leaves --small-stem at auto trains with
     TEST_STEM."""
     from augment.presets import load_preset
-    from training.inputs import prepare as check
+    from training.driver.inputs import prepare as check
 
     if cfg.small_stem == "auto":
         cfg = dataclasses.replace(cfg, small_stem=TEST_STEM)
@@ -100,7 +100,7 @@ def split_coordinators() -> set[str]:
 def _stop_shared_cluster():
     import ray
 
-    from training.session import PREEMPTION_WATCHER_ENV
+    from training.driver.session import PREEMPTION_WATCHER_ENV
 
     if ray.is_initialized():
         ray.shutdown()
@@ -141,7 +141,7 @@ def ray_cluster(s3):
     import ray
     from ray.cluster_utils import Cluster
 
-    from training.session import quiet_ray, without_preemption_watcher
+    from training.driver.session import quiet_ray, without_preemption_watcher
 
     kwargs = quiet_ray()
     without_preemption_watcher()
@@ -173,8 +173,8 @@ def gpu_node(ray_cluster, request):
     """A node with one GPU, for Ray to schedule by, added to the shared cluster for one test
     (torch sees no CUDA here). Indirect parametrization
     passes other `add_node` arguments (num_gpus, env_vars). The node says its GPUs are fake
-    (training.stage.FAKE_GPUS_ENV), so its GPU tasks may run on the CPU."""
-    from training.stage import FAKE_GPUS_ENV
+    (training.stream.stage.FAKE_GPUS_ENV), so its GPU tasks may run on the CPU."""
+    from training.stream.stage import FAKE_GPUS_ENV
 
     cluster = _shared["cluster"]
     args = {"num_cpus": 2, "num_gpus": 1} | getattr(request, "param", {})

@@ -1,4 +1,4 @@
-"""training.fit, the job driven from Python (training/api.py): the guide's example as written, epoch
+"""training.fit, the job driven from Python (training/driver/api.py): the guide's example as written, epoch
 callbacks (a stop rule, one that fails), and bad input raising the CLI's own line."""
 
 from __future__ import annotations

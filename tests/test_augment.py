@@ -16,7 +16,7 @@ from augment.pipeline import Pipeline, to_canvas
 from augment.presets import PRESETS, PresetError, load_preset, preset_from_dict
 from augment.rng import KeyedRng, reference_seed, reference_uniform
 from bench import fuzz_yaml
-from training.stage import AugmentStage, StageArgs
+from training.stream.stage import AugmentStage, StageArgs
 
 B = 64
 
@@ -180,7 +180,7 @@ def test_ragged_batch_equals_each_image_alone():
 
 
 def test_stage_stamps_every_row_with_the_epoch_it_augmented_for(ray_cluster):
-    from training.stamp import EpochClock
+    from training.stream.stamp import EpochClock
 
     batch = {"image": _batch(8).numpy(), "label": np.arange(8), "key": np.arange(8, dtype=np.int64)}
     clock = ray_cluster.remote(num_cpus=0)(EpochClock).remote()
@@ -611,7 +611,7 @@ def test_read_examples_takes_the_first_of_each_class(tree):
 
 def test_a_bad_augment_schedule_is_a_config_error_before_ray_starts(tree, tmp_path):
     from training.config import ConfigError, TrainConfig
-    from training.inputs import prepare
+    from training.driver.inputs import prepare
 
     with pytest.raises(
         ConfigError, match="--augment-schedule: unknown augmentation schedule 'fast'; valid: none, linear-decay"

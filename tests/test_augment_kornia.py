@@ -14,7 +14,7 @@ from augment.kornia_ops import kornia_choices
 from augment.pipeline import Pipeline, to_canvas
 from augment.presets import PresetError, load_preset, preset_from_dict
 from augment.rng import reference_seed
-from training.stage import AugmentStage, StageArgs
+from training.stream.stage import AugmentStage, StageArgs
 
 B = 16
 BASE = [{"random_crop": {"size": 32, "padding": 4}}, {"horizontal_flip": {"p": 0.5}}]
@@ -236,7 +236,7 @@ def test_built_in_presets_do_not_import_kornia():
     code = """
 import sys, numpy as np
 from augment.presets import PRESETS
-from training.stage import AugmentStage, StageArgs
+from training.stream.stage import AugmentStage, StageArgs
 batch = {"image": np.zeros((4, 40, 48, 3), np.uint8), "label": np.arange(4), "key": np.arange(4)}
 for name in PRESETS:
     for train in (True, False):

@@ -73,8 +73,8 @@ def _log():
 
 
 def _read_task(split, root, *, decode, log, relative=False) -> list:
-    """The blocks of one read task of `split`'s files (training/ingest.py _read_files)."""
-    from training import ingest
+    """The blocks of one read task of `split`'s files (training/stream/ingest.py _read_files)."""
+    from training.stream import ingest
 
     rows = pa.table({"path": list(split.rel_paths), "label": split.labels, "key": split.keys})
     return list(ingest._read_files(rows, root=str(root), decode=decode, bad_log=log, relative_paths=relative))
@@ -134,7 +134,7 @@ def test_a_jpeg_simplejpeg_fails_on_in_another_way_goes_to_pillow(monkeypatch):
 @pytest.mark.parametrize("name", sorted(BAD))
 def test_header_sampling_skips_a_bad_header(tmp_path, name):
     """--preset auto's typical size (jobs.train, jobs.preview): from the good files' headers."""
-    from training.inputs import typical_size
+    from training.driver.inputs import typical_size
 
     tree = scan_tree(str(_tree_with(tmp_path, name)), 0.0)
     assert typical_size(tree.train) == (32, 32)
@@ -185,10 +185,10 @@ def test_the_preview_passes_over_a_bad_file_and_says_so(tmp_path, capsys, name):
 
 
 def test_jobs_train_samples_headers_past_a_decompression_bomb(tmp_path):
-    """jobs.train's checks before Ray (training.inputs.prepare): the bomb is skipped for --preset
+    """jobs.train's checks before Ray (training.driver.inputs.prepare): the bomb is skipped for --preset
     auto's sample; training lists it later, as it lists any bad file."""
     from training.config import TrainConfig
-    from training.inputs import prepare
+    from training.driver.inputs import prepare
 
     root = _tree_with(tmp_path, "bomb")
     cfg, tree, name, _ = prepare(TrainConfig(data=str(root), storage_path=str(tmp_path / "runs"), name="r"))
@@ -241,11 +241,11 @@ def test_a_file_gone_from_object_storage_is_a_bad_file(s3, tmp_path):
 
 def test_the_datas_folder_or_prefix_gone_ends_the_run_in_one_line(s3, tmp_path):
     """Not one file's fault: the read task raises DataGone, which names the folder; the driver
-    stops the run on it at once (training/job.py worker_error), with that one line."""
+    stops the run on it at once (training/driver/job.py worker_error), with that one line."""
     import shutil
 
-    from training.ingest import DataGone
-    from training.job import worker_error
+    from training.driver.job import worker_error
+    from training.stream.gone import DataGone
 
     root = write_tree(tmp_path / "t", {"a": 3, "b": 3})
     uri = s3.upload(root, "s3://data/bad-files/all-gone")
@@ -272,13 +272,16 @@ def test_ray_datas_console_filter_drops_the_records_of_a_data_gone_and_nothing_e
     other record stays."""
     import logging
 
-    from training.console import QuietDataGone
+    from training.stream.gone import QuietDataGone
 
     def record(message, error=None):
         exc_info = (type(error), error, None) if error else None
         return logging.LogRecord("ray.data", logging.ERROR, __file__, 1, message, None, exc_info)
 
-    quiet, gone = QuietDataGone(), RuntimeError("ray::ReadImages()\ntraining.ingest.DataGone: /d: no such directory")
+    quiet, gone = (
+        QuietDataGone(),
+        RuntimeError("ray::ReadImages()\ntraining.stream.gone.DataGone: /d: no such directory"),
+    )
     assert not quiet.filter(record("An exception was raised from a task of operator", gone))
     try:
         raise gone
@@ -321,7 +324,7 @@ def test_a_broken_member_header_mid_shard_costs_its_sample_only(tmp_path, damage
     fails; or the whole 512-byte block zeroed): the scan goes on at the next valid header,
     lists the sample with the shard and the byte offset, and every sample after it is read
     back by the read task. (Before, the 7 samples from there on were dropped without a word.)"""
-    from training.audit import coverage
+    from training.driver.audit import coverage
     from training.forms.formats import scan_data
     from training.forms.webdataset import read_tar_units
     from training.records import KEY_MOD, ShardRecord
@@ -409,13 +412,13 @@ def test_shards_written_one_after_another_into_one_file_read_whole(tmp_path):
 def test_the_data_gone_mid_run_ends_it_with_one_line(ray_cluster, tmp_path, capfd):
     """The tree removed after the scan: the first read task's DataGone stops the run at once
     (no --max-failures retries) with that one line, and the console shows none of Ray Data's
-    traceback of it (training/console.py QuietDataGone); faults.log keeps the detail."""
+    traceback of it (training/stream/gone.py QuietDataGone); faults.log keeps the detail."""
     import shutil
     import time
 
     from tests.conftest import prepare
-    from training import job
     from training.config import TrainConfig
+    from training.driver import job
 
     root = write_tree(tmp_path / "t", {"a": 8, "b": 8})
     cfg, tree, preset = prepare(

@@ -12,7 +12,7 @@ import pytest
 
 from training.bounds import BUSY, INPUT_BOUND, Bound, DataSlots, epoch_bound, steady_bound, steady_verdict
 from training.config import TrainConfig
-from training.planning import Capacity, plan_resources
+from training.driver.planning import Capacity, plan_resources
 
 
 def _plan(cpus: int, gpus: int = 0, **flags):
@@ -164,7 +164,7 @@ def test_a_run_whose_augmentation_is_slow_says_decode_and_augment_bound_it(ray_c
     the whole epoch takes longer than the train worker's start-up, so it cannot all be ready
     before the first step (a 25 x 25 blur in one call could, once start-up got lighter)."""
     from tests.conftest import prepare, write_tree
-    from training import job
+    from training.driver import job
 
     data = write_tree(tmp_path / "data", {"a": 64, "b": 64})
     preset = tmp_path / "slow.yaml"

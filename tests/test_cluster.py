@@ -28,7 +28,7 @@ from PIL import Image
 
 from tests.conftest import TEST_STEM, bar_frames, registered_checkpoint, write_tree
 from training.config import ConfigError, TrainConfig
-from training.planning import Capacity, check_storage, plan_resources
+from training.driver.planning import Capacity, check_storage, plan_resources
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = str(Path(sys.executable).parent)  # `ray` and the `python` of job entrypoints
@@ -154,7 +154,7 @@ def test_torch_threads_never_outnumber_the_machines_cores(ray_cluster):
     CPUs on one machine) get as many torch threads per worker as the machine has cores for it:
     threads beyond the cores spin against each other and the augment tasks (docs/design.md,
     "Choices and where they were measured")."""
-    from training.planning import cluster_capacity, machine_cores
+    from training.driver.planning import cluster_capacity, machine_cores
 
     one_machine = Capacity(cpus=4, gpus=0, hosts=1, nodes=((2.0, 0.0), (2.0, 0.0)), host_cores=2)
     assert [plan_resources(TrainConfig(num_workers=n), one_machine).threads_per_worker for n in (1, 2)] == [2, 1]

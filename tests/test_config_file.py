@@ -8,7 +8,7 @@ import pytest
 
 from jobs.train import main, parser
 from training.config import ConfigError, TrainConfig
-from training.flags import load_config_file, parse_config
+from training.driver.flags import load_config_file, parse_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,7 +63,7 @@ def test_cli_exits_2_with_one_line(tmp_path, capsys):
 
 @pytest.mark.parametrize("name", ["cifar-local.yaml", "imagenet-cluster.yaml"])
 def test_example_configs_load_and_plan_on_the_cluster_they_are_for(name):
-    from training.planning import Capacity, plan_resources
+    from training.driver.planning import Capacity, plan_resources
 
     cfg, _ = parse_config(parser(), ["--config", str(REPO / "configs" / name)])
     assert cfg.epochs > 1 and cfg.name

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from tests.conftest import Terminal, bar_frames, write_tree
-from training.console import ConsoleFollower, terminal_size
+from training.driver.console import ConsoleFollower, terminal_size
 from training.status import EpochProgress, RunStatus
 
 REPO = Path(__file__).resolve().parents[1]
@@ -117,7 +117,7 @@ def test_a_clean_run_on_a_terminal_shows_a_live_bar_and_no_warnings(tmp_path):
 
 def test_a_train_worker_never_warns_of_the_object_stores_read_only_arrays():
     """Ray Data silences torch's warning about read-only arrays in a way that is not thread-safe;
-    the train worker's own filter holds in every thread (training/console.py quiet_worker_logs)."""
+    the train worker's own filter holds in every thread (training/worker/loop.py quiet_worker_logs)."""
     code = (
         "import numpy as np, torch\n{setup}\na = np.zeros(4, np.uint8); a.setflags(write=False)\ntorch.as_tensor(a)\n"
     )
@@ -125,7 +125,7 @@ def test_a_train_worker_never_warns_of_the_object_stores_read_only_arrays():
         setup: subprocess.run(
             [sys.executable, "-W", "error::UserWarning", "-c", code.format(setup=setup)], cwd=REPO, capture_output=True
         )
-        for setup in ("from training.console import quiet_worker_logs; quiet_worker_logs()", "pass")
+        for setup in ("from training.worker.loop import quiet_worker_logs; quiet_worker_logs()", "pass")
     }
     quiet, control = runs.values()
     assert quiet.returncode == 0, quiet.stderr.decode()[-2000:]

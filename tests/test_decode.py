@@ -260,7 +260,7 @@ def test_a_truncated_jpeg_is_not_left_to_nvjpeg(monkeypatch):
 
 
 def test_the_stage_decodes_bytes_and_reports_bad_files_by_path(encoded):
-    from training.stage import AugmentStage, StageArgs
+    from training.stream.stage import AugmentStage, StageArgs
 
     class Log:
         def __init__(self):

@@ -190,7 +190,7 @@ def test_a_batch_it_fails_on_goes_to_nvjpeg_alone_and_three_leave_it_for_good(mo
 
 def test_gpu_decoder_nvimgcodec_without_the_package_stops_before_ray(monkeypatch):
     from training.config import ConfigError
-    from training.inputs import check_gpu_decoder
+    from training.driver.inputs import check_gpu_decoder
 
     check_gpu_decoder("nvimgcodec")  # installed here
     monkeypatch.setattr(engines, "available", lambda: False)

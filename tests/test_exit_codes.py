@@ -47,9 +47,9 @@ def test_strict_on_a_tree_with_a_bad_file_exits_2_with_one_line(ray_cluster, sma
     assert err.count("\n") == 1, err  # the name's newline is written as \n: the error stays one line
     assert not (tmp_path / "strict" / "metrics.csv").exists()  # nothing was trained
     # the folder that bad_files.csv went to is the run's: a --fresh rerun may remove it
-    from training import artifacts
+    from training import storage
 
-    assert artifacts.is_run_dir(str(tmp_path / "strict"))
+    assert storage.is_run_dir(str(tmp_path / "strict"))
 
 
 def test_a_plan_the_cluster_cannot_hold_exits_2_with_one_line(ray_cluster, small_tree, tmp_path, capsys):
@@ -113,7 +113,7 @@ def test_a_loss_that_turns_non_finite_exits_1_with_one_line_and_no_model(ray_clu
 def test_ray_that_does_not_start_is_one_line_and_exit_1(small_tree, tmp_path, capsys, monkeypatch):
     """ray.init's own failures (a node that timed out starting on a loaded machine, an address with no
     cluster) are a fault outside the job: one line naming what was asked and where to look."""
-    from training import session
+    from training.driver import session
 
     def fails(*args, **kwargs):
         raise Exception("The current node timed out during startup. This could happen because ...\nmore")

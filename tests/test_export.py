@@ -1,6 +1,6 @@
 """jobs.export on a model.pt in the trainer's format (freshly initialised, as in tests/test_predict.py):
 each format, run by its own runtime and nothing of this project, gives the logits of jobs.predict's
-model (training/inference.py's Predictor) on the same images within 1e-4, at batch 1 and 5, fed as
+model (training/predict/inference.py's Predictor) on the same images within 1e-4, at batch 1 and 5, fed as
 its sidecar says; and each bad input is one line and exit 2. No Ray: export needs the file alone."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ TOLERANCE = 1e-4
 
 @pytest.fixture(scope="module")
 def model_and_images(tmp_path_factory):
-    from training.results import model_bytes
+    from training.driver.results import model_bytes
 
     root = tmp_path_factory.mktemp("export")
     data = write_tree(root / "data", {"cat": 3, "dog": 3, "eel": 3}, sizes=[(32, 32), (36, 30)])
@@ -54,7 +54,7 @@ def predict_logits(model_path, files) -> tuple[torch.Tensor, np.ndarray]:
     from PIL import Image
 
     from augment.batch import augment_batch
-    from training.inference import Predictor
+    from training.predict.inference import Predictor
 
     predictor = Predictor(str(model_path))
     images = np.empty(len(files), dtype=object)
@@ -130,7 +130,7 @@ def test_safetensors_in_plain_torchvision_gives_jobs_predicts_logits(model_and_i
 
 
 def test_sidecar_says_the_input_the_preprocessing_and_the_classes(model_and_images, exported):
-    from training.inference import load_model_file
+    from training.predict.inference import load_model_file
 
     model, _ = model_and_images
     info = load_model_file(str(model))
@@ -210,7 +210,7 @@ def test_overwrite_replaces_an_earlier_export(model_and_images, tmp_path, capsys
 
 def test_jobs_formats_are_the_librarys():
     from jobs import export as job
-    from training import export
+    from training.predict import export
 
     assert job.FORMATS == export.FORMATS
 
@@ -257,7 +257,7 @@ def test_the_guides_examples_print_jobs_predicts_classes_and_confidences(model_a
 def test_an_export_that_differs_from_jobs_predict_is_not_written(model_and_images, tmp_path, capsys, monkeypatch):
     """The check before writing: logits 1e-3 away (a stand-in for an exporter's error) are exit 1, one
     line, and no file."""
-    from training import export
+    from training.predict import export
 
     model, _ = model_and_images
     run = export.run_export
@@ -274,7 +274,7 @@ def test_model_and_out_on_object_storage(s3, model_and_images, capsys):
     land there, and a second export to the same --out is refused."""
     from safetensors.torch import load
 
-    from training.inference import load_model_file
+    from training.predict.inference import load_model_file
 
     model, _ = model_and_images
     s3.client.upload_file(str(model), "runs", "export/model.pt")

@@ -1,4 +1,4 @@
-"""How the driver names a fault and decides to go on (training/faults.py), from the errors
+"""How the driver names a fault and decides to go on (training/driver/faults.py), from the errors
 Ray Train 2.60 hands back; no cluster needed. tests/test_node_loss.py has the real faults."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import ray
 from ray.train import WorkerGroupError
 from ray.train.v2._internal.util import construct_user_exception_with_traceback
 
-from training.faults import Fault, FaultLog, describe
+from training.driver.faults import Fault, FaultLog, describe
 
 
 def _wrapped(exc: BaseException):
@@ -87,7 +87,7 @@ def test_the_run_goes_on_until_max_failures_are_used_up_and_never_after_the_same
 
 
 def test_only_a_fault_where_every_rank_lost_a_peer_waits_for_ray_to_declare_a_node_dead(monkeypatch):
-    from training import faults
+    from training.driver import faults
 
     monkeypatch.setattr(faults, "alive_nodes", lambda: {"a": "10.0.0.1", "b": "10.0.0.2"})
     nodes = {"a": "10.0.0.1", "b": "10.0.0.2"}

@@ -25,8 +25,8 @@ from PIL import Image
 
 from tests.conftest import TEST_STEM, bar_frames, prepare, registered_checkpoint, write_tree
 from tests.test_bad_files import tiff_pillow_breaks_on
-from training import job, planning
 from training.config import TrainConfig
+from training.driver import job, planning
 from training.forms.data import DataError
 from training.spec import StallLimits
 

@@ -13,7 +13,7 @@ from PIL import Image
 from jobs import preview
 from tests.conftest import write_tree
 from training.config import TrainConfig
-from training.inputs import auto_preset, check_inputs, preset_name
+from training.driver.inputs import auto_preset, check_inputs, preset_name
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -183,7 +183,7 @@ def test_a_mistake_is_one_line_within_two_seconds_before_ray_and_leaves_nothing(
     import ray
 
     from jobs import train as train_job
-    from training import inputs
+    from training.driver import inputs
 
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started"))
     monkeypatch.setattr(inputs, "local_gpus", lambda: 0)  # this machine as CI's: no GPU
@@ -198,7 +198,7 @@ def test_a_mistake_is_one_line_within_two_seconds_before_ray_and_leaves_nothing(
 
 
 def test_an_epoch_of_too_few_steps_is_warned_of_with_a_batch_size_that_gives_enough(tmp_path):
-    from training.inputs import few_steps_warning
+    from training.driver.inputs import few_steps_warning
 
     root = write_tree(tmp_path / "data", {"a": 45, "b": 45})
     cfg, tree = check_inputs(TrainConfig(data=str(root), val_fraction=0.0, storage_path=str(tmp_path / "runs")))

@@ -20,8 +20,8 @@ from PIL import Image
 
 from jobs.predict import main as predict
 from tests.conftest import exits_2, prepare
-from training import job
 from training.config import TrainConfig
+from training.driver import job
 from training.forms.data import DataError, split_of
 from training.forms.formats import data_kind, scan_data
 from training.forms.webdataset import expand_braces, read_tar_units
@@ -407,8 +407,8 @@ def test_shards_are_read_in_a_new_order_every_epoch_from_seed_and_epoch(ray_clus
     import ray
 
     from training.forms import webdataset
-    from training.ingest import read_split
-    from training.stamp import EpochClock
+    from training.stream.ingest import read_split
+    from training.stream.stamp import EpochClock
 
     monkeypatch.setattr(webdataset, "RUN_SAMPLES", 8)
     samples = _samples(30)
@@ -437,8 +437,8 @@ def test_shards_are_read_in_a_new_order_every_epoch_from_seed_and_epoch(ray_clus
 
 
 def test_an_export_and_a_manifest_on_s3_scan_as_on_disk(s3, formats, tmp_path):
+    from training.driver.inputs import check_inputs
     from training.forms.formats import read_units
-    from training.inputs import check_inputs
 
     root, _ = formats
     for local, remote in (

@@ -19,7 +19,7 @@ from augment.presets import PRESETS
 from augment.rng import KeyedRng, mix64, reference_seed, reference_uniform, salt
 from augment.streams import STREAMS, stream_seed
 from training.forms.data import in_validation, stable_hash
-from training.ingest import epoch_order
+from training.stream.ingest import epoch_order
 from training.worker.learner import rank_seed
 
 HASHES = {

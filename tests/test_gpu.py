@@ -105,7 +105,7 @@ def test_each_preset_gives_the_cpus_output_on_cuda(name):
 @pytest.mark.parametrize("device", ["cuda", "cuda:0"])
 def test_the_augment_stage_runs_on_cuda_named_with_or_without_an_index(device):
     """An actor pool's stage says "cuda" (Ray fixed its GPU), a task's "cuda:N"."""
-    from training.stage import AugmentStage, StageArgs
+    from training.stream.stage import AugmentStage, StageArgs
 
     stage = AugmentStage(StageArgs(PRESETS["cifar"], train=True, seed=0), device=device)
     images = np.stack([synthetic_photo(32, 32, i) for i in range(8)])
@@ -143,7 +143,7 @@ def test_a_cuda_bf16_run_augments_on_gpu_shares_and_covers_every_image(jpeg_tree
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     # a share of the trainer's GPU; a task given one where torch finds no CUDA fails the run
-    # (training.stage.task_device), so a run that finishes augmented on the GPU
+    # (training.stream.stage.task_device), so a run that finishes augmented on the GPU
     assert "augment tasks x (0.0625 GPU + 1 CPU)" in out, out[-4000:]
     (plan,) = [line for line in out.splitlines() if line.startswith("plan: ")]
     named = "nvImageCodec" if engines.available() else "nvjpeg"  # the decoder this environment has (ingest.gpu_decoder)

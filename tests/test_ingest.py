@@ -16,10 +16,10 @@ from ray import cloudpickle
 
 from augment.presets import PRESETS
 from tests.conftest import write_tree
-from training import planning
 from training.config import ConfigError, TrainConfig
+from training.driver import planning
 from training.forms.data import ImageTree, ShardFormat, make_split, sharded
-from training.ingest import build_datasets, choose_decode
+from training.stream.ingest import build_datasets, choose_decode
 
 CPU_2 = planning.Capacity(cpus=2, gpus=0, hosts=1)
 
@@ -108,8 +108,8 @@ def _same_sizes(small: list, large: list) -> None:
 
 def test_predict_and_evaluate_datasets_do_not_grow_with_the_dataset(ray_cluster, monkeypatch):
     """jobs.predict and jobs.evaluate both score through inference.scoring_dataset."""
-    from training.inference import scoring_dataset
     from training.modelfile import ModelFile
+    from training.predict.inference import scoring_dataset
 
     info = ModelFile(
         arch="resnet18",
@@ -150,7 +150,7 @@ def _epoch_keys(cfg, tree, clock, epochs) -> list[list[int]]:
 
 def test_every_epoch_reads_a_new_order_from_seed_and_epoch(ray_cluster, order_tree):
     from training.forms.formats import scan_data
-    from training.stamp import EpochClock
+    from training.stream.stamp import EpochClock
 
     tree = scan_data(str(order_tree), 0.1)
     assert len(tree.train) > 200
@@ -196,7 +196,7 @@ def test_decode_rule_by_device_preset_and_file_size(monkeypatch):
 
 
 def test_thumbnails_decoded_in_the_read_task_go_1024_to_a_task_unless_the_flag_says_otherwise():
-    from training.ingest import augment_rows
+    from training.stream.ingest import augment_rows
 
     photos, thumbs = _fake_tree(100).train, make_split("/x", ["a/1.png"], [0], [3_000])
     imagenet, cifar = PRESETS["imagenet"].train, PRESETS["cifar"].train
@@ -227,7 +227,7 @@ def test_thumbnails_decoded_in_the_read_task_go_1024_to_a_task_unless_the_flag_s
 def test_a_read_task_that_decodes_yields_a_block_per_cap_of_pixels(tmp_path, monkeypatch, layout, rows):
     """Every good file once, in order, in blocks of at most DECODED_BLOCK_BYTES of pixels (3
     images of 32x32 here); the bad files (x) reported once, by the task's last block."""
-    from training import ingest
+    from training.stream import ingest
 
     root = write_tree(tmp_path / "t", {"a": 5, "b": 5}, size=(32, 32))
     good = iter(f"{c}/{i:03d}.png" for i in range(5) for c in "ab")
@@ -338,7 +338,7 @@ def test_an_execution_runs_tasks_side_by_side_from_its_first_second(ray_cluster,
     from ray.data._internal.execution.resource_manager import ResourceManager
 
     from training.forms.formats import scan_data
-    from training.ingest import read_split
+    from training.stream.ingest import read_split
 
     patched = ResourceManager.get_global_limits
     original = getattr(patched, "__wrapped__", patched)
@@ -361,7 +361,7 @@ def _task_processes(split, args: dict, executions: int) -> list[dict[str, int]]:
     must have held a GPU."""
     import os
 
-    from training.ingest import read_split
+    from training.stream.ingest import read_split
 
     def who(batch):
         task = ray.get_runtime_context().get_task_id()
@@ -384,7 +384,7 @@ def test_gpu_augment_tasks_run_in_processes_that_outlive_the_epoch(gpu_node, ord
     first batch (about 7 s on an H200). The GPU is a fake node's: Ray schedules by it; torch
     sees no CUDA."""
     from training.forms.formats import scan_data
-    from training.stage import task_resources
+    from training.stream.stage import task_resources
 
     plan = planning.plan_resources(TrainConfig(device="cuda"), planning.Capacity(cpus=16, gpus=1, hosts=1))
     assert plan.augment_tasks and "augment tasks x (0.0625 GPU + 1 CPU)" in plan.describe()
@@ -404,11 +404,11 @@ def test_gpu_augment_tasks_run_in_processes_that_outlive_the_epoch(gpu_node, ord
 
 def _task_gpus(split, args: dict) -> list[dict]:
     """Per task of an augment-like map: the GPU Ray gave it, CUDA_VISIBLE_DEVICES as the task
-    saw it, and the index training.stage.cuda_index derives from the two."""
+    saw it, and the index training.stream.stage.cuda_index derives from the two."""
     import os
 
-    from training.ingest import read_split
-    from training.stage import cuda_index
+    from training.stream.ingest import read_split
+    from training.stream.stage import cuda_index
 
     Gate, wait_at = _gate()
     both = Gate.remote(count=2)  # a barrier: the first two tasks overlap, and so hold both GPUs
@@ -432,7 +432,7 @@ def test_a_gpu_augment_task_picks_the_gpu_ray_gave_it_on_a_node_of_several(gpu_n
     devices visible (GPU_TASK_ENV) and take the index of the id Ray gave them: on this node,
     whose GPUs are CUDA's 5 and 7, GPU "7" is torch's cuda:1."""
     from training.forms.formats import scan_data
-    from training.stage import task_resources
+    from training.stream.stage import task_resources
 
     plan = planning.plan_resources(
         TrainConfig(device="cuda", augment_gpus=0.75), planning.Capacity(cpus=16, gpus=2, hosts=1)
@@ -452,7 +452,7 @@ def test_a_gpu_augment_task_picks_the_gpu_ray_gave_it_on_a_node_of_several(gpu_n
 def test_a_gpu_task_where_torch_finds_no_cuda_fails_unless_the_node_says_its_gpus_are_fake(monkeypatch):
     """Augmenting on the CPU of a GPU node would pass every check but the speed: only a node that
     declares its GPUs fake (a test cluster's gpu_node) may."""
-    from training.stage import FAKE_GPUS_ENV, task_device
+    from training.stream.stage import FAKE_GPUS_ENV, task_device
 
     monkeypatch.setattr(ray, "get_gpu_ids", lambda: [0])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -467,7 +467,7 @@ def test_a_gpu_task_where_torch_finds_no_cuda_fails_unless_the_node_says_its_gpu
 
 
 def test_cuda_index_follows_the_nodes_visible_devices():
-    from training.stage import cuda_index
+    from training.stream.stage import cuda_index
 
     assert cuda_index(1, None) == 1 and cuda_index("1", "") == 1  # no CUDA_VISIBLE_DEVICES: Ray's ids are torch's
     assert cuda_index("3", "2,3") == 1 and cuda_index(" GPU-b", "GPU-a, GPU-b") == 1  # Ray's ids are its entries
@@ -529,7 +529,7 @@ def test_the_gpu_plans_datasets_augment_as_the_cpu_plans_do(gpu_node, order_tree
     Prepared shards read by row groups, which may hand the map fewer blocks than batches."""
     from jobs.prepare import main as prepare
     from training.forms.formats import scan_data
-    from training.stamp import EpochClock
+    from training.stream.stamp import EpochClock
 
     data = str(order_tree)
     if source == "prepared shards":
@@ -569,7 +569,7 @@ def test_a_task_process_keeps_its_pipeline_for_one_device_at_a_time(monkeypatch)
 
     import torch
 
-    from training import stage
+    from training.stream import stage
 
     emptied = []
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext(emptied.append(str(d))))

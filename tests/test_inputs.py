@@ -12,9 +12,9 @@ import torch
 import torchvision  # noqa: F401  (imported here so that the timings below measure the checks, not the import)
 
 from tests.conftest import exits_2
-from training import artifacts
+from training import storage
 from training.config import ConfigError, TrainConfig
-from training.inputs import check_inputs, start_fresh
+from training.driver.inputs import check_inputs, start_fresh
 
 
 class Trap:
@@ -127,8 +127,8 @@ def test_an_early_error_writes_nothing_under_the_storage_path(flags, message, tr
     """Neither the directories the write probe needed (created, then removed) nor a run directory."""
     existing = tmp_path / "existing"
     existing.mkdir()
-    for storage in (tmp_path / "new" / "deeper", existing):
-        args = ["--data", str(tree), "--storage-path", str(storage), "--name", "r", *flags]
+    for where in (tmp_path / "new" / "deeper", existing):
+        args = ["--data", str(tree), "--storage-path", str(where), "--name", "r", *flags]
         assert message in exits_2(args, capsys)
     assert sorted(os.listdir(tmp_path)) == ["data", "existing"] and os.listdir(existing) == []
 
@@ -137,7 +137,7 @@ def test_fresh_removes_the_old_run_only_once_every_input_has_passed(tree, tmp_pa
     old = tmp_path / "runs" / "r"
     old.mkdir(parents=True)
     (old / "metrics.csv").write_text("epoch\n1\n")
-    artifacts.mark_run_dir(str(old), "r")
+    storage.mark_run_dir(str(old), "r")
     bad = tmp_path / "bad.yaml"
     bad.write_text("train: [")
     common = ["--data", str(tree), "--storage-path", str(tmp_path / "runs"), "--name", "r", "--fresh"]
@@ -147,7 +147,7 @@ def test_fresh_removes_the_old_run_only_once_every_input_has_passed(tree, tmp_pa
     cfg, _ = check_inputs(TrainConfig(data=str(tree), storage_path=str(tmp_path / "runs"), name="r", fresh=True))
     assert old.exists()  # checking removes nothing
     start_fresh(cfg)
-    assert os.listdir(old) == [artifacts.RUN_MARKER]  # the old run's files gone; the folder is the new run's
+    assert os.listdir(old) == [storage.RUN_MARKER]  # the old run's files gone; the folder is the new run's
 
 
 # --------------------------------------------------------------------------- the files the job loads back
@@ -227,7 +227,7 @@ def test_flags_that_passed_every_check_and_failed_later_exit_2_before_ray(
 ):
     """Issue 53: a --seed torch.manual_seed refuses on the workers, GPU flags on a machine without
     one, more CPUs per worker than the machine has, sizes and counts beyond sense."""
-    from training import inputs
+    from training.driver import inputs
 
     monkeypatch.setattr(inputs, "local_gpus", lambda: 0)  # this machine as CI's: no GPU
     monkeypatch.setattr(inputs, "cuda_devices", lambda: 0)
@@ -242,7 +242,7 @@ def test_flags_that_passed_every_check_and_failed_later_exit_2_before_ray(
 def test_the_largest_seed_and_the_most_cpus_the_machine_has_are_taken(tree, tmp_path, monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    from training.inputs import check_local_machine
+    from training.driver.inputs import check_local_machine
 
     cfg = TrainConfig(data=str(tree), seed=2**64 - 1, cpus_per_worker=2, epochs=100_000, image_size=8192)
     check_local_machine(cfg)

@@ -20,8 +20,8 @@ import pytest
 
 from bench.interrupt import alive, descendants
 from tests.conftest import TEST_STEM, prepare, registered_checkpoint, write_tree
-from training import job
 from training.config import TrainConfig
+from training.driver import job
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -195,7 +195,7 @@ def test_ctrl_c_outside_the_trainer_is_one_line_and_exit_130(small_tree, tmp_pat
     """Ctrl-C while the run is planned or its datasets built (bench.interrupt found exit 1 and a
     traceback there): the same line as in training, and the command that goes on."""
     from jobs.train import main
-    from training import job, session
+    from training.driver import job, session
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

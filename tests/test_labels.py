@@ -331,7 +331,7 @@ def test_a_config_file_that_is_not_utf8_exits_2(tmp_path, capsys, no_ray, raw, m
 
 def test_a_utf16_config_file_is_read(tmp_path):
     from jobs.train import parser
-    from training.flags import parse_config
+    from training.driver.flags import parse_config
 
     (tmp_path / "run.yaml").write_bytes("# thé\nepochs: 3\n".encode("utf-16"))
     cfg, _ = parse_config(parser(), ["--config", str(tmp_path / "run.yaml")])

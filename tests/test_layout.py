@@ -25,12 +25,13 @@ LIGHT = {
     "training.config": ("torch", "ray"),
     "training.userfiles": ("torch", "ray", "yaml"),
     "training.spec": ("torch", "ray"),
-    "training.session": ("torch", "ray"),
-    "training.inputs": ("torch", "ray.train"),
+    "training.driver.session": ("torch", "ray"),
+    "training.driver.inputs": ("torch", "ray.train"),
     "training.ray_private": ("torch", "ray.train"),
-    "training.ingest": ("torch",),
-    "training.stage": ("torch",),
-    "training.stamp": ("torch",),
+    "training.stream.ingest": ("torch",),
+    "training.stream.stage": ("torch",),
+    "training.stream.stamp": ("torch",),
+    "training.stream.gone": ("torch", "ray"),
     "training.records": ("torch", "ray"),
     "training.rows": ("torch", "ray", "pyarrow"),
     "training.modelfile": ("torch", "ray"),
@@ -133,29 +134,32 @@ def test_no_module_is_over_500_lines(package):
     assert not long, long
 
 
-# the driver's planning and the rest of its side, which a train worker must not import
-DRIVER = (
-    "training.planning",
-    "training.job",
-    "training.faults",
-    "training.inputs",
-    "training.session",
-    "training.results",
-    "training.audit",
-)
+DRIVER = "training.driver."  # the driver's room: the run, its plan, its checks, its console
 FORMS = "training.forms"  # the data forms' wing: the driver scans, the read tasks read; never a train worker
 
 
-def test_the_worker_imports_nothing_of_the_drivers():
-    graph = _graph()
-    seen, todo = set(), [m for m in graph if m.startswith("training.worker")]
-    while todo:  # everything a worker module imports, however indirectly
+def _reached_from(graph: dict, prefix: str) -> set[str]:
+    """Every module that a module under `prefix` imports, however indirectly (itself included)."""
+    seen, todo = set(), [m for m in graph if m.startswith(prefix)]
+    while todo:
         module = todo.pop()
         if module not in seen:
             seen.add(module)
             todo += graph[module]
-    theirs = {m for m in seen if m in DRIVER or m == FORMS or m.startswith(FORMS + ".")}
+    return seen
+
+
+@pytest.mark.parametrize("room", ["training.worker.", "training.stream."])
+def test_the_worker_and_the_stream_import_nothing_of_the_drivers(room):
+    """The rule by prefix: a train worker and a Ray Data task run far from the driver, so nothing
+    under training/worker/ or training/stream/ imports anything under training/driver/."""
+    theirs = {m for m in _reached_from(_graph(), room) if m.startswith(DRIVER)}
     assert not theirs, sorted(theirs)
+
+
+def test_the_worker_imports_none_of_the_data_forms():
+    seen = _reached_from(_graph(), "training.worker.")
+    assert not {m for m in seen if m == FORMS or m.startswith(FORMS + ".")}
 
 
 def test_the_driver_reads_the_workers_through_the_records_only():
@@ -166,8 +170,9 @@ def test_the_driver_reads_the_workers_through_the_records_only():
     allowed |= {"IngestStalled"}
     taken = {
         (module, name)
-        for driver in DRIVER
-        for module, names in _imports(_modules()[driver])
+        for driver, path in _modules().items()
+        if driver.startswith(DRIVER)
+        for module, names in _imports(path)
         if module.startswith("training.worker")
         for name in names
     }

@@ -21,7 +21,7 @@ from training.bounds import DataSlots
 from training.config import TrainConfig
 from training.model import resnet18
 from training.spec import IngestNeeds, StallLimits, WorkerSpec
-from training.stamp import StaleBatch
+from training.stream.stamp import StaleBatch
 from training.worker import feed, loop, report
 from training.worker import learner as learn
 from training.worker.feed import BatchFeed, IngestStalled, IngestWatch

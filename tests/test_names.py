@@ -1,7 +1,7 @@
 """Names as the disk has them (issue 53): file and folder names that are not UTF-8 are read by
 their bytes and shown escaped (storage.shown_name); macOS's __MACOSX/ is skipped; one file under
 two names is said before Ray; a URI in a manifest is taken as a URI. No Ray here: the read task
-runs in-process (training/ingest.py _read_files)."""
+runs in-process (training/stream/ingest.py _read_files)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def _read(split, root, decode=True) -> list[str]:
     """The paths one in-process read task yields for `split`, and (via the bad-file log) none lost."""
     from types import SimpleNamespace
 
-    from training import ingest
+    from training.stream import ingest
 
     bad: list = []
     log = SimpleNamespace(add=SimpleNamespace(remote=bad.extend))
@@ -59,7 +59,7 @@ def test_a_tree_with_names_that_are_not_utf8_is_scanned_and_read(tmp_path):
     assert list(tree.train.keys) == [stable_hash(r) for r in tree.train.rel_paths]
     assert sorted(_read(tree.train, root)) == rel  # every file read by its bytes, none a bad file
     json.dumps(list(tree.class_names)).encode("utf-8")  # config.json, model.pt, the CSVs take them
-    from training.inputs import typical_size
+    from training.driver.inputs import typical_size
 
     assert typical_size(tree.train) == (32, 32)
 

@@ -1,4 +1,4 @@
-"""One run owns its folder (training/lease.py): a second jobs.train with the same name, --fresh
+"""One run owns its folder (training/driver/lease.py): a second jobs.train with the same name, --fresh
 included, is refused before Ray with one line naming the owner, and leaves the owner's files as they
 were; a lease whose owner is gone is taken over with one line. On a local disk and on S3."""
 
@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import exits_2, write_tree
-from training import lease
-from training.lease import LeaseHeld, Owner
+from training.driver import lease
+from training.driver.lease import LeaseHeld, Owner
 
 REPO = Path(__file__).resolve().parents[1]
 HOLD = (
-    "import sys, time; from training import lease; lease.acquire(sys.argv[1], 'r'); print('held', flush=True); "
+    "import sys, time; from training.driver import lease; lease.acquire(sys.argv[1], 'r'); print('held', flush=True); "
     "time.sleep(600)"
 )
 
@@ -71,7 +71,7 @@ def test_a_second_run_with_the_same_name_is_refused_before_ray_and_fresh_removes
 
 
 def test_fresh_clears_a_run_under_its_lease_and_keeps_the_lease(tmp_path):
-    """--fresh removes the old run's files, not the lease the new run holds (training.inputs.start_fresh)."""
+    """--fresh removes the old run's files, not the lease the new run holds (training.driver.inputs.start_fresh)."""
     from tests.conftest import prepare
     from training.config import TrainConfig
 

@@ -20,7 +20,7 @@ from training.model import resnet18
 
 @pytest.fixture(scope="module")
 def model_and_tree(tmp_path_factory):
-    from training.results import model_bytes
+    from training.driver.results import model_bytes
 
     root = tmp_path_factory.mktemp("predict")
     data = write_tree(root / "data", {"cat": 6, "dog": 6, "eel": 6}, sizes=[(32, 32), (36, 30)])
@@ -76,7 +76,7 @@ def test_predict_matches_torchvisions_eval_transform_and_the_model(ray_cluster, 
     from PIL import Image
 
     from jobs.predict import main
-    from training import inference
+    from training.predict import inference
 
     model_path, data = model_and_tree
     info = inference.load_model_file(str(model_path))
@@ -209,7 +209,7 @@ def test_a_model_file_with_the_right_keys_and_bad_values_is_one_line_before_ray(
     as a traceback. Each is one line naming what is wrong, exit 2, and Ray never starts."""
     import importlib
 
-    from training import session
+    from training.driver import session
 
     monkeypatch.setattr(session, "connect", lambda *a, **k: pytest.fail("Ray was started"))
     main = importlib.import_module(module).main
@@ -234,7 +234,7 @@ def test_predict_out_naming_a_folder_is_one_line_before_ray(model_and_tree, tmp_
     """A folder is where Parquet files go: one that holds the user's files is refused (as an existing
     file is); a folder named like a file is a mistake."""
     from jobs.predict import main
-    from training import session
+    from training.driver import session
 
     monkeypatch.setattr(session, "connect", lambda *a, **k: pytest.fail("Ray was started"))
     model, data = model_and_tree
@@ -263,7 +263,7 @@ def test_an_existing_output_is_kept_and_refused_in_one_line_before_ray(
     evaluate's three files) is refused before Ray unless --overwrite is given (the tests above)."""
     import importlib
 
-    from training import session
+    from training.driver import session
 
     monkeypatch.setattr(session, "connect", lambda *a, **k: pytest.fail("Ray was started"))
     model, data = model_and_tree
@@ -284,7 +284,7 @@ def test_an_existing_output_is_kept_and_refused_in_one_line_before_ray(
 def test_predictions_stream_into_parquet_files_a_parquet_file_or_a_csv_with_counts_not_rows(
     ray_cluster, model_and_tree, tmp_path, capsys
 ):
-    """training/scoring.py: the rows go from the pipeline into the output; the accuracy comes from a
+    """training/predict/scoring.py: the rows go from the pipeline into the output; the accuracy comes from a
     tally of counts. A folder gets Ray Data's Parquet files, FILE.parquet one file merged from them,
     FILE.csv one CSV; the same rows each way, in the input's order, and no parts left behind."""
     import pyarrow.parquet as pq

@@ -11,7 +11,7 @@ from jobs.prepare import main
 from tests.conftest import write_tree
 from training.forms.parquet import MANIFEST, is_prepared, scan_prepared
 from training.forms.tree import scan_tree
-from training.ingest import read_split
+from training.stream.ingest import read_split
 
 
 def _rows(ds) -> dict:

@@ -13,8 +13,8 @@ import torch
 
 import jobs.train
 from jobs.prepare import main as prepare
-from training import session
 from training.config import ConfigError, TrainConfig
+from training.driver import session
 
 RAY_ENV = (  # what connect() and quiet_ray_env() may set in this process
     "RAY_ADDRESS",
@@ -130,7 +130,7 @@ def test_local_only_inputs_given_as_uris_are_one_line_before_ray(tree, tmp_path,
 def test_prepared_shards_keep_the_val_fraction_they_were_prepared_with(tree, tmp_path, until_ray_init):
     """jobs.prepare fixes the split: the run uses and records (config.json is cfg.to_dict(), as
     printed) the shards' fraction, and one that asks for another is told so before Ray starts."""
-    from training.inputs import check_inputs
+    from training.driver.inputs import check_inputs
 
     shards = str(tmp_path / "prepared")
     assert prepare([str(tree), shards, "--val-fraction", "0.1"]) == 0

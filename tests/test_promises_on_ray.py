@@ -20,11 +20,11 @@ from training.forms.tree import scan_tree
 def test_a_rerun_resumes_from_the_latest_checkpoint_when_an_earlier_one_scored_better(ray_cluster, tmp_path):
     """README.md, "What a run writes": the best checkpoint by validation accuracy and the latest
     are kept, and a rerun of the name goes on from the latest. Ray Train with the job's own
-    CheckpointConfig (training/job.py checkpoint_config) over reports whose scores fall and rise."""
+    CheckpointConfig (training/driver/job.py checkpoint_config) over reports whose scores fall and rise."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from training.job import checkpoint_config
+    from training.driver.job import checkpoint_config
 
     def train_fn(config):
         import os
@@ -97,9 +97,9 @@ def photos(tmp_path_factory):
 def test_validation_decodes_photos_at_full_size_where_training_shrinks_them(ray_cluster, photos):
     import ray
 
-    from training import planning
-    from training.ingest import build_datasets, choose_decode
-    from training.stamp import EpochClock
+    from training.driver import planning
+    from training.stream.ingest import build_datasets, choose_decode
+    from training.stream.stamp import EpochClock
 
     cfg = TrainConfig(data=str(photos), preset="imagenet", val_fraction=0.5)
     tree, preset = scan_tree(str(photos), 0.5), PRESETS["imagenet"]
@@ -126,8 +126,8 @@ def test_predict_decodes_photos_at_full_size(ray_cluster, photos, tmp_path):
     """jobs.predict's confidences are the model's on the eval view of the full decode."""
     from augment.ops import Normalize
     from jobs.predict import main
+    from training.driver.results import model_bytes
     from training.model import resnet18
-    from training.results import model_bytes
 
     tree, preset = scan_tree(str(photos), 0.2), PRESETS["imagenet"]
     torch.manual_seed(0)

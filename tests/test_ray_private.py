@@ -35,7 +35,7 @@ def test_a_cluster_the_job_owns_runs_ray_train_without_the_placement_group_clean
 def test_the_train_loops_own_error_is_found_inside_ray_trains_wrapper():
     from ray.train.v2._internal.util import construct_user_exception_with_traceback
 
-    from training.job import worker_error
+    from training.driver.job import worker_error
     from training.worker.feed import IngestStalled
 
     try:

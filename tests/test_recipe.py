@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 import torchvision
 
-from training.audit import sampled_coverage
 from training.config import ConfigError, TrainConfig
+from training.driver.audit import sampled_coverage
 from training.forms.data import ImageTree, make_split
-from training.ingest import epoch_order
 from training.records import KEY_MOD, ShardRecord
+from training.stream.ingest import epoch_order
 from training.worker import recipe
 from training.worker.learner import Learner
 from training.worker.loop import evaluate, train_epoch

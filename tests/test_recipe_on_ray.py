@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from tests.conftest import prepare, write_tree
-from training import job
 from training.config import TrainConfig
+from training.driver import job
 
 
 def _run(log, **overrides):
@@ -24,7 +24,7 @@ def _run(log, **overrides):
 
 def test_ema_early_stop_class_weights_and_accumulation_on_two_ranks(ray_cluster, tmp_path):
     from augment.decode import decode_image
-    from training.inference import Predictor, load_model_file
+    from training.predict.inference import Predictor, load_model_file
 
     data = write_tree(tmp_path / "data", {"many": 40, "few": 8, "some": 16})
     lines = []

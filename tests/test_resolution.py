@@ -11,7 +11,7 @@ from augment.pipeline import Pipeline, to_canvas
 from augment.presets import PRESETS, PresetError, preset_from_dict
 from augment.schedule import parse_resize, resize_side
 from training.config import ConfigError, TrainConfig
-from training.stage import AugmentStage, StageArgs
+from training.stream.stage import AugmentStage, StageArgs
 
 
 def _canvas(b=6, h=32, w=32):
@@ -93,7 +93,7 @@ def test_resolution_mistakes_exit_2_before_ray_starts(tree, tmp_path, capsys, mo
     import ray
 
     import jobs.train
-    from training.inputs import sized_preset
+    from training.driver.inputs import sized_preset
 
     connected, was = [], ray.is_initialized()
     monkeypatch.setattr(jobs.train, "connect", lambda *a, **k: connected.append(a) or pytest.fail("Ray was started"))
@@ -115,8 +115,8 @@ def test_resolution_mistakes_exit_2_before_ray_starts(tree, tmp_path, capsys, mo
 
 def test_a_kornia_op_that_does_not_fit_a_runs_size_is_a_config_error_before_training():
     """A blur that fits the preset's 64 px but not the 8 px a progressive resize starts at: one
-    line from training.inputs.sized_preset (called before Ray Data starts), not a failed Ray task."""
-    from training.inputs import sized_preset
+    line from training.driver.inputs.sized_preset (called before Ray Data starts), not a failed Ray task."""
+    from training.driver.inputs import sized_preset
 
     blur = {"kornia.RandomGaussianBlur": {"kernel_size": [31, 31], "sigma": [0.1, 2.0], "p": 1.0}}
     train = [{"random_resized_crop": {"size": 64}}, blur]

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import exits_2
-from training import artifacts, lease
+from training import storage
 from training.config import TrainConfig
-from training.inputs import prepare
+from training.driver import lease
+from training.driver.inputs import prepare
 
 
 def _canary(top: Path) -> Path:
@@ -27,7 +28,7 @@ def _canary(top: Path) -> Path:
     for name in ("ours", "old"):
         (runs / name).mkdir(parents=True)
         (runs / name / "metrics.csv").write_text("epoch\n1\n")
-    artifacts.mark_run_dir(str(runs / "ours"), "ours")
+    storage.mark_run_dir(str(runs / "ours"), "ours")
     (runs / "old" / "config.json").write_text(json.dumps({"config": {"name": "old", "epochs": 1}}))
     (runs / "foreign").mkdir()
     (runs / "foreign" / "config.json").write_text('{"model_type": "bert"}')  # someone else's config.json
@@ -94,12 +95,12 @@ def test_fresh_removes_only_the_runs_own_directory(name, tree, tmp_path):
     runs = _canary(top)
     before = _snapshot(tmp_path)
     cfg, *_ = prepare(TrainConfig(data=str(tree), storage_path=str(runs), name=name, fresh=True))
-    assert sorted(os.listdir(runs / name)) == [".lease", artifacts.RUN_MARKER]  # the new run's, under its lease
+    assert sorted(os.listdir(runs / name)) == [".lease", storage.RUN_MARKER]  # the new run's, under its lease
     lease.release(cfg.run_dir)
     after = _snapshot(tmp_path)
     expected = {k: v for k, v in before.items() if not k.startswith(f"top/runs/{name}")}
     assert {k: v for k, v in after.items() if not k.startswith(f"top/runs/{name}")} == expected
-    assert set(after) - set(expected) <= {f"top/runs/{name}", f"top/runs/{name}/{artifacts.RUN_MARKER}"}
+    assert set(after) - set(expected) <= {f"top/runs/{name}", f"top/runs/{name}/{storage.RUN_MARKER}"}
 
 
 def test_fresh_leaves_an_empty_folder_and_its_storage_path_alone(tree, tmp_path):
@@ -128,17 +129,17 @@ def test_on_s3_fresh_removes_only_a_run_directory_of_this_job(s3, tree, no_ray, 
     for key, body in put.items():
         s3.client.put_object(Bucket="runs", Key=prefix + key, Body=body)
     for name in ("ours", "other"):
-        artifacts.mark_run_dir(f"s3://runs/{prefix}runs/{name}", name)
-    storage = f"s3://runs/{prefix}runs"
+        storage.mark_run_dir(f"s3://runs/{prefix}runs/{name}", name)
+    runs_uri = f"s3://runs/{prefix}runs"
     before = _objects(s3, prefix)
     for flags, message in (
         (["--name", "foreign", "--fresh"], "holds files that jobs.train did not write"),
         (["--name", "..", "--fresh"], "a run name is one folder name"),
         (["--name", ".", "--fresh"], "a run name is one folder name"),
     ):
-        assert message in exits_2(["--data", str(tree), "--storage-path", storage, *flags], capsys)
+        assert message in exits_2(["--data", str(tree), "--storage-path", runs_uri, *flags], capsys)
         assert _objects(s3, prefix) == before, flags
-    cfg, *_ = prepare(TrainConfig(data=str(tree), storage_path=storage, name="ours", fresh=True))
+    cfg, *_ = prepare(TrainConfig(data=str(tree), storage_path=runs_uri, name="ours", fresh=True))
     lease.release(cfg.run_dir)
-    after = {k: v for k, v in _objects(s3, prefix).items() if not k.endswith(f"/ours/{artifacts.RUN_MARKER}")}
+    after = {k: v for k, v in _objects(s3, prefix).items() if not k.endswith(f"/ours/{storage.RUN_MARKER}")}
     assert after == {k: v for k, v in before.items() if "/ours/" not in k}

@@ -24,8 +24,8 @@ import torch
 from PIL import Image
 
 from tests.conftest import prepare, write_tree
-from training import job, results
 from training.config import TrainConfig
+from training.driver import job, results
 from training.forms.formats import scan_data
 from training.forms.tree import scan_tree
 

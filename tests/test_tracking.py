@@ -1,4 +1,4 @@
-"""Live tracking (--log-to, training/tracking.py) read back by each tracker's own library or files, no
+"""Live tracking (--log-to, training/driver/tracking.py) read back by each tracker's own library or files, no
 network: TensorBoard's events while the run goes, MLflow's local store (search_runs,
 get_metric_history, the artifacts), W&B's offline run file; a resumed run adds to the same MLflow
 and W&B runs; a tracker that cannot be reached costs one warning line."""
@@ -15,8 +15,8 @@ import pytest
 from tests.conftest import TEST_STEM, event_scalars, write_tree
 from training import fit
 from training.config import ConfigError, TrainConfig
+from training.driver.tracking import Tracking, parse_log_to
 from training.records import EpochRecord
-from training.tracking import Tracking, parse_log_to
 
 
 def _wandb_records(run_dir: Path) -> list[tuple[str, dict]]:

@@ -15,9 +15,9 @@ import torch
 import torchvision
 
 from tests.conftest import Terminal, bar_frames, event_scalars, prepare, split_coordinators, write_tree
-from training import audit, job, planning
 from training.bounds import STAGES
 from training.config import ConfigError, TrainConfig
+from training.driver import audit, job, planning
 from training.records import RunRecord, ShardRecord
 
 REPO = Path(__file__).resolve().parents[1]
@@ -168,7 +168,7 @@ def test_image_size_is_trained_recorded_and_followed_by_inference(two_worker_run
     import numpy as np
 
     from augment.decode import decode_image
-    from training.inference import Predictor, load_model_file
+    from training.predict.inference import Predictor, load_model_file
 
     run_dir, _, tree, _ = two_worker_run
     config = json.loads((run_dir / "config.json").read_text())

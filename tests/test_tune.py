@@ -1,4 +1,4 @@
-"""jobs.tune / training.tune (training/sweep.py): the search-space syntax and its refusals (no Ray),
+"""jobs.tune / training.tune (training/sweep/tuner.py): the search-space syntax and its refusals (no Ray),
 and one sweep on the shared test cluster: 4 trials of up to 3 epochs, 2 at a time, under ASHA."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import TEST_STEM, write_tree
 from training.config import ConfigError, TrainConfig
-from training.space import check_space, parse_dimension, read_space
+from training.sweep.space import check_space, parse_dimension, read_space
 
 
 def _space(tmp_path: Path, text: str) -> str:
@@ -62,7 +62,7 @@ def test_a_bad_space_is_one_line_naming_the_fix(tmp_path, text, words):
 
 
 def test_each_value_is_checked_as_its_flag_would_be():
-    from training.api import as_config
+    from training.driver.api import as_config
 
     with pytest.raises(ConfigError, match=r"--space: batch_size = 'big': argument --batch-size: invalid int"):
         check_space([parse_dimension("batch_size", "choice([32, big])", "--space f")], {}, as_config)
@@ -97,8 +97,8 @@ def test_a_sweep_of_four_trials_under_asha_interrupted_and_continued(ray_cluster
     import ray
 
     from training import JobError, tune
-    from training.inference import load_model_file
-    from training.sweep import TRIAL_DRIVER_CPUS, SweepOptions
+    from training.predict.inference import load_model_file
+    from training.sweep.tuner import TRIAL_DRIVER_CPUS, SweepOptions
 
     data = write_tree(tmp_path / "data", {"a": 8, "b": 8})
     space = _space(tmp_path, "lr: grid([0.3, 0.03, 0.003, 0.0003])\n")  # 4 trials with known values
@@ -159,7 +159,7 @@ def test_each_trials_row_says_how_it_ended(tmp_path):
     import pandas as pd
 
     from training.config import TrainConfig
-    from training.sweep_report import trial_row
+    from training.sweep.report import trial_row
 
     cfg = TrainConfig(epochs=3, storage_path=str(tmp_path), name="sw")
 
@@ -189,7 +189,7 @@ def test_each_trials_row_says_how_it_ended(tmp_path):
 
 
 def test_a_trials_share_of_the_cluster_and_the_refusal_when_one_cannot_fit():
-    from training.planning import Capacity, plan_resources, share_of
+    from training.driver.planning import Capacity, plan_resources, share_of
 
     cluster = Capacity(cpus=4, gpus=2, hosts=2, nodes=((2.0, 1.0), (2.0, 1.0)))
     half = share_of(cluster, 2)

@@ -19,7 +19,7 @@ import jobs.train
 from augment.presets import PRESETS, load_preset
 from tests.conftest import exits_2, write_tree
 from training.config import ConfigError, TrainConfig
-from training.inputs import sized_preset
+from training.driver.inputs import sized_preset
 from training.model import build_model, initial_model, load_init_weights
 from training.weights import check_weights, torchvision_cache_file, torchvision_weights
 
@@ -252,10 +252,10 @@ def test_a_timm_model_and_one_of_the_users_train_and_predict(model, kind, ray_cl
 
 
 def test_a_model_file_of_each_kind_rebuilds_or_is_refused_in_one_line(tmp_path):
-    """jobs.predict's reader (training.inference.load_model_file) rebuilds a timm model and a
+    """jobs.predict's reader (training.predict.inference.load_model_file) rebuilds a timm model and a
     user's model from model.pt's arch; one whose module does not import here is refused."""
-    from training.inference import ModelFileError, load_model_file
     from training.modelfile import ModelFile
+    from training.predict.inference import ModelFileError, load_model_file
 
     def saved(arch: str, state: dict) -> str:
         transform = {"ops": [{"center_crop": {"size": 32}}], "mean": [0.5] * 3, "std": [0.5] * 3}

@@ -24,9 +24,9 @@ from PIL import Image
 
 from tests.conftest import exits_2, prepare
 from training.config import TrainConfig
+from training.driver.inputs import auto_preset, typical_size
 from training.forms import webdataset
 from training.forms.formats import read_units, scan_data
-from training.inputs import auto_preset, typical_size
 
 datasets.disable_progress_bars()  # its bars go to stderr, where a refusal must be the one line
 CLASSES = ("ant", "bee", "cow")
@@ -225,16 +225,16 @@ def _guide_snippet() -> str:
 
 def test_a_model_file_loads_and_predicts_with_torchvision_alone_as_the_guide_shows(tmp_path):
     """The guide's snippet (torch, torchvision and PIL only), run in a process that never imports
-    the project, reproduces the classes and confidences of training.inference.Predictor (what
+    the project, reproduces the classes and confidences of training.predict.inference.Predictor (what
     jobs.predict's actors run) on the same files, through the small stem and a resize + crop."""
     import torch
 
     from augment.decode import decode_image
     from augment.presets import PRESETS
+    from training.driver.results import model_bytes
     from training.forms.tree import scan_tree
-    from training.inference import Predictor, load_model_file
     from training.model import resnet18
-    from training.results import model_bytes
+    from training.predict.inference import Predictor, load_model_file
 
     code = _guide_snippet()
     imported = {a.name.split(".")[0] for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Import) for a in n.names}
@@ -289,7 +289,7 @@ def test_one_epoch_from_gzipped_shards_with_class_names_then_predict_names_them(
     """webdataset's .tar.gz shards with .cls indices and --class-names: the run, config.json and
     model.pt carry the names, and jobs.predict labels class-named folders by them."""
     from jobs.predict import main as predict
-    from training import job
+    from training.driver import job
 
     _shards(tmp_path / "gz" / "train-%04d.tar.gz", 8)
     (tmp_path / "names.txt").write_text("\n".join(CLASSES) + "\n")

@@ -3,8 +3,8 @@ trainer's input, named on the epoch line, in timings.csv and in summary.json, wi
 that would help.
 
 The figures are the stages' own timing, carried by the rows: each read task and each augment
-call time themselves and stamp every row they make with its share of that time (COSTS, seconds
-per image). The trainer sums the stamps of the rows it trains on (over the ranks) and times its
+call time themselves and stamp every row they make with its share of that time (training/rows.py
+COSTS, seconds per image). The trainer sums the stamps of the rows it trains on (over the ranks) and times its
 own waits for input. Each epoch is judged on its steady part, from its first batch on (the wait
 for that batch is the data tasks' start-up):
 
@@ -33,24 +33,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 
-import numpy as np
-
-READ_COST, AUGMENT_COST = "read_s", "augment_s"  # the row columns: seconds of that stage per image
-# the augment call's time on its CUDA stream per image, first operation to last (0 off a GPU): an upper
-# bound on the SMs' time, as the stream may idle in between (the kit's profile gives the SMs' own)
-AUGMENT_GPU_COST = "augment_gpu_s"
-COSTS = (READ_COST, AUGMENT_COST, AUGMENT_GPU_COST)
-DECODED_ON = "decoded_on"  # the row column: where its image was decoded (its index in augment.decode.DECODE_PLACES)
 INPUT_BOUND = 0.3  # the trainer's share of an epoch spent waiting for data (past the first batch)
 BUSY = 0.75  # a stage whose slots were this busy is the bound of an input-bound epoch
-
-
-def seconds_per_row(started: float, rows: int) -> np.ndarray:
-    """A stage's stamp for the `rows` rows it made: each one's share of the seconds since
-    `started` (time.perf_counter())."""
-    return np.full(rows, (time.perf_counter() - started) / max(rows, 1), dtype=np.float32)
 
 
 STAGES = ("read", "read + decode", "decode + augment", "hand-off", "trainer")
@@ -76,7 +61,7 @@ class DataSlots:
 
     @classmethod
     def of(cls, plan, cpus: float, *, decode_in_read: bool) -> "DataSlots":
-        """From a ResourcePlan (training/planning.py) and the cluster's CPUs: what the train
+        """From a ResourcePlan (training/driver/planning.py) and the cluster's CPUs: what the train
         workers leave Ray Data, in tasks of plan.augment_cpus."""
         left = max(cpus - plan.num_workers * plan.cpus_per_worker, plan.augment_cpus)
         tasks = max(1.0, math.floor(left / plan.augment_cpus + 1e-9))

@@ -62,7 +62,7 @@ LIMITS = {
     "image_size": 8192,  # px, the side the model sees
     "num_workers": 4096,  # train workers
     "threads_per_worker": 1024,  # torch threads
-    "cpus_per_worker": 1024,  # CPUs (and no more than the biggest node has: training/inputs.py, planning.py)
+    "cpus_per_worker": 1024,  # CPUs (and no more than the biggest node has: training/driver/inputs.py, planning.py)
     "augment_actors": 4096,  # per split
     "augment_batch_size": 1 << 16,  # images per augment call
     "augment_gpus": 64,  # GPUs per augment task or actor
@@ -249,7 +249,7 @@ class TrainConfig:
     stop_after: int = _f(0, "stop after this many epochs in this invocation (0 = run to --epochs); rerun to resume")
     log_to: str = _f(
         "",
-        "trackers to log to as the run goes, comma-separated: tensorboard, mlflow, wandb (training/tracking.py: "
+        "trackers to log to as the run goes, comma-separated: tensorboard, mlflow, wandb (training/driver/tracking.py: "
         "MLFLOW_TRACKING_URI, else a store in the run directory; W&B online where logged in, else offline)",
     )
     log_every: int = _f(0, "with --log-to: also log loss, learning rate and images/s every this many steps (0 = off)")

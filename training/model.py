@@ -267,7 +267,7 @@ def load_init_weights(model: torch.nn.Module, path: str, name: str = "resnet18")
     were loaded. ConfigError, one line naming the file and the fix, for a file that torch.load
     with weights_only=True refuses (a pickled object: it could run code), that is no state_dict,
     or in which fewer than half of the model's other tensors are found. The driver runs this
-    once before Ray starts (training.inputs.check_inputs), as every train worker does.
+    once before Ray starts (training.driver.inputs.check_inputs), as every train worker does.
     """
     fix = init_weights_fix(name)
     try:

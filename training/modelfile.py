@@ -5,7 +5,7 @@
 
 The file itself stays a plain dict (torch.load with weights_only=True reads it without this
 project: docs/guide.md, "Prediction and evaluation"); this object is how the project reads and
-writes it. training/results.py model_bytes writes one; training/inference.py load_model_file
+writes it. training/driver/results.py model_bytes writes one; training/predict/inference.py load_model_file
 checks a file's values and returns one. Light: no torch import.
 """
 

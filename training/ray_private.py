@@ -5,7 +5,7 @@ relies on; tests/test_ray_private.py runs them, so after a Ray upgrade it names 
 changed, which function here needs a new source and who calls it. Where Ray grows a
 public API for one of these, use it and delete the entry.
 
-Light at import (no torch, no Ray Train): training/console.py imports it in the entry
+Light at import (no torch, no Ray Train): training/driver/console.py imports it in the entry
 point's process. Each function imports what it needs.
 """
 
@@ -19,7 +19,7 @@ import time
 def autoscaler_ceiling() -> dict | None:
     """The most of each resource the cluster's autoscaler may reach (autoscaler v2, KubeRay),
     or None. Ray Train checks its workers against the same figure; no public API has it.
-    Used by training/planning.py, cluster_capacity."""
+    Used by training/driver/planning.py, cluster_capacity."""
     from ray._private.state import state
 
     return state.get_max_resources_from_cluster_config()
@@ -29,7 +29,7 @@ def v1_autoscaler_runs() -> bool:
     """True when `ray up`'s (v1) autoscaler manages this cluster. Every cluster's monitor
     writes a status; without an autoscaling config its read-only provider names each node's
     type "node_<node id>", while a real autoscaler uses the config's node types. `ray status`
-    reads the same key; no public API exposes it. Used by training/planning.py, cluster_capacity."""
+    reads the same key; no public API exposes it. Used by training/driver/planning.py, cluster_capacity."""
     from ray._private import ray_constants
     from ray.experimental.internal_kv import _internal_kv_get
 
@@ -63,7 +63,7 @@ def trainer_without_placement_group_cleaner():
     start-up, and without the dashboard it polls a state API that is not there, warning
     every few seconds. Ray Train has no switch for it (the preemption watcher has an
     environment variable; the cleaner has none), so this overrides the private hook that
-    builds the default callbacks. Used by training/job.py, _fit."""
+    builds the default callbacks. Used by training/driver/job.py, _fit."""
     from ray.train.torch import TorchTrainer
 
     class OwnClusterTorchTrainer(TorchTrainer):
@@ -77,20 +77,20 @@ def trainer_without_placement_group_cleaner():
 def worker_exception(failure: BaseException) -> BaseException:
     """The exception a train worker's function raised, from the wrapper Ray Train 2.60 puts in
     `WorkerGroupError.worker_failures` (it keeps the original only as a private attribute).
-    Used by training/job.py, worker_error."""
+    Used by training/driver/job.py, worker_error."""
     return getattr(failure, "_base_exc", failure)
 
 
 def worker_traceback(failure: BaseException) -> str | None:
     """The traceback string Ray Train 2.60 keeps beside a train worker's exception (the
-    exception itself arrives without its traceback). Used by training/faults.py, error_detail."""
+    exception itself arrives without its traceback). Used by training/driver/faults.py, error_detail."""
     return getattr(failure, "_traceback_str", None)
 
 
 def configure_ray_data_logging() -> None:
     """Ray Data configures its loggers when it is imported, from RAY_DATA_LOGGING_CONFIG; this
     does it again in a process that imported it before the variable was set. Used by
-    training/console.py quiet_worker_process."""
+    training/driver/session.py quiet_worker_process."""
     from ray.data._internal.logging import configure_logging
 
     configure_logging()
@@ -99,7 +99,7 @@ def configure_ray_data_logging() -> None:
 def job_runtime_env() -> dict:
     """The runtime env that `ray job submit` gave this driver ({} when it was started otherwise):
     ray.init refuses a runtime env of its own that sets the same fields. Used by
-    training/session.py connect."""
+    training/driver/session.py connect."""
     import json
     import os
 
@@ -124,7 +124,7 @@ def data_limits_from_the_start() -> None:
     then refreshed each second as Ray does), and keeps Ray's one-second refresh once they are
     known. Idempotent; it must run in the process that executes the dataset (the train
     worker, or with several workers the split coordinator), so SplitSource.get_read_tasks
-    calls it (training/ingest.py). No setting of Ray's does this."""
+    calls it (training/stream/ingest.py). No setting of Ray's does this."""
     from ray.data._internal.execution.resource_manager import ResourceManager
 
     original = ResourceManager.get_global_limits
@@ -236,17 +236,17 @@ def _check_data_limits():
 
 # (function here, its callers, check): a check returns None or what changed
 CHECKS = [
-    ("autoscaler_ceiling", "training/planning.py cluster_capacity", _check_ceiling),
-    ("v1_autoscaler_runs", "training/planning.py cluster_capacity", _check_v1_status),
+    ("autoscaler_ceiling", "training/driver/planning.py cluster_capacity", _check_ceiling),
+    ("v1_autoscaler_runs", "training/driver/planning.py cluster_capacity", _check_v1_status),
     ("pending_demands", "training/worker/feed.py IngestWatch", _check_demands),
-    ("trainer_without_placement_group_cleaner", "training/job.py _fit", _check_trainer_hook),
-    ("worker_exception", "training/job.py worker_error", _check_worker_exception),
-    ("worker_traceback", "training/faults.py error_detail", _check_worker_traceback),
+    ("trainer_without_placement_group_cleaner", "training/driver/job.py _fit", _check_trainer_hook),
+    ("worker_exception", "training/driver/job.py worker_error", _check_worker_exception),
+    ("worker_traceback", "training/driver/faults.py error_detail", _check_worker_traceback),
     (
         "configure_ray_data_logging",
-        "training/console.py quiet_worker_process",
+        "training/driver/session.py quiet_worker_process",
         lambda: _has("ray.data._internal.logging", "configure_logging"),
     ),
-    ("job_runtime_env", "training/session.py connect", _check_job_runtime_env),
-    ("data_limits_from_the_start", "training/ingest.py SplitSource.get_read_tasks", _check_data_limits),
+    ("job_runtime_env", "training/driver/session.py connect", _check_job_runtime_env),
+    ("data_limits_from_the_start", "training/stream/ingest.py SplitSource.get_read_tasks", _check_data_limits),
 ]

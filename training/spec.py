@@ -36,7 +36,7 @@ class IngestNeeds:
     autoscaling: bool
 
 
-# the resource arithmetic the plan (training/planning.py) and the feed's watch share
+# the resource arithmetic the plan (training/driver/planning.py) and the feed's watch share
 EPS = 1e-9  # Ray keeps resources to 4 decimals; compare with a little slack
 
 
@@ -60,7 +60,7 @@ def tasks_fit(free: list[Node], tasks: list[Node]) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class WorkerSpec:
-    """Everything train_loop reads, built once per attempt by the driver (training/job.py
+    """Everything train_loop reads, built once per attempt by the driver (training/driver/job.py
     Attempt.worker_spec)."""
 
     config: TrainConfig
@@ -74,9 +74,9 @@ class WorkerSpec:
     ingest: IngestNeeds
     slots: DataSlots  # what Ray Data may run at once: what bounds an epoch (training/bounds.py)
     stall: StallLimits
-    clock: Any  # the EpochClock actor (training/stage.py): rank 0 advances it before each epoch
+    clock: Any  # the EpochClock actor (training/stream/stage.py): rank 0 advances it before each epoch
     status: Any  # the RunStatus actor (training/status.py): progress and lines go to the driver through it
-    follow_epochs: bool = False  # the driver has epoch callbacks (training/epochs.py): wait for its verdict
+    follow_epochs: bool = False  # the driver has epoch callbacks (training/driver/epochs.py): wait for its verdict
     class_counts: tuple[int, ...] = ()  # the training split's images per class: --class-weights balanced's weights
 
     @property

@@ -1,6 +1,6 @@
 """The run's status while the trainer runs: what the train workers tell the driver (RunStatus, an
 actor on the driver's node), and a rank's side of it (EpochProgress, say). The driver reads it:
-training/console.py draws the bar and prints the lines, training/job.py reads the progress and
+training/driver/console.py draws the bar and prints the lines, training/driver/job.py reads the progress and
 the last checkpoint after a fault. Light: Ray only where a worker calls `say`."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 PROGRESS_INTERVAL_S = 0.5  # how often a rank posts its progress, and the driver redraws
-STOP = "stop"  # an epoch callback's verdict (training/epochs.py): end the run after this epoch
+STOP = "stop"  # an epoch callback's verdict (training/driver/epochs.py): end the run after this epoch
 VERDICT_POLL_S = 0.05  # how often the ranks ask for the driver's verdict on an epoch
 
 
@@ -21,7 +21,7 @@ class RunStatus:
         self.ranks: dict[int, tuple[int, int, float]] = {}  # rank -> (epoch, images, loss sum) so far
         self.lines: list[tuple[int, str]] = []  # (epoch, line) in the order rank 0 finished them
         self.checkpoint: str | None = None  # the last checkpoint registered: where a restart resumes
-        self.records: list = []  # rank 0's EpochRecords, for the driver's epoch callbacks (training/epochs.py)
+        self.records: list = []  # rank 0's EpochRecords, for the driver's epoch callbacks (training/driver/epochs.py)
         self.verdicts: dict[int, str] = {}  # epoch (1-based) -> the callbacks' verdict: STOP or "go"
         self.steps: list[dict] = []  # rank 0's figures every --log-every steps (StepLog), for the trackers
 
@@ -57,7 +57,7 @@ class RunStatus:
         self.ranks = {}
 
     def checkpointed(self, path: str) -> None:
-        """Ray Train's controller registered this checkpoint (training/faults.py, CheckpointNotice)."""
+        """Ray Train's controller registered this checkpoint (training/driver/faults.py, CheckpointNotice)."""
         self.checkpoint = path
 
     def last_checkpoint(self) -> str | None:
@@ -81,7 +81,7 @@ class EpochProgress:
     ):
         self.post, self.rank, self.epoch, self.enabled, self.steps = post, rank, epoch, enabled, steps
         self.interval_s, self.images, self._sums, self._last = interval_s, 0, None, time.monotonic()
-        if enabled:  # the epoch has begun: a fault from now on is this epoch's (training/faults.py)
+        if enabled:  # the epoch has begun: a fault from now on is this epoch's (training/driver/faults.py)
             self._post()
 
     def update(self, n_images: int, sums) -> None:
@@ -105,7 +105,7 @@ class EpochProgress:
 
 
 class StepLog:
-    """Rank 0's figures every `every` steps for the driver's trackers (--log-every, training/tracking.py):
+    """Rank 0's figures every `every` steps for the driver's trackers (--log-every, training/driver/tracking.py):
     the loss over those steps, the learning rate (`lr()`) and images/s, posted without waiting. Reading
     the loss is a host sync, once every `every` steps. `step` counts from `first_step`, the run's
     steps before this attempt's first epoch (`steps_per_epoch` each)."""

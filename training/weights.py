@@ -5,7 +5,7 @@ the eval transform the weights were trained with; and --init-weights files (torc
 state_dicts or .safetensors, with the `module.`/`model.` prefixes DDP, Lightning and timm's
 checkpoints write), matched to a model by name and shape.
 
-Light at import (no torch): training/inputs.py checks a --weights name before Ray starts.
+Light at import (no torch): training/driver/inputs.py checks a --weights name before Ray starts.
 """
 
 from __future__ import annotations

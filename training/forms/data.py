@@ -4,7 +4,7 @@ split, with their labels and keys), the split words, and the checks every form s
 Scanning happens on the driver, before Ray starts work, so every problem is reported as a
 `DataError` (exit 2) naming the path and the fix. A split is held as columns (numpy arrays, a
 few tens of bytes per file): an ImageNet-size tree of 1.28 M files stays small on the driver.
-Ray Data reads the files (training/ingest.py): the table goes to the object store once, and each
+Ray Data reads the files (training/stream/ingest.py): the table goes to the object store once, and each
 read task takes its own rows of it.
 
 Image folders (training/forms/tree.py) and manifests (training/forms/manifest.py) give a Split

@@ -82,7 +82,7 @@ def read_units(units, root: str, shards, form, bad: list | None = None):
 
 
 def sample_sizes(split, count: int) -> list[tuple[int, int]]:
-    """(width, height) of up to `count` images of a sharded split, from their headers (training.inputs.
+    """(width, height) of up to `count` images of a sharded split, from their headers (training.driver.inputs.
     typical_size): the first images of evenly spaced units, as many of each as spread `count` over
     them; each read stops after those (a ranged read of a tar run's start, a row group's first
     pages; prepared shards: their width and height columns), so that it stays cheap on object

@@ -55,7 +55,7 @@ from training.rows import BYTES, KEY, LABEL, PATH
 METADATA_KEY = b"huggingface"
 DEFAULT_LABEL = "label"  # --label-key's default: a column of that name, else the first ClassLabel
 EXPORT_SUFFIXES = (".parquet", ".arrow")  # to_parquet's files, save_to_disk's (Arrow IPC streams)
-HEADER_BYTES = 256 * 1024  # of a file a row holds by path, for its image's size (training.inputs.typical_size)
+HEADER_BYTES = 256 * 1024  # of a file a row holds by path, for its image's size (training.driver.inputs.typical_size)
 EMBED = (
     "embed the images before exporting (ds.with_format('arrow').map(datasets.table.embed_table_storage, "
     "batched=True)), or use push_to_hub, which embeds them"
@@ -443,7 +443,7 @@ def _read_linked(image, shard: str, rel: list[str], root: str, bad: list | None)
 
 def first_images(unit, shards, form: ShardFormat, count: int, mean_bytes: float = 0) -> list[bytes]:
     """The first `count` images of a unit's row group (record batch), for their sizes
-    (training.inputs.typical_size): the rows' bytes, read only as far as those rows go
+    (training.driver.inputs.typical_size): the rows' bytes, read only as far as those rows go
     (training.forms.parquet.first_rows), or the first HEADER_BYTES of the file a row names by path."""
     import pyarrow as pa
     import pyarrow.compute as pc

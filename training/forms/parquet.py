@@ -12,7 +12,7 @@ The split, the labels and the keys are those `training.forms.tree.scan_tree` giv
 training on OUT sees the same images with the same labels, and (augmentation being keyed by
 `key`) the same augmentations. Train rows are stored in an order shuffled once, so that
 every shard mixes classes; validation rows in path order. Shards are written in row groups
-of 256 images: the unit that training reads in a new order every epoch (training/ingest.py).
+of 256 images: the unit that training reads in a new order every epoch (training/stream/ingest.py).
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def prepare_tree(
                 }
             )
             shard = f"{name}/part-{s:05d}.parquet"
-            # row groups: the units training reads in a new order every epoch (training/ingest.py)
+            # row groups: the units training reads in a new order every epoch (training/stream/ingest.py)
             pq.write_table(table, f"{base}/{shard}", filesystem=fs, row_group_size=ROW_GROUP)
             shards.append(shard)
             log(f"{name}: wrote {prefix}{base}/{shard} ({len(rows)} images)")

@@ -71,7 +71,7 @@ RUN_SAMPLES = 256  # samples per read unit at most, as prepared shards' row grou
 RUN_BYTES = 64 * 2**20  # and at most this many bytes of the shard
 SHARD_SUFFIXES = (".tar", *GZIPPED)
 CLASSES_FILE = "classes.txt"  # beside the shards: the names of the class indices, line i naming class i
-HEADER_BYTES = 256 * 1024  # of an image, for its size (training.inputs.typical_size reads a file's as much)
+HEADER_BYTES = 256 * 1024  # of an image, for its size (training.driver.inputs.typical_size reads a file's as much)
 SCAN_BUFFER = 8 * 2**20  # object storage: the scan streams each shard in reads of this size
 
 
@@ -401,7 +401,7 @@ def classes_file(root: str) -> str | None:
 
 def first_images(unit, shards, form: ShardFormat, count: int, mean_bytes: float) -> list[bytes]:
     """The first HEADER_BYTES of each of the first `count` images of a unit (a run of samples), for
-    their sizes (training.inputs.typical_size): one ranged read of the run's start, as far as those
+    their sizes (training.driver.inputs.typical_size): one ranged read of the run's start, as far as those
     samples' members go by the split's mean image size (a gzipped shard: its decompressed stream's
     start). An image the read cut off still gives its header."""
     shard, start, length, _ = (int(v) for v in unit)

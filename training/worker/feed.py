@@ -18,7 +18,7 @@ from augment.streams import stream_seed
 from training import ray_private
 from training.rows import LABEL
 from training.spec import IngestNeeds, StallLimits, WorkerSpec, left_over, tasks_fit
-from training.stamp import advance
+from training.stream.stamp import advance
 
 
 class IngestStalled(RuntimeError):
@@ -182,7 +182,7 @@ def train_batches(shard, batch_size: int, device: torch.device, epoch: int, *, s
     and their columns as CPU tensors (pinned on a GPU, for BatchFeed's copy to `device`).
 
     - No local shuffle buffer where every epoch already reads the files in a permutation of its
-      own (training/ingest.py): consecutive files of a uniform permutation are already a uniform
+      own (training/stream/ingest.py): consecutive files of a uniform permutation are already a uniform
       random partition into batches, as torch's RandomSampler makes. The buffer only mixes
       (`shuffle`) where the rows come in fixed groups: a prepared split's row groups, whose
       members would otherwise share a batch every epoch (docs/design.md, "Hand-off").

@@ -272,7 +272,7 @@ class Learner:
         """The checkpoint's model, optimizer, scaler and schedule (built for `schedule_epochs`; None:
         this run's --epochs, as the run's records say where they were built for another). A run
         resumed with another --epochs (the only schedule setting a rerun may change:
-        training.inputs.SAME_RUN_SETTINGS) gets the schedule of the new length, at the step the
+        training.driver.inputs.SAME_RUN_SETTINGS) gets the schedule of the new length, at the step the
         checkpoint reached."""
         try:
             self.bare.load_state_dict(state["model"])

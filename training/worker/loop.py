@@ -15,7 +15,9 @@ random streams, the stall checks.
 from __future__ import annotations
 
 import functools
+import logging
 import time
+import warnings
 
 import pyarrow.fs as pafs
 import ray
@@ -27,14 +29,12 @@ import torch.nn.functional as F
 from augment.decode import DECODE_PLACES
 from augment.mix import mix_generator
 from training import storage
-from training.bounds import COSTS, DECODED_ON
 from training.config import TrainConfig
-from training.console import quiet_worker_logs
 from training.records import KEY_MOD, RunRecord, StaleRecords
-from training.rows import EPOCH, IMAGE, KEY, LABEL
+from training.rows import COSTS, DECODED_ON, EPOCH, IMAGE, KEY, LABEL
 from training.spec import WorkerSpec
-from training.stamp import check_stamp, refuse_stale, stale_rows
 from training.status import STOP, EpochProgress, StepLog, driver_verdict, say
+from training.stream.stamp import check_stamp, refuse_stale, stale_rows
 from training.worker import trace
 from training.worker.feed import EpochData, IngestWatch
 from training.worker.learner import (
@@ -50,6 +50,20 @@ from training.worker.learner import (
 )
 from training.worker.recipe import early_stop_line
 from training.worker.report import DamagedCheckpoint, epoch_record, inner_rate, load_checkpoint, report, write_records
+
+
+def quiet_worker_logs(verbose: bool = False) -> None:
+    """Ray Train 2.60 sets a train worker's root logger to INFO whatever LoggingConfig says, and
+    logs every ray.train.report there (a whole TrainingReport). Call in the train worker: the
+    root logger then passes warnings only, as the run's LoggingConfig asks; `verbose` keeps INFO."""
+    if not verbose:
+        logging.getLogger().setLevel(logging.WARNING)
+    # Ray Data hands torch the object store's read-only arrays and silences torch's warning about
+    # them inside warnings.catch_warnings(), which is not thread-safe: with its conversion threads
+    # and the loop's feed thread, one thread's exit restores the filters while another converts,
+    # and the warning reached a user's console about once in 30 runs. The batches are only read.
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+
 
 # --------------------------------------------------------------------------- a step, an epoch
 
@@ -173,7 +187,7 @@ class EpochMeter:
     """The per-step bookkeeping of one training epoch (as torchvision's MetricLogger keeps a
     train_one_epoch's): the loss and accuracy sums and the stale rows, kept on the device so
     that no step waits for the host; the views' digest and the keys (view_digest, then
-    shard_record: the ShardRecord that training/audit.py checks); the time spent waiting for
+    shard_record: the ShardRecord that training/driver/audit.py checks); the time spent waiting for
     input, the first step's end and the side trained at."""
 
     def __init__(self, device: torch.device, epoch: int):

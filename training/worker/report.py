@@ -15,9 +15,10 @@ import ray.train
 import torch
 
 from augment.decode import DECODE_PLACES
-from training import artifacts
-from training.bounds import AUGMENT_COST, AUGMENT_GPU_COST, COSTS, READ_COST, Bound, DataSlots, epoch_bound
+from training import storage
+from training.bounds import Bound, DataSlots, epoch_bound
 from training.records import EpochRecord, RunRecord, ShardRecord
+from training.rows import AUGMENT_COST, AUGMENT_GPU_COST, COSTS, READ_COST
 from training.spec import WorkerSpec
 from training.status import say
 
@@ -96,8 +97,8 @@ def write_records(spec: WorkerSpec, run: RunRecord) -> None:
     """Rank 0: metrics.csv and timings.csv, and the epoch's line (and, once a run, a GPU's CPU
     decoding said) for the driver's console."""
     cfg, last = spec.config, run.epochs[-1]
-    artifacts.write_csv(artifacts.join(cfg.run_dir, "metrics.csv"), run.history)
-    artifacts.write_csv(artifacts.join(cfg.run_dir, "timings.csv"), run.timings)
+    storage.write_csv(storage.join(cfg.run_dir, "metrics.csv"), run.history)
+    storage.write_csv(storage.join(cfg.run_dir, "timings.csv"), run.timings)
     row = last.metrics | last.timings
     verdict = Bound.of_row(row).describe(spec.slots)
     say(spec.status, format_row(row, cfg.epochs, spec.sizes is not None) + verdict, last.epoch - 1)

@@ -95,7 +95,7 @@ def write_tensorboard(run_dir: str, history: list[dict], timings: list[dict] | N
     import os
     import tempfile
 
-    from training import artifacts
+    from training import storage
 
     by_epoch = {r["epoch"]: dict(r) for r in history}
     for t in timings or []:
@@ -108,10 +108,10 @@ def write_tensorboard(run_dir: str, history: list[dict], timings: list[dict] | N
                     continue
                 writer.add_scalar(scalar_tag(key), value, global_step=epoch)
         writer.close()
-        out = artifacts.join(run_dir, "tensorboard")
+        out = storage.join(run_dir, "tensorboard")
         for name in sorted(os.listdir(tmp)):
             with open(os.path.join(tmp, name), "rb") as f:
-                artifacts.write_bytes(artifacts.join(out, name), f.read())
+                storage.write_bytes(storage.join(out, name), f.read())
     return out
 
 

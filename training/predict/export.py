@@ -68,8 +68,8 @@ class NormalizedModel(torch.nn.Module):
 
 
 def reference_model(info: ModelFile) -> NormalizedModel:
-    """The model and normalisation of training/inference.py's Predictor, which jobs.predict runs."""
-    from training.inference import Predictor
+    """The model and normalisation of training/predict/inference.py's Predictor, which jobs.predict runs."""
+    from training.predict.inference import Predictor
 
     predictor = Predictor(info)
     return NormalizedModel(predictor.normalize, predictor.model).eval()

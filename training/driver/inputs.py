@@ -5,7 +5,7 @@ The one exception is an --init-weights file: it is loaded (torch) here, as every
 worker will load it, so that a file they would refuse is reported before Ray starts.
 
 Checking changes nothing on disk (the run directory is probed and left as it was). Once every
-input has passed, `prepare` takes the run folder's lease (training/lease.py: one live run owns
+input has passed, `prepare` takes the run folder's lease (training/driver/lease.py: one live run owns
 it) and `start_fresh` clears a --fresh run's old files under it.
 """
 
@@ -17,14 +17,15 @@ import os
 from augment.errors import PresetError
 from augment.presets import PRESETS, check_preset_name
 from augment.schedule import parse_resize, parse_schedule
-from training import artifacts, lease, storage, userfiles
+from training import storage, userfiles
 from training.config import ConfigError, TrainConfig, check_amp, check_sync_bn
+from training.driver import lease
+from training.driver.session import starts_local_cluster
+from training.driver.tracking import parse_log_to
 from training.forms.data import ImageTree
 from training.forms.formats import header_size, sample_sizes, scan_data
 from training.forms.parquet import read_manifest
 from training.forms.tree import default_dataset_dir
-from training.session import starts_local_cluster
-from training.tracking import parse_log_to
 
 SAMPLED_HEADERS = 16  # images whose headers give a tree's typical size
 THUMBNAIL_SIDE = 64  # --preset auto: a shorter side of at most this (typically) is a thumbnail: the cifar recipe
@@ -153,7 +154,7 @@ def check_sizes_and_device(cfg: TrainConfig, name: str, preset=None) -> None:
 def check_local_machine(cfg: TrainConfig) -> None:
     """For a run that starts its cluster on this machine, what this machine cannot give: a GPU
     where none is (--device cuda, --augment-gpus, --amp fp16), or more CPUs per worker than it
-    has. A joined cluster is checked once connected (training/planning.py plan_resources)."""
+    has. A joined cluster is checked once connected (training/driver/planning.py plan_resources)."""
     gpus = local_gpus()
     if cfg.device == "auto":
         check_amp(cfg.amp, on_gpu=gpus > 0)
@@ -349,11 +350,11 @@ def check_same_run(cfg: TrainConfig, tree: ImageTree) -> None:
 
     run_dir = cfg.run_dir
     with storage.errors(run_dir, "reading"):
-        if not artifacts.exists(artifacts.join(run_dir, "metrics.csv")):
+        if not storage.exists(storage.join(run_dir, "metrics.csv")):
             return
-        done = artifacts.read_bytes(artifacts.join(run_dir, "metrics.csv")).decode().count("\n") - 1  # epochs
+        done = storage.read_bytes(storage.join(run_dir, "metrics.csv")).decode().count("\n") - 1  # epochs
         try:
-            old = json.loads(artifacts.read_bytes(artifacts.join(run_dir, "config.json")))
+            old = json.loads(storage.read_bytes(storage.join(run_dir, "config.json")))
         except (OSError, ValueError):  # no config.json, or not one of ours: nothing to compare
             return
     if cfg.epochs < done:
@@ -400,7 +401,7 @@ def prepare(cfg: TrainConfig):
         from training.model import check_model_output
 
         check_model_output(cfg.model, len(tree.class_names), sized_preset(cfg, preset or PRESETS[name]).image_size)
-    lease.acquire(cfg.run_dir, cfg.name)  # held until the run ends (training.job.run) or this process does
+    lease.acquire(cfg.run_dir, cfg.name)  # held until the run ends (training.driver.job.run) or this process does
     start_fresh(cfg)  # --fresh: the old run goes only once every input has passed, and under the lease
     return cfg, tree, name, preset
 
@@ -408,7 +409,7 @@ def prepare(cfg: TrainConfig):
 def check_run_dir(cfg: TrainConfig) -> None:
     """ConfigError where STORAGE_PATH/NAME is something this job must not write into or remove: a
     file, a symbolic link (its target may lie anywhere), or a folder holding files that this job
-    did not write as a run directory (training.artifacts.is_run_dir). An empty folder is taken."""
+    did not write as a run directory (training.storage.is_run_dir). An empty folder is taken."""
     run_dir, flag = cfg.run_dir, f"--name {cfg.name}"
     if not storage.is_uri(run_dir):
         if os.path.islink(run_dir):
@@ -422,10 +423,10 @@ def check_run_dir(cfg: TrainConfig) -> None:
         if os.path.exists(run_dir) and not os.path.isdir(run_dir):
             raise ConfigError(f"{flag}: {run_dir} is a file, not a run directory; give another --name")
     with storage.errors(run_dir, "reading"):
-        if not artifacts.exists(run_dir) or artifacts.is_empty_dir(run_dir) or artifacts.is_run_dir(run_dir):
+        if not storage.exists(run_dir) or storage.is_empty_dir(run_dir) or storage.is_run_dir(run_dir):
             return
     raise ConfigError(
-        f"{flag}: {run_dir} holds files that jobs.train did not write (no {artifacts.RUN_MARKER} or config.json "
+        f"{flag}: {run_dir} holds files that jobs.train did not write (no {storage.RUN_MARKER} or config.json "
         "of a run); nothing there was touched; give another --name or --storage-path"
     )
 
@@ -441,5 +442,5 @@ def start_fresh(cfg: TrainConfig) -> None:
     check_run_dir(cfg)
     run_dir = cfg.run_dir
     with storage.errors(run_dir, "writing"):
-        if artifacts.exists(run_dir) and artifacts.is_run_dir(run_dir):
-            artifacts.clear_dir(run_dir, keep=(lease.LEASE_FILE, artifacts.RUN_MARKER))
+        if storage.exists(run_dir) and storage.is_run_dir(run_dir):
+            storage.clear_dir(run_dir, keep=(lease.LEASE_FILE, storage.RUN_MARKER))

@@ -1,5 +1,5 @@
 """Live experiment tracking (`--log-to tensorboard,mlflow,wandb`): the driver logs the whole config as
-parameters at the start, each epoch's figures as rank 0 makes them (training/epochs.py hands them
+parameters at the start, each epoch's figures as rank 0 makes them (training/driver/epochs.py hands them
 on), with `--log-every N` the loss, learning rate and images/s every N steps of rank 0, and the
 run's files as artifacts at the end. The driver logs, not the workers: it has the credentials and
 the network, and a tracker then costs the training nothing.
@@ -24,7 +24,7 @@ import logging
 import os
 import secrets
 
-from training import artifacts, storage
+from training import storage
 from training.config import ConfigError
 
 TRACKERS = ("tensorboard", "mlflow", "wandb")
@@ -57,7 +57,7 @@ def _findable(module: str, util) -> bool:
 
 
 class Tracking:
-    """The run's trackers, as an epoch callback (training/epochs.py) with start and finish."""
+    """The run's trackers, as an epoch callback (training/driver/epochs.py) with start and finish."""
 
     def __init__(self, cfg, names: tuple[str, ...], warn):
         self.cfg, self.warn = cfg, warn
@@ -65,9 +65,9 @@ class Tracking:
         self.sinks = [SINKS[name](cfg, self.ids) for name in names]
 
     def _saved_ids(self) -> dict:
-        path = artifacts.join(self.cfg.run_dir, IDS_FILE)
+        path = storage.join(self.cfg.run_dir, IDS_FILE)
         try:
-            return json.loads(artifacts.read_bytes(path)) if artifacts.exists(path) else {}
+            return json.loads(storage.read_bytes(path)) if storage.exists(path) else {}
         except (OSError, ValueError):
             return {}
 
@@ -86,7 +86,7 @@ class Tracking:
         self._each("start", config)
         with_ids = {s.name: s.run_id for s in self.sinks if getattr(s, "run_id", None)}
         if with_ids and with_ids != self.ids:
-            artifacts.write_json(artifacts.join(self.cfg.run_dir, IDS_FILE), self.ids | with_ids)
+            storage.write_json(storage.join(self.cfg.run_dir, IDS_FILE), self.ids | with_ids)
 
     def on_epoch_end(self, record) -> None:
         figures = {k: float(v) for k, v in (record.metrics | record.timings).items() if _number(v) and k != "epoch"}
@@ -97,7 +97,7 @@ class Tracking:
 
     def finish(self, files: list[str], ok: bool = True) -> None:
         """The run's files as artifacts (those that exist), and each tracker's run ended (failed: not `ok`)."""
-        self._each("finish", [f for f in files if artifacts.exists(f)], ok)
+        self._each("finish", [f for f in files if storage.exists(f)], ok)
 
 
 def _number(v) -> bool:
@@ -125,7 +125,7 @@ class TensorBoardSink:
         self.writer.add_text("config", json.dumps(config, indent=1, default=str))
 
     def epoch(self, epoch: int, figures: dict) -> None:
-        from training.plots import scalar_tag
+        from training.driver.plots import scalar_tag
 
         for key, value in figures.items():
             self.writer.add_scalar(scalar_tag(key), value, epoch)  # the tags the run's end writes otherwise

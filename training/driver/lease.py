@@ -13,7 +13,7 @@ terminal), `--fresh` included, stops before Ray with one line naming the owner.
 
 `acquire` is re-entrant within one process (the tests prepare the same run more than once) and
 `release` drops the lease (the process's exit drops it too). `--fresh` clears the folder but its
-lease (training/artifacts.py clear_dir).
+lease (training/storage.py clear_dir).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import socket
 import sys
 import threading
 
-from training import artifacts, storage
+from training import storage
 from training.config import ConfigError
 
 LEASE_FILE = ".lease"
@@ -102,7 +102,7 @@ class RunLease:
 
     def __init__(self, run_dir: str, name: str):
         self.run_dir, self.name, self.took_over = run_dir, name, None
-        self.created = not artifacts.exists(run_dir)
+        self.created = not storage.exists(run_dir)
         self._fd: int | None = None
         self._store: _ObjectLease | None = None
 
@@ -112,7 +112,7 @@ class RunLease:
             self.took_over = self._store.acquire()
         else:
             self._fd, self.took_over = _lock_local(self.run_dir, self.name)
-        artifacts.mark_run_dir(self.run_dir, self.name)  # --fresh removes only a folder that holds it
+        storage.mark_run_dir(self.run_dir, self.name)  # --fresh removes only a folder that holds it
 
     def release(self) -> None:
         """Drop the lease and delete its file; a folder this lease created and nothing else wrote to
@@ -120,14 +120,14 @@ class RunLease:
         with _LOCK:
             if _HELD.get(self.run_dir) is self:
                 del _HELD[self.run_dir]
-        path = artifacts.join(self.run_dir, LEASE_FILE)
+        path = storage.join(self.run_dir, LEASE_FILE)
         with contextlib.suppress(OSError, storage.StorageError):
             if self._store is not None:
                 self._store.release()
             elif self._fd is not None:
                 os.remove(path)  # while still locked: a waiter re-checks the file it locked (_lock_local)
             if self.created and _only_marker(self.run_dir):
-                artifacts.remove_tree(self.run_dir)
+                storage.remove_tree(self.run_dir)
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -189,7 +189,7 @@ def _only_marker(run_dir: str) -> bool:
 
     fs, path, _ = storage.filesystem(run_dir)
     names = {info.base_name for info in fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))}
-    return names <= {artifacts.RUN_MARKER}
+    return names <= {storage.RUN_MARKER}
 
 
 def _lock_local(run_dir: str, name: str) -> tuple[int, Owner | None]:
@@ -223,7 +223,7 @@ class _ObjectLease:
 
     def __init__(self, run_dir: str, name: str):
         self.run_dir, self.name = run_dir, name
-        self.uri = artifacts.join(run_dir, LEASE_FILE)
+        self.uri = storage.join(run_dir, LEASE_FILE)
         self.scheme, rest = self.uri.split("://", 1)
         self.bucket, self.key = rest.split("/", 1)
         self.etag: str | None = None
@@ -288,7 +288,7 @@ class _ObjectLease:
     # -- gs: no conditional write through pyarrow
     def _put_gs(self) -> Owner | None:
         found, owner = self._judge_gs()
-        artifacts.write_bytes(self.uri, Owner.me().to_bytes())
+        storage.write_bytes(self.uri, Owner.me().to_bytes())
         return (owner or Owner("?", 0, "?", "?", "")) if found else None
 
     def _judge_gs(self) -> tuple[bool, Owner | None]:
@@ -315,7 +315,7 @@ class _ObjectLease:
                     body = Owner.me().to_bytes()
                     self.etag = _s3().put_object(Bucket=self.bucket, Key=self.key, Body=body, IfMatch=self.etag)["ETag"]
                 else:
-                    artifacts.write_bytes(self.uri, Owner.me().to_bytes())
+                    storage.write_bytes(self.uri, Owner.me().to_bytes())
             except Exception as e:  # a lost lease or an unreachable store: never the training's end
                 if getattr(e, "response", {}).get("Error", {}).get("Code") in ("PreconditionFailed", "412"):
                     print(f"warning: {self.run_dir}: another run took over this run's lease", file=sys.stderr)

@@ -1,6 +1,6 @@
 """A sweep: Ray Tune over the job. Each Tune trial is a small driver function that trains one normal
-run (training.api.fit) under STORAGE_PATH/SWEEP/trial-<id>/, planned for its share of the cluster
-(training/planning.py share_of), and reports each epoch's figures to Tune from an epoch callback;
+run (training.driver.api.fit) under STORAGE_PATH/SWEEP/trial-<id>/, planned for its share of the cluster
+(training/driver/planning.py share_of), and reports each epoch's figures to Tune from an epoch callback;
 Tune's own schedulers (ASHA), searchers (random, Optuna) and experiment restore do the rest.
 
     from training import tune
@@ -9,7 +9,7 @@ Tune's own schedulers (ASHA), searchers (random, Optuna) and experiment restore 
     print(sweep.best_command)
 
 Layout: SWEEP/tune/ is Tune's experiment (what restore reads), SWEEP/trial-<id>/ each trial's run,
-SWEEP/trials.csv and SWEEP/trials.png the sweep's table and plot (training/sweep_report.py).
+SWEEP/trials.csv and SWEEP/trials.png the sweep's table and plot (training/sweep/report.py).
 A trial that ASHA stops is ended by Tune (its actor exits): the trial's TorchTrainer, helper
 actors and placement groups are owned by that actor's process and go with it, as does its lease.
 """
@@ -22,7 +22,7 @@ import os
 import time
 
 from training.config import ConfigError, TrainConfig, error_line
-from training.space import Dimension, check_space, read_space
+from training.sweep.space import Dimension, check_space, read_space
 
 TRIAL_DRIVER_CPUS = 0.05  # the Tune trial itself only waits on its TorchTrainer; its workers take the share
 METRICS = ("val_acc", "val_loss", "val_top5", "train_acc", "train_loss")
@@ -73,7 +73,7 @@ def run_trial(params: dict, *, base: dict, share) -> None:
     records it as the trial's error, and the sweep goes on."""
     from ray import tune as ray_tune
 
-    from training.api import JobError, fit
+    from training.driver.api import JobError, fit
 
     config = base | params | {"name": trial_run_name(ray_tune.get_context().get_trial_id()), "fresh": False}
     last = []  # the last epoch's figures: reported once the run has written its files (below)
@@ -100,7 +100,7 @@ class TrialFailed(RuntimeError):
 def base_config(config, name: str | None, storage_path: str | None) -> TrainConfig:
     """The sweep's base TrainConfig (through the CLI's checks), with the sweep's name and an
     absolute storage path: trials run in Tune's processes, whose working folder is not this one's."""
-    from training.api import as_config
+    from training.driver.api import as_config
 
     cfg = as_config(config)
     cfg = dataclasses.replace(cfg, name=name or cfg.name, storage_path=storage_path or cfg.storage_path)
@@ -112,8 +112,8 @@ def base_config(config, name: str | None, storage_path: str | None) -> TrainConf
 def check_sweep(cfg: TrainConfig, space: str, options: SweepOptions) -> list[Dimension]:
     """Every check that needs no Ray: the space, the options, the base config's data and files,
     and the sweep's folder; the dimensions. ConfigError/DataError/... (exit 2) for a mistake."""
-    from training.api import as_config
-    from training.inputs import check_inputs
+    from training.driver.api import as_config
+    from training.driver.inputs import check_inputs
 
     dims = read_space(space)
     options.check(dims)
@@ -144,7 +144,7 @@ def tune(config, space: str, options: SweepOptions | None = None, *, name=None, 
     `space`; a SweepResult. JobError with the CLI's line for a mistake (exit_code 2) or a sweep
     that could not run (1); a failed trial is a row with its reason, not an error."""
     from augment.errors import PresetError
-    from training.api import JobError
+    from training.driver.api import JobError
     from training.forms.data import DataError
     from training.storage import StorageError
 
@@ -157,7 +157,7 @@ def tune(config, space: str, options: SweepOptions | None = None, *, name=None, 
         raise JobError(error_line(e), 2) from None
     share = connect_and_share(cfg, options)
     grid = run_tuner(cfg, dims, options, share, log)
-    from training.sweep_report import finish
+    from training.sweep.report import finish
 
     result = finish(cfg, dims, options, grid, log)
     # the grid lists the trials made so far: those Tune had not drawn yet are unfinished too
@@ -173,9 +173,9 @@ def tune(config, space: str, options: SweepOptions | None = None, *, name=None, 
 def connect_and_share(cfg: TrainConfig, options: SweepOptions):
     """Join or start Ray; one trial's share of the cluster, checked by planning the base config
     for it (JobError 2 where one trial cannot fit)."""
-    from training.api import JobError
-    from training.planning import cluster_capacity, plan_resources, share_of
-    from training.session import connect
+    from training.driver.api import JobError
+    from training.driver.planning import cluster_capacity, plan_resources, share_of
+    from training.driver.session import connect
 
     try:
         connect(cfg.verbose, cfg.dashboard)
@@ -199,7 +199,7 @@ def run_tuner(cfg: TrainConfig, dims: list[Dimension], options: SweepOptions, sh
     own checkpoints); Tune's ResultGrid."""
     from ray import tune as ray_tune
 
-    from training.sweep_report import TrialEvents
+    from training.sweep.report import TrialEvents
 
     trainable = ray_tune.with_resources(
         ray_tune.with_parameters(run_trial, base=trial_base(cfg), share=share), {"CPU": TRIAL_DRIVER_CPUS}

@@ -15,7 +15,7 @@ A file that fails to decode is dropped from its batch on its own and reported, w
 path, to the run's bad-file log.
 
 The epoch, which the augmentation depends on, comes from the run's epoch clock, and every
-row carries the epoch its parameters were drawn for (training/stamp.py: the epoch stamp).
+row carries the epoch its parameters were drawn for (training/stream/stamp.py: the epoch stamp).
 
 This module imports no torch at import: Ray's coordinator processes unpickle the dataset
 plan that names these classes, and only the processes that augment need torch.
@@ -31,9 +31,20 @@ import ray
 import ray.data
 
 from augment.presets import Preset, preset_from_dict
-from training.bounds import AUGMENT_COST, AUGMENT_GPU_COST, DECODED_ON, READ_COST, seconds_per_row
-from training.rows import BYTES, EPOCH, IMAGE, KEY, LABEL, PATH
-from training.stamp import current_epoch, stamp
+from training.rows import (
+    AUGMENT_COST,
+    AUGMENT_GPU_COST,
+    BYTES,
+    DECODED_ON,
+    EPOCH,
+    IMAGE,
+    KEY,
+    LABEL,
+    PATH,
+    READ_COST,
+    seconds_per_row,
+)
+from training.stream.stamp import current_epoch, stamp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +156,7 @@ class StreamClock:
 
 STAGES: dict[tuple[StageArgs, str], AugmentStage] = {}  # per worker process: (args, device) -> its stage
 
-# Ray's remote env of an augment task on a GPU share (training/ingest.py task_resources): Ray
+# Ray's remote env of an augment task on a GPU share (training/stream/ingest.py task_resources): Ray
 # leaves CUDA_VISIBLE_DEVICES as the node has it, instead of narrowing it to the task's GPU.
 GPU_TASK_ENV = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
 
@@ -252,7 +263,7 @@ def task_resources(plan, inputs: int | None = None) -> dict:
 
 
 def add_augment(ds, plan, args: StageArgs, *, clock, bad_log, rows: int, inputs: int):
-    """ds with the augment stage mapped over it where the plan puts it (training/ingest.py
+    """ds with the augment stage mapped over it where the plan puts it (training/stream/ingest.py
     build_datasets): `rows` images per call, `inputs` the read's blocks."""
     kwargs = {"clock": clock, "bad_log": bad_log}
     if not plan.augment_tasks:

@@ -18,11 +18,8 @@ The bar is drawn only when the driver's stderr is a terminal: log files and `ray
 from __future__ import annotations
 
 import json
-import logging
 import os
-import re
 import threading
-import warnings
 
 from training.status import PROGRESS_INTERVAL_S
 
@@ -38,58 +35,6 @@ def format_config(config: dict, sources: dict | None = None) -> str:
         mark = f"  ({sources[key]})" if key in sources else ""
         lines.append(f"  {key:<{width}}  {shown}{mark}")
     return "\n".join(lines)
-
-
-def quiet_worker_logs(verbose: bool = False) -> None:
-    """Ray Train 2.60 sets a train worker's root logger to INFO whatever LoggingConfig says, and
-    logs every ray.train.report there (a whole TrainingReport). Call in the train worker: the
-    root logger then passes warnings only, as the run's LoggingConfig asks; `verbose` keeps INFO."""
-    if not verbose:
-        logging.getLogger().setLevel(logging.WARNING)
-    # Ray Data hands torch the object store's read-only arrays and silences torch's warning about
-    # them inside warnings.catch_warnings(), which is not thread-safe: with its conversion threads
-    # and the loop's feed thread, one thread's exit restores the filters while another converts,
-    # and the warning reached a user's console about once in 30 runs. The batches are only read.
-    warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
-
-
-RAY_DATA_LOGGING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ray_data_logging.yaml")
-
-
-def data_gone(text: str) -> str | None:
-    """The line of a read task's training.ingest.DataGone (the data's folder or bucket went) in the
-    text of an error that Ray passed on from the task (Ray hands it on as text); None if none."""
-    found = re.search(r"\bDataGone: ([^\n]+)", text)
-    return found[1].strip() if found else None
-
-
-class QuietDataGone(logging.Filter):
-    """Ray Data's console records of a read task's DataGone (the task's traceback, and the notice it
-    logs while handling the error), dropped: the driver says it in one line (training/job.py
-    worker_error); Ray Data's log file keeps them. ray_data_logging.yaml names it."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        import sys
-
-        error = record.exc_info[1] if record.exc_info else sys.exc_info()[1]
-        return error is None or data_gone(f"{record.getMessage()}\n{error}") is None
-
-
-def quiet_worker_process() -> None:
-    """Ray's `worker_process_setup_hook` for the processes of a cluster the job joins (`ray job
-    submit`, RAY_ADDRESS; training/session.py connect): what the environment does for a cluster the
-    job starts itself. No deprecation notices from Ray's own code, and Ray Data's console
-    gets warnings only, without its per-execution notices (ray_data_logging.yaml, found in
-    this process's copy of the package: a working_dir lies elsewhere on every node)."""
-    import sys
-    import warnings
-
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    os.environ.setdefault("RAY_DATA_LOGGING_CONFIG", RAY_DATA_LOGGING)
-    if "ray.data" in sys.modules:  # imported already: its logging was configured without the file
-        from training import ray_private
-
-        ray_private.configure_ray_data_logging()
 
 
 def terminal_size(stream) -> tuple[int, int]:

@@ -12,16 +12,17 @@ import torch
 
 from augment.decode import DECODE_PLACES
 from augment.presets import Preset
-from training import artifacts, plots
-from training.audit import coverage, fingerprints, good_images, sampled_coverage
+from training import storage
 from training.bounds import steady_verdict
 from training.config import TrainConfig
+from training.driver import plots
+from training.driver.audit import coverage, fingerprints, good_images, sampled_coverage
+from training.driver.planning import ResourcePlan
+from training.driver.tracking import parse_log_to
 from training.forms.data import ImageTree
 from training.model import model_source, torchvision_model, uses_small_stem
 from training.modelfile import ModelFile
-from training.planning import ResourcePlan
 from training.records import RunRecord
-from training.tracking import parse_log_to
 from training.weights import model_kind, weights_record
 
 
@@ -29,7 +30,7 @@ def report_bad_files(bad_log, run_dir: str, log) -> None:
     bad = ray.get(bad_log.get.remote())
     if bad:
         write_bad_files(run_dir, bad)
-        where = artifacts.join(run_dir, "bad_files.csv")
+        where = storage.join(run_dir, "bad_files.csv")
         log(f"skipped {len(bad)} unreadable image(s), listed with reasons in {where}")
 
 
@@ -43,16 +44,16 @@ def write_results(
     survived."""
     run_dir = cfg.run_dir
     best = best or {"model": model, "epoch": run.last_epoch + 1, "val_acc": run.history[-1]["val_acc"]}
-    artifacts.write_bytes(artifacts.join(run_dir, "model.pt"), model_bytes(model, tree, preset, cfg))
-    artifacts.write_bytes(artifacts.join(run_dir, "model_best.pt"), model_bytes(best["model"], tree, preset, cfg))
+    storage.write_bytes(storage.join(run_dir, "model.pt"), model_bytes(model, tree, preset, cfg))
+    storage.write_bytes(storage.join(run_dir, "model_best.pt"), model_bytes(best["model"], tree, preset, cfg))
     if best.get("ema") is not None:  # --model-ema: the weights' average, in model.pt's format
-        artifacts.write_bytes(artifacts.join(run_dir, "model_ema.pt"), model_bytes(best["ema"], tree, preset, cfg))
-    artifacts.write_bytes(artifacts.join(run_dir, "curves.png"), plots.curves_png(run.history))
+        storage.write_bytes(storage.join(run_dir, "model_ema.pt"), model_bytes(best["ema"], tree, preset, cfg))
+    storage.write_bytes(storage.join(run_dir, "curves.png"), plots.curves_png(run.history))
     confusion = plots.confusion_png(run.epochs[-1].confusion, list(tree.class_names))
-    artifacts.write_bytes(artifacts.join(run_dir, "confusion.png"), confusion)
+    storage.write_bytes(storage.join(run_dir, "confusion.png"), confusion)
     live = "tensorboard" in parse_log_to(cfg.log_to)  # the run wrote its event files as it went
     if live or plots.write_tensorboard(run_dir, run.history, run.timings):
-        logdir = artifacts.join(run_dir, "tensorboard")
+        logdir = storage.join(run_dir, "tensorboard")
         # tensorboardX writes the files without TensorBoard itself, which has the viewer
         viewer = "" if shutil.which("tensorboard") else "pip install tensorboard, then "
         log(f"tensorboard: {viewer}tensorboard --logdir {logdir}")
@@ -66,7 +67,7 @@ def write_results(
                 f"warning: epoch {c['epoch']} trained on {c['seen']} rows of {c['distinct']} distinct images, "
                 f"expected each of {c['expected']} once ({c['repeated']} repeated, {c['missing']} missing)"
             )
-    artifacts.write_json(artifacts.join(run_dir, "summary.json"), summary)
+    storage.write_json(storage.join(run_dir, "summary.json"), summary)
     return summary
 
 
@@ -119,8 +120,8 @@ def torchvision_eval(preset: Preset) -> list | None:
 
 
 def write_bad_files(run_dir: str, bad: dict[str, str]) -> None:
-    artifacts.write_csv(
-        artifacts.join(run_dir, "bad_files.csv"), [{"path": p, "reason": r} for p, r in sorted(bad.items())]
+    storage.write_csv(
+        storage.join(run_dir, "bad_files.csv"), [{"path": p, "reason": r} for p, r in sorted(bad.items())]
     )
 
 

@@ -1,4 +1,4 @@
-"""What a sweep shows and writes (training/sweep.py): one console line per trial event while it runs
+"""What a sweep shows and writes (training/sweep/tuner.py): one console line per trial event while it runs
 (TrialEvents, a Tune callback on the driver), and at the end SWEEP/trials.csv (one row a trial),
 SWEEP/trials.png (the metric against each swept setting), a table, and the best trial's command.
 """
@@ -10,7 +10,7 @@ import shlex
 
 from ray import tune as ray_tune
 
-from training import artifacts
+from training import storage
 from training.config import TrainConfig
 
 
@@ -40,7 +40,7 @@ def last_line(error) -> str:
     """The one line of a trial's error: the job's own (TrialFailed's), else the exception's last line."""
     text = str(error).strip().splitlines() or [type(error).__name__]
     line = text[-1]
-    for prefix in ("training.sweep.TrialFailed: ", "TrialFailed: "):
+    for prefix in ("training.sweep.tuner.TrialFailed: ", "TrialFailed: "):
         line = line.split(prefix, 1)[-1]
     return line[:400]
 
@@ -113,21 +113,21 @@ def trial_row(result, params: list[str], cfg: TrainConfig, metric: str, mode: st
         "status": status,
         "wall_s": round(float(wall), 1) if wall is not None else None,
         "error": last_line(result.error) if result.error else "",
-        "run_dir": artifacts.join(cfg.run_dir, f"trial-{trial_id}"),
+        "run_dir": storage.join(cfg.run_dir, f"trial-{trial_id}"),
     }
 
 
 def finish(cfg: TrainConfig, dims, options, grid, log):
     """trials.csv, trials.png, the end table and the best trial's command; the SweepResult."""
-    from training.plots import sweep_png
+    from training.driver.plots import sweep_png
 
     params = [d.key for d in dims if d.swept]
     metric = options.metric
     rows = sorted((trial_row(r, params, cfg, metric, options.mode) for r in grid), key=lambda r: r["trial"])
-    artifacts.write_csv(artifacts.join(cfg.run_dir, "trials.csv"), rows)
+    storage.write_csv(storage.join(cfg.run_dir, "trials.csv"), rows)
     scored = [r for r in rows if r[f"best_{metric}"] is not None]
     if scored:
-        artifacts.write_bytes(artifacts.join(cfg.run_dir, "trials.png"), sweep_png(scored, params, f"best_{metric}"))
+        storage.write_bytes(storage.join(cfg.run_dir, "trials.png"), sweep_png(scored, params, f"best_{metric}"))
     best = (max if options.mode == "max" else min)(scored, key=lambda r: r[f"best_{metric}"]) if scored else None
     command = best_command(cfg, {d.key: d.args[0] for d in dims if not d.swept} | pick(best, params)) if best else ""
     log(table(rows, params, metric))

@@ -14,8 +14,11 @@ import sys
 #   when they die (ray-project/ray#57733);
 # - a node that went: the raylet's death notice (with its last 20 log lines), the GCS's "marked
 #   dead", a placement group's bundle it cannot free there; the job's fault line names the node
-#   and faults.log keeps Ray's word on it (training/faults.py);
+#   and faults.log keeps Ray's word on it (training/driver/faults.py);
 # - the worker processes that a restart starts at once.
+# Ray Data's logging for the job's runs: warnings on the console, everything in its log file
+RAY_DATA_LOGGING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ray_data_logging.yaml")
+
 RAY_NOTICES_SKIPPED = "|".join(
     (
         r"has constructor arguments in the object store and max_restarts > 0",
@@ -37,14 +40,10 @@ def quiet_ray_env(verbose: bool = False) -> dict:
     arguments. `verbose` keeps Ray's INFO logs (and its notices)."""
     if verbose:
         return {"logging_level": logging.INFO}
-    import training
-
     skip = os.environ.get("RAY_DEDUP_LOGS_SKIP_REGEX")
     if not skip or RAY_NOTICES_SKIPPED not in skip:  # the user's own pattern stays
         os.environ["RAY_DEDUP_LOGS_SKIP_REGEX"] = f"{skip}|{RAY_NOTICES_SKIPPED}" if skip else RAY_NOTICES_SKIPPED
-    os.environ.setdefault(
-        "RAY_DATA_LOGGING_CONFIG", os.path.join(os.path.dirname(training.__file__), "ray_data_logging.yaml")
-    )
+    os.environ.setdefault("RAY_DATA_LOGGING_CONFIG", RAY_DATA_LOGGING)
     os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
     if "ray" not in sys.modules and not (os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID")):
         # connect() will start a local cluster. Token authentication stays on, as Ray 2.60 turns it on
@@ -119,10 +118,27 @@ def without_preemption_watcher() -> None:
 def joined_runtime_env(verbose: bool = False) -> dict:
     """ray.init's runtime env for a cluster the job joins: the processes there were started
     without this job's environment, so quiet_ray_env's settings reach them through Ray's worker
-    setup hook (training/console.py quiet_worker_process). A hook of the user's own, in the
+    setup hook (quiet_worker_process, below). A hook of the user's own, in the
     runtime env of `ray job submit`, is kept, and then Ray's notices print as Ray has them."""
     from training import ray_private
 
     if verbose or "worker_process_setup_hook" in ray_private.job_runtime_env():
         return {}
-    return {"runtime_env": {"worker_process_setup_hook": "training.console.quiet_worker_process"}}
+    return {"runtime_env": {"worker_process_setup_hook": "training.driver.session.quiet_worker_process"}}
+
+
+def quiet_worker_process() -> None:
+    """Ray's `worker_process_setup_hook` for the processes of a cluster the job joins (`ray job
+    submit`, RAY_ADDRESS; training/driver/session.py connect): what the environment does for a cluster the
+    job starts itself. No deprecation notices from Ray's own code, and Ray Data's console
+    gets warnings only, without its per-execution notices (ray_data_logging.yaml, found in
+    this process's copy of the package: a working_dir lies elsewhere on every node)."""
+    import sys
+    import warnings
+
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    os.environ.setdefault("RAY_DATA_LOGGING_CONFIG", RAY_DATA_LOGGING)
+    if "ray.data" in sys.modules:  # imported already: its logging was configured without the file
+        from training import ray_private
+
+        ray_private.configure_ray_data_logging()

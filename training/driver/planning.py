@@ -261,7 +261,7 @@ def plan_resources(cfg: TrainConfig, capacity: Capacity) -> ResourcePlan:
         num_workers=workers,
         cpus_per_worker=cpus_per_worker,
         threads_per_worker=0,
-        augment_actors=cfg.augment_actors,  # 0: Ray Data tasks, on CPUs and GPUs (see training.ingest)
+        augment_actors=cfg.augment_actors,  # 0: Ray Data tasks, on CPUs and GPUs (see training.stream.ingest)
         augment_cpus=1.0 if use_gpu or cpus > 2 else 0.5,
         placement="PACK" if use_gpu else "SPREAD",
         **shares,

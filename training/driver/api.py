@@ -21,8 +21,8 @@ import os
 import time
 
 from training.config import ConfigError, TrainConfig, error_line
-from training.epochs import EpochCallback
-from training.flags import FlagParser, add_arguments, parse_config
+from training.driver.epochs import EpochCallback
+from training.driver.flags import FlagParser, add_arguments, parse_config
 from training.status import STOP
 
 __all__ = ["fit", "RunResult", "JobError", "STOP", "EpochCallback"]
@@ -45,6 +45,7 @@ class RunResult:
     summary: dict  # summary.json's figures
     model_path: str  # model.pt: the last epoch's weights
     best_model_path: str  # model_best.pt: the best validation accuracy's
+    ema_model_path: str | None = None  # model_ema.pt: the weights' moving average (--model-ema), else None
 
     @property
     def epochs(self) -> int:
@@ -93,12 +94,12 @@ def as_config(config) -> TrainConfig:
 
 def fit(config, callbacks: list[EpochCallback] | tuple = (), *, log=None, share=None) -> RunResult:
     """Train as `python -m jobs.train` does with `config`; the run's lines go to `log` (default: print).
-    `share`: the part of the cluster to plan for (training/planning.py share_of; a sweep's trial)."""
+    `share`: the part of the cluster to plan for (training/driver/planning.py share_of; a sweep's trial)."""
     from augment.errors import PresetError
-    from training import lease
+    from training.driver import lease
+    from training.driver.inputs import prepare
+    from training.driver.session import connect
     from training.forms.data import DataError
-    from training.inputs import prepare
-    from training.session import connect
     from training.storage import StorageError
 
     log = log or (lambda *a: print(*a, flush=True))
@@ -114,7 +115,8 @@ def fit(config, callbacks: list[EpochCallback] | tuple = (), *, log=None, share=
 
 def _train(cfg, tree, name, preset, callbacks, log, connect, share=None) -> RunResult:
     from augment.presets import load_preset
-    from training import artifacts, job
+    from training import storage
+    from training.driver import job
     from training.forms.data import DataError
     from training.storage import StorageError
 
@@ -139,6 +141,7 @@ def _train(cfg, tree, name, preset, callbacks, log, connect, share=None) -> RunR
         run_dir=run_dir,
         config=cfg,
         summary=summary,
-        model_path=artifacts.join(run_dir, "model.pt"),
-        best_model_path=artifacts.join(run_dir, "model_best.pt"),
+        model_path=storage.join(run_dir, "model.pt"),
+        best_model_path=storage.join(run_dir, "model_best.pt"),
+        ema_model_path=storage.join(run_dir, "model_ema.pt") if cfg.model_ema else None,
     )

@@ -6,7 +6,7 @@ Ray Train's own restarts (FailureConfig.max_failures) keep the plan made at the 
 a fault only as the workers' tracebacks. So the job restarts the trainer itself: every attempt
 is a TorchTrainer with max_failures=0 on the same RunConfig(storage_path, name), which resumes
 from the last registered checkpoint (ray.train.get_checkpoint). Between two attempts the
-driver (training/job.py, _fit):
+driver (training/driver/job.py, _fit):
 
     fault = describe(error, lost, progress, checkpoint, per_worker)  # what failed, where, when
     faults.add(fault, error, lost)  # the detail in faults.log; then the line, or the reason to stop
@@ -29,7 +29,7 @@ import ray
 import ray.train
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from training import artifacts, ray_private
+from training import ray_private, storage
 
 
 def driver_actor(cls, *args):
@@ -187,7 +187,7 @@ class FaultLog:
     fault with its full detail, after those of earlier invocations) and summary.json's list."""
 
     def __init__(self, run_dir: str, max_failures: int):
-        self.path, self.max_failures = artifacts.join(run_dir, "faults.log"), max_failures
+        self.path, self.max_failures = storage.join(run_dir, "faults.log"), max_failures
         self.faults: list[Fault] = []
         self._last_message = None
 
@@ -205,9 +205,9 @@ class FaultLog:
         if lost:
             entry += node_deaths(lost) + "\n"
         entry += error_detail(error) + "\n\n"
-        old = artifacts.read_bytes(self.path).decode() if artifacts.exists(self.path) else ""
+        old = storage.read_bytes(self.path).decode() if storage.exists(self.path) else ""
         try:
-            artifacts.write_bytes(self.path, (old + entry).encode())
+            storage.write_bytes(self.path, (old + entry).encode())
         except OSError as e:  # a full disk: the fault is still told, on the console
             if not any(words in str(e) for words in FULL):
                 raise

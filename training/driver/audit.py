@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from training.forms.data import ImageTree
-from training.ingest import epoch_order
 from training.records import KEY_MOD, ShardRecord
+from training.stream.ingest import epoch_order
 
 
 def good_images(split, bad: dict[str, str]) -> np.ndarray:
@@ -68,7 +68,7 @@ def coverage(seen_per_epoch: list[list[ShardRecord]], tree: ImageTree, bad: dict
 
 def sampled_coverage(seen_per_epoch: list[list[ShardRecord]], tree: ImageTree, bad: dict[str, str], seed: int):
     """coverage's verdicts for --sampler balanced, whose epochs draw images with replacement: each
-    epoch is checked against its own draw (training/ingest.py epoch_order, replayed from the seed
+    epoch is checked against its own draw (training/stream/ingest.py epoch_order, replayed from the seed
     and the labels), not against every image once. `as_expected`: the rows are the draw's (its
     good images, repeats included) and the distinct images and their key sum are the draw's; None
     where an equal split dropped a few rows (which ones the sums cannot tell)."""

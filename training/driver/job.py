@@ -1,5 +1,5 @@
-"""The driver side of a training job, once its inputs have passed (training/inputs.py
-prepare) and Ray is connected (training/session.py connect): plan resources, build the data
+"""The driver side of a training job, once its inputs have passed (training/driver/inputs.py
+prepare) and Ray is connected (training/driver/session.py connect): plan resources, build the data
 pipeline, run the TorchTrainer attempt after attempt through faults, write the run directory.
 
     cfg, tree, name, preset = inputs.prepare(cfg)   # no Ray yet: every user error (exit 2)
@@ -24,12 +24,13 @@ from ray.train.torch import TorchTrainer
 
 from augment.presets import Preset
 from augment.schedule import parse_resize
-from training import artifacts, lease, ray_private
+from training import ray_private, storage
 from training.bounds import DataSlots
 from training.config import ConfigError, TrainConfig, check_sync_bn
-from training.console import ConsoleFollower, data_gone
-from training.epochs import EpochFollower
-from training.faults import (
+from training.driver import lease
+from training.driver.console import ConsoleFollower
+from training.driver.epochs import EpochFollower
+from training.driver.faults import (
     FULL,
     CheckpointNotice,
     FaultLog,
@@ -40,10 +41,8 @@ from training.faults import (
     lost_nodes,
     storage_full,
 )
-from training.forms.data import DataError, ImageTree
-from training.ingest import DecodePlan, SplitValUnequally, augment_rows, build_datasets, choose_decode
-from training.inputs import auto_preset, data_place, few_steps_warning, sized_preset
-from training.planning import (
+from training.driver.inputs import auto_preset, data_place, few_steps_warning, sized_preset
+from training.driver.planning import (
     Capacity,
     ResourcePlan,
     check_storage,
@@ -51,12 +50,15 @@ from training.planning import (
     plan_resources,
     wait_for_a_plan,
 )
+from training.driver.results import report_bad_files, write_bad_files, write_results
+from training.driver.tracking import Tracking, parse_log_to
+from training.forms.data import DataError, ImageTree
 from training.records import RunRecord
-from training.results import report_bad_files, write_bad_files, write_results
 from training.spec import IngestNeeds, StallLimits, WorkerSpec
-from training.stamp import EpochClock, StaleBatch
 from training.status import BadFileLog, RunStatus
-from training.tracking import Tracking, parse_log_to
+from training.stream.gone import data_gone
+from training.stream.ingest import DecodePlan, SplitValUnequally, augment_rows, build_datasets, choose_decode
+from training.stream.stamp import EpochClock, StaleBatch
 from training.weights import weights_record
 from training.worker.feed import IngestStalled
 from training.worker.learner import CheckpointMismatch
@@ -121,8 +123,8 @@ def run(
     cluster was started by this process and ends with it. `stall`: how long a train worker
     waits for a batch before it asks Ray why (training/worker/feed.py, IngestWatch). `bar_stream`: where
     the per-epoch progress bar is drawn (a terminal; None: no bar); the epoch lines go to `log`.
-    `callbacks`: called on the driver with each epoch's record (training/epochs.py). `share`: the
-    part of the cluster this run plans for (a sweep's trial: training/planning.py share_of); None:
+    `callbacks`: called on the driver with each epoch's record (training/driver/epochs.py). `share`: the
+    part of the cluster this run plans for (a sweep's trial: training/driver/planning.py share_of); None:
     all of it."""
     try:
         start = launched_at or time.time()
@@ -136,7 +138,7 @@ def run(
             "from the run's last checkpoint"
         ) from None
     finally:
-        lease.release(cfg.run_dir)  # however the run ends, its folder is free for the next (training/lease.py)
+        lease.release(cfg.run_dir)  # however the run ends, its folder is free for the next (training/driver/lease.py)
 
 
 def _run(cfg, tree, preset, log, start, own_cluster, stall, bar_stream, callbacks, share) -> dict:
@@ -168,7 +170,7 @@ def _run(cfg, tree, preset, log, start, own_cluster, stall, bar_stream, callback
         f"plan: preset {preset.name}{chosen}; {plan.describe()}; {decode.describe()}; "
         f"at most {rows} images per augment call; {tree.imbalance()}{balancing(cfg)}"
     )
-    # with the driver: a lost node cannot take them (training/faults.py)
+    # with the driver: a lost node cannot take them (training/driver/faults.py)
     actors = {
         "clock": driver_actor(EpochClock),
         "bad_log": driver_actor(BadFileLog),
@@ -177,7 +179,7 @@ def _run(cfg, tree, preset, log, start, own_cluster, stall, bar_stream, callback
     if tree.unreadable:  # found by the listing (a shard's sample without an image or a label)
         actors["bad_log"].add.remote(list(tree.unreadable))
     names = parse_log_to(cfg.log_to)
-    tracking = Tracking(cfg, names, log) if names else None  # --log-to (training/tracking.py)
+    tracking = Tracking(cfg, names, log) if names else None  # --log-to (training/driver/tracking.py)
     attempt = Attempt(
         cfg,
         tree,
@@ -206,7 +208,7 @@ def _run(cfg, tree, preset, log, start, own_cluster, stall, bar_stream, callback
         for actor in actors.values():  # nothing of this run may hold cluster resources afterwards
             ray.kill(actor)
         if tracking:
-            tracking.finish([artifacts.join(run_dir, f) for f in TRACKED_FILES] if ok else [], ok=ok)
+            tracking.finish([storage.join(run_dir, f) for f in TRACKED_FILES] if ok else [], ok=ok)
     return summary
 
 
@@ -222,9 +224,9 @@ def balancing(cfg: TrainConfig) -> str:
 def write_config(run_dir: str, attempt: "Attempt", plan: ResourcePlan, rows: int) -> None:
     """config.json: every setting, the plan, the preset, the classes, the commit and the data."""
     cfg, preset, tree = attempt.cfg, attempt.preset, attempt.tree
-    artifacts.mark_run_dir(run_dir, cfg.name)  # first: --fresh removes only a folder that holds it
-    artifacts.write_json(
-        artifacts.join(run_dir, "config.json"),
+    storage.mark_run_dir(run_dir, cfg.name)  # first: --fresh removes only a folder that holds it
+    storage.write_json(
+        storage.join(run_dir, "config.json"),
         {
             "config": cfg.to_dict(),
             "plan": dataclasses.asdict(plan)
@@ -252,7 +254,7 @@ class Attempt:
     autoscaling: bool  # the cluster may grow: the ingest watch only waits
     stall: StallLimits
     own_cluster: bool
-    callbacks: tuple = ()  # the driver's epoch callbacks (training/epochs.py)
+    callbacks: tuple = ()  # the driver's epoch callbacks (training/driver/epochs.py)
     share: Capacity | None = None  # the part of the cluster the run plans for (a sweep's trial); None: all
 
     @property
@@ -339,12 +341,12 @@ class Attempt:
         )
         bad = ray.get(bad_log.get.remote()) if strict else {}
         if bad:
-            artifacts.mark_run_dir(run_dir, self.cfg.name)  # the run directory is this job's (--fresh may remove it)
+            storage.mark_run_dir(run_dir, self.cfg.name)  # the run directory is this job's (--fresh may remove it)
             write_bad_files(run_dir, bad)
             first = next(iter(sorted(bad.items())))
             raise DataError(
                 f"{len(bad)} unreadable image(s), e.g. {first[0]}: {first[1]}; see "
-                f"{artifacts.join(run_dir, 'bad_files.csv')}; drop --strict to skip them"
+                f"{storage.join(run_dir, 'bad_files.csv')}; drop --strict to skip them"
             )
         return datasets
 
@@ -354,7 +356,7 @@ def _fit(
 ) -> tuple[dict, dict, dict, list[dict]]:
     """Run the TorchTrainer on `datasets` (the first plan's) while the console follows its progress;
     after a fault, say so in one line and run it again from the last checkpoint, on a plan made
-    again, with datasets built for it where it changed (training/faults.py). Returns the last
+    again, with datasets built for it where it changed (training/driver/faults.py). Returns the last
     checkpoint's records (training/records.py) and model weights, the best epoch's ({"model",
     "epoch", "val_acc"}, and "ema": the last checkpoint's EMA weights, None without --model-ema),
     the files that failed to decode, and the faults survived."""

@@ -43,14 +43,13 @@ from ray.data.datasource import Datasource, ReadTask
 from augment.decode import BadImage, decode_image, stack_images
 from augment.streams import stream_rng
 from training import ray_private, storage
-from training.bounds import READ_COST, seconds_per_row
-from training.console import data_gone
 from training.forms.data import DataError, Split, below, on_side
 from training.forms.formats import read_units
-from training.rows import BYTES, IMAGE, KEY, LABEL, PATH, REASON
-from training.stage import StageArgs, add_augment
-from training.stamp import current_epoch
+from training.rows import BYTES, IMAGE, KEY, LABEL, PATH, READ_COST, REASON, seconds_per_row
 from training.storage import filesystem
+from training.stream.gone import DataGone, data_gone
+from training.stream.stage import StageArgs, add_augment
+from training.stream.stamp import current_epoch
 
 ROWS_PER_TASK = 256  # at most this many files per read task (one augment call per block on CPUs)
 # Thumbnails decoded in the read task (files averaging under THUMBNAIL_BYTES, e.g. CIFAR's 32 px
@@ -144,7 +143,7 @@ def epoch_order(n: int, seed: int, epoch: int, labels: np.ndarray | None = None)
     """The order of a split's units in one epoch: a permutation from the file-order stream of
     (seed, epoch) (augment/streams.py: the same numbers on every machine). With `labels` (--sampler
     balanced): n draws with replacement from that stream, each file's chance inversely proportional
-    to its class's count; some files come twice, some not at all (training/audit.py knows)."""
+    to its class's count; some files come twice, some not at all (training/driver/audit.py knows)."""
     rng = stream_rng("file_order", seed, epoch)
     if labels is None:
         return rng.permutation(n)
@@ -241,12 +240,6 @@ def read_plan(split: Split, rows_per_task: int) -> tuple[int, int]:
     rows = max(1, min(rows, int(TASK_BYTES // max(1.0, mean_bytes))), math.ceil(len(split) / MAX_TASKS))
     per_task = max(1, round(rows / max(1.0, len(split) / max(1, units))))
     return per_task, max(1, math.ceil(units / per_task))
-
-
-class DataGone(RuntimeError):
-    """The data's folder, prefix or bucket cannot be read any more: no one file's fault, so the
-    run stops with this one line. Ray hands a read task's exception on as text, in which
-    training/job.py worker_error finds it by its name (training.console.data_gone)."""
 
 
 def _check_there(where: str, failed: str, reason: str) -> None:
@@ -442,7 +435,7 @@ def build_datasets(cfg, tree, preset, plan, clock, bad_log=None, decode: DecodeP
       measured"); task worker processes stay alive between epochs and keep their pipeline
       (augment_task). On CPUs the augment call is fused with the read (one task reads, decodes
       and augments its files). On a GPU each augment task holds a share of it
-      (training/stage.py task_resources) and decodes a batch of JPEGs with nvjpeg.
+      (training/stream/stage.py task_resources) and decodes a batch of JPEGs with nvjpeg.
     - --augment-actors N: an actor pool of N per split, on a GPU share each where there is one.
     Nothing is decoded up front (but with --strict): the first step waits for the first batch.
     """

@@ -131,7 +131,7 @@ def read_space(path: str) -> list[Dimension]:
 
 def check_space(dims: list[Dimension], base: dict, check) -> None:
     """Each value a dimension can take (a range's bounds) checked with the base config by `check`
-    (training.api.as_config: the flags' own checks); ConfigError naming the setting."""
+    (training.driver.api.as_config: the flags' own checks); ConfigError naming the setting."""
     for dim in dims:
         values = dim.args if dim.kind != "randint" else (dim.args[0], dim.args[1] - 1)
         for value in values:

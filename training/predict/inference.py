@@ -4,11 +4,11 @@ in the read tasks), actors apply the saved eval transform and the model to whole
     info = load_model_file("runs/photos/model.pt")          # a ModelFile; ModelFileError: exit 2
     splits = input_splits("~/photos", info)
     ds = scoring_dataset(info, splits, actors=(1, 4))         # {path, label, pred, prob}, lazily
-    # training/scoring.py score_to streams it into the output, with the counts reduced by a tally
+    # training/predict/scoring.py score_to streams it into the output, with the counts reduced by a tally
 
 A file's label is the position, in the model's class names, of its directory's name
 (DIR/<class>/img or DIR/val/<class>/img); -1 when that directory is not a class. Each read
-task derives it from the file's own path (training/ingest.py), so no task carries a table
+task derives it from the file's own path (training/stream/ingest.py), so no task carries a table
 of the files.
 """
 
@@ -174,7 +174,7 @@ class Predictor:
 
     def __init__(self, info: ModelFile | str, device: str = "cpu", tally=None):
         """`info`: load_model_file's ModelFile, or the model file's path, which each actor reads itself;
-        `tally`: training/scoring.py's Tally actor, told each batch's counts (None: not told)."""
+        `tally`: training/predict/scoring.py's Tally actor, told each batch's counts (None: not told)."""
         from augment.ops import Normalize
         from augment.pipeline import Pipeline
         from training.model import build_model
@@ -236,7 +236,7 @@ def scoring_dataset(
     the pool's size, or (min, max) for one that grows and shrinks with the work."""
     import ray.data
 
-    from training.ingest import read_split
+    from training.stream.ingest import read_split
 
     parts = [read_split(s, decode=True, relative_paths=True, rows_per_task=batch_size, bad_log=bad_log) for s in splits]
     ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
