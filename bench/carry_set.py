@@ -70,7 +70,7 @@ DROPPED_EXTRAS = {
 
 # The project's requirements that the device run leaves out whole, and why.
 DROPPED_REQUIREMENTS = {
-    "boto3": "training/lease.py's lease on an s3:// run folder (imported there when one is named); "
+    "boto3": "training/driver/lease.py's lease on an s3:// run folder (imported there when one is named); "
     "the kit's runs write to a local folder. boto3 and botocore would add 14 MiB to a set near its limit",
 }
 
