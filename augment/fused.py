@@ -41,10 +41,6 @@ import os
 import torch
 
 META = 20  # int64 columns a program reads about its image (FusedPlan.meta)
-# The largest factor by which the jitter's steps from contrast on may scale an error in the pixels
-# before contrast, for an image's scratch to be packed (augment/fused_kernel.py): a packed pixel is
-# within 1/8 of a level, so the output stays within 6/8 of the float32 path's, under a level.
-PACK_GAIN = 6.0
 
 
 @functools.cache
@@ -137,19 +133,10 @@ class FusedPlan:
                 factors = op.factors_or_identity(params)[:, :3]
                 order = params["order"][:, :3]
         factors = sizes.new_ones((n, 3), dtype=torch.float32) if factors is None else factors
-        # columns 0-3 (the image's address and strides) are the op's to fill, 16 unused
-        columns = [zeros, sizes, box, resized, offset, flip, packable(factors)[:, None], zeros[:, :1], order]
+        # columns 0-3 (the image's address and strides) are the op's to fill, 15-16 unused
+        columns = [zeros, sizes, box, resized, offset, flip, zeros[:, :2], order]
         meta = torch.cat([c.long() for c in columns], 1)
         return cls(meta, factors.float().contiguous(), getattr(ops[0], "fill", 0.0))
-
-
-def packable(factors: torch.Tensor) -> torch.Tensor:
-    """Per image (`factors` (B, 3): brightness, contrast, saturation), whether its scratch may be
-    packed: the steps from contrast on scale an error at most by contrast x (saturation +
-    |1 - saturation|) x brightness (saturation mixes in the grey level), whatever their order;
-    at most PACK_GAIN. The `imagenet` preset's jitter (0.4 each) reaches 3.5."""
-    b, c, s = factors.float().unbind(1)
-    return c * (s + (1 - s).abs()) * b <= PACK_GAIN
 
 
 def image_meta(images: list[torch.Tensor]) -> torch.Tensor:

@@ -180,7 +180,7 @@ assert "nvJPEG version: 13" in text and "nvjpeg_cuda_decoder" in text, "not regi
 import os
 os.environ["RAY_TRAIN_V2_ENABLED"] = "1"
 import ray
-ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never another's cluster
 import ray.data
 total = ray.data.range(1000).map_batches(lambda b: {"id": b["id"] * 2}).sum("id")
 assert total == 999000, total

@@ -90,7 +90,7 @@ def fused_scratch_bytes(images, meta, factors, out_h, out_w, fill, float_out) ->
     and output (augment/fused_kernel.py scratch_bytes)."""
     from augment import fused_kernel
 
-    return fused_kernel.scratch_bytes(meta, factors, out_h, out_w, float_out)
+    return fused_kernel.scratch_bytes(factors, out_h, out_w, float_out)
 
 
 ALLOCATIONS = ("aten.empty", "aten.empty_like", "aten.new_empty", "aten.empty_strided")  # no byte moved

@@ -18,7 +18,7 @@ import sys
 import tempfile
 
 POINTERS = {"meta_ptr": "*i64", "factors_ptr": "*fp32", "scratch_ptr": "*fp32", "partial_ptr": "*fp32"}
-SCALARS = {"fill": "i32", "OH": "i32", "OW": "i32", "TILES": "i32"}
+SCALARS = {"fill": "i32", "pack_gain": "fp32", "OH": "i32", "OW": "i32", "TILES": "i32"}
 
 
 def compile_kernel(kernel, constexprs: dict, out_type: str, warps: int = 4) -> dict:

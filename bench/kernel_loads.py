@@ -171,19 +171,12 @@ def loads_per_output_pixel() -> dict:
 def scratch_bytes() -> dict:
     """The scratch the kernel writes and reads back for an image that jitters contrast (uint8
     output), packed and in float32 (an image whose jitter could scale the packing's error past a
-    level, augment/fused.py packable), and the chunk of images that shares one scratch on a GPU."""
+    level, augment/fused_kernel.py packable), and the chunk of images that shares one scratch on a GPU."""
     from augment import fused_kernel
 
     _, chunk = fused_kernel.launch_shape("cuda")
-    meta, factors = torch.zeros((2, 20), dtype=torch.int64), torch.tensor([[1.0, 1.1, 1.0]] * 2)
-    meta[0, 15] = 1
-    packed, both = (
-        fused_kernel.scratch_bytes(m, f, SIDE, SIDE, False) for m, f in ((meta[:1], factors[:1]), (meta, factors))
-    )
-    return {
-        "written_and_read_per_contrast_image": {"packed": packed, "float32": both - packed},
-        "images_a_chunk": chunk,
-    }
+    packed, wide = (fused_kernel.scratch_bytes(torch.tensor([f]), SIDE, SIDE, False) for f in ([1, 1.1, 1], [2, 2, 2]))
+    return {"written_and_read_per_contrast_image": {"packed": packed, "float32": wide}, "images_a_chunk": chunk}
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ from bench.augment import synthetic_photo
 
 CPU = torch.device("cpu")
 
+fused_kernel = pytest.importorskip("augment.fused_kernel", reason="needs Triton")
+
 pytestmark = pytest.mark.skipif(
     not fused.available(CPU), reason="needs Triton and TRITON_INTERPRET=1 (tests/conftest.py sets it without a GPU)"
 )
@@ -73,7 +75,7 @@ def test_the_kernel_gives_the_torch_paths_pixels(case, scratch, monkeypatch):
     as the torch path does on a CPU, so with a float32 scratch (no image may pack it: PACK_GAIN
     0) the bytes agree but for a rounding tie, and with the packed one within a level."""
     if scratch == "float32":
-        monkeypatch.setattr(fused, "PACK_GAIN", 0.0)
+        monkeypatch.setattr(fused_kernel, "PACK_GAIN", 0.0)
     specs, sizes = CASES[case]
     got, expected = _both(specs, _images(sizes, gray=1, chw=2))
     assert got.dtype == torch.uint8
@@ -230,7 +232,7 @@ def test_a_packed_scratch_stays_within_a_level_up_to_the_largest_gain_it_is_kept
     sizes = torch.tensor([im.shape[:2] for im in images])
     request = pipe.request(sizes, torch.arange(len(images)))
     factors = request.draws.rest[0]["factors"][:, :3]
-    assert bool(fused.packable(factors).all()) and float(factors[:, 1].sub(1).abs().min()) > 0
+    assert bool(fused_kernel.packable(factors).all()) and float(factors[:, 1].sub(1).abs().min()) > 0
     got, expected = pipe.finish(request, images, path="fused"), pipe.finish(request, images, path="ragged")
     _close(got, expected)
 
@@ -239,15 +241,11 @@ JITTER = ("brightness", "contrast", "saturation")
 
 
 def test_an_image_whose_jitter_could_scale_the_packing_error_past_a_level_keeps_float32():
-    from augment.fused_kernel import scratch_bytes
-
-    factors = torch.tensor([[1.4, 1.4, 1.4], [1.8, 1.8, 1.8], [0.2, 1.9, 1.0], [1.9, 1.0, 1.9]])
-    assert fused.packable(factors).tolist() == [True, False, True, True]  # 3.5, 8.4, 0.4; no contrast
-    meta = torch.zeros((4, fused.META), dtype=torch.int64)
-    meta[:, 15] = fused.packable(factors)
+    factors = torch.tensor([[1.4, 1.4, 1.4], [1.8, 1.8, 1.8], [0.2, 1.9, 1.0], [2.5, 1.0, 2.5]])
+    assert fused_kernel.packable(factors).tolist() == [True, False, True, False]  # gains 3.5, 8.4, 0.4, 10
     pixels = 2 * 224 * 224  # each written once and read once
-    assert scratch_bytes(meta, factors, 224, 224, False) == pixels * (4 + 12 + 4)  # the last: no contrast
-    assert scratch_bytes(meta, factors, 224, 224, True) == pixels * 12 * 3  # a float32 output is its own
+    assert fused_kernel.scratch_bytes(factors, 224, 224, False) == pixels * (4 + 12 + 4)  # the last: no contrast
+    assert fused_kernel.scratch_bytes(factors, 224, 224, True) == pixels * 12 * 3  # a float32 output is its own
 
 
 def test_the_loads_an_output_pixel_grow_with_the_source_rows_not_rows_times_columns(monkeypatch):
