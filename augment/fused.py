@@ -26,10 +26,10 @@ launch takes the mean from the sums and the steps from contrast on (augment/fuse
 Hue is not covered: a preset with hue keeps the torch path.
 
 The launch is a torch custom op (`rga::augment_first_ops`): a dispatch mode sees it with the
-tensors it reads and writes (bench/gpu_path.py counts its bytes), and torch.compile sees its
-shape. Without Triton (or off a GPU without TRITON_INTERPRET=1) `available()` is False and the
-pipeline keeps the torch path. Under TRITON_INTERPRET=1 the same kernel runs on the CPU with
-numpy: the tests run it that way (tests/conftest.py sets the variable where there is no GPU).
+tensors it reads and writes (bench/gpu_path.py counts its bytes). Without Triton (or off a GPU
+without TRITON_INTERPRET=1) `available()` is False and the pipeline keeps the torch path. Under
+TRITON_INTERPRET=1 the same kernel runs on the CPU with numpy: the tests run it that way
+(tests/conftest.py sets the variable where there is no GPU).
 """
 
 from __future__ import annotations
@@ -165,14 +165,6 @@ def augment_first_ops(
                       device=meta.device)  # fmt: skip
     if len(images):
         fused_kernel.launch(meta, factors, out, round(fill * 255), out_h, out_w, float_out)
-    return out.permute(0, 3, 1, 2) if float_out else out
-
-
-@augment_first_ops.register_fake
-def output_like(images, meta, factors, out_h, out_w, fill, float_out):
-    """The op's output, unfilled: its shape, dtype and strides (torch.compile's fake tensors; the
-    benchmark's byte count without the launch)."""
-    out = meta.new_empty((len(images), out_h, out_w, 3), dtype=torch.float32 if float_out else torch.uint8)
     return out.permute(0, 3, 1, 2) if float_out else out
 
 

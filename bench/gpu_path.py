@@ -70,7 +70,7 @@ class OpCounter(TorchDispatchMode):
         self.names[str(func.overloadpacket)] += 1
         kwargs = kwargs or {}
         if str(func.overloadpacket) == "rga.augment_first_ops" and not self.run_kernel:
-            out = fused.output_like(*args, **kwargs)
+            out = output_like(*args, **kwargs)
         else:
             out = func(*args, **kwargs)
         if kind != "views" and str(func.overloadpacket) not in ALLOCATIONS:
@@ -81,6 +81,13 @@ class OpCounter(TorchDispatchMode):
     @property
     def total_bytes(self) -> int:
         return sum(self.bytes.values())
+
+
+def output_like(images, meta, factors, out_h, out_w, fill, float_out):
+    """augment/fused.py's augment_first_ops output, unfilled: its shape, dtype and strides (the
+    byte count without the launch)."""
+    out = meta.new_empty((len(images), out_h, out_w, 3), dtype=torch.float32 if float_out else torch.uint8)
+    return out.permute(0, 3, 1, 2) if float_out else out
 
 
 ALLOCATIONS = ("aten.empty", "aten.empty_like", "aten.new_empty", "aten.empty_strided")  # no byte moved

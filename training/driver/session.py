@@ -68,13 +68,6 @@ def quiet_ray_data(verbose: bool = False) -> None:
     logging.getLogger("ray.data").setLevel(logging.WARNING)
 
 
-def quiet_ray(verbose: bool = False) -> dict:
-    """Both of the above, for a caller that starts its own cluster (the tests)."""
-    kwargs = quiet_ray_env(verbose)
-    quiet_ray_data(verbose)
-    return kwargs
-
-
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 
 
