@@ -425,9 +425,15 @@ def check_run_dir(cfg: TrainConfig) -> None:
     with storage.errors(run_dir, "reading"):
         if not storage.exists(run_dir) or storage.is_empty_dir(run_dir) or storage.is_run_dir(run_dir):
             return
+        earlier = storage.is_earlier_run_dir(run_dir)
+    if earlier:
+        raise ConfigError(
+            f"{flag}: {run_dir} is a run of an earlier version of jobs.train (no {storage.RUN_MARKER}); "
+            "nothing there was touched; resume it with the version that wrote it, or give another --name"
+        )
     raise ConfigError(
-        f"{flag}: {run_dir} holds files that jobs.train did not write (no {storage.RUN_MARKER} or config.json "
-        "of a run); nothing there was touched; give another --name or --storage-path"
+        f"{flag}: {run_dir} holds files that jobs.train did not write (no {storage.RUN_MARKER}); nothing there "
+        "was touched; give another --name or --storage-path"
     )
 
 

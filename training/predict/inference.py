@@ -24,7 +24,7 @@ import torch
 from training import storage
 from training.forms.data import DataError, Split, label_of, make_split
 from training.forms.tree import list_images, scan_tree
-from training.modelfile import REQUIRED, ModelFile
+from training.modelfile import REQUIRED, ModelFile, StaleModelFile, check_version
 from training.rows import IMAGE, LABEL, PATH
 
 
@@ -55,6 +55,11 @@ def load_model_file(path: str) -> ModelFile:
         info = torch.load(source, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - pickle, zip and torch errors alike mean "not a model.pt"
         raise ModelFileError(f"--model {path}: not a model.pt written by jobs.train ({type(e).__name__})") from None
+    if isinstance(info, dict) and "eval_transform" in info:  # jobs.train's, of whichever version
+        try:
+            check_version(info)
+        except StaleModelFile as e:
+            raise ModelFileError(f"--model {path}: {e}") from None
     missing = [k for k in REQUIRED if not isinstance(info, dict) or k not in info]
     if missing:
         raise ModelFileError(
@@ -106,6 +111,7 @@ def check_model_values(info: dict, path: str) -> None:
         or not all(isinstance(v, torch.Tensor) for v in info["state_dict"].values())
         else "",
         "eval_transform has no ops, mean and std" if not isinstance(t, dict) or {"ops", "mean", "std"} - set(t) else "",
+        "config is not the run's flags" if not isinstance(info["config"], dict) else "",
     ]
     problems = [p for p in problems if p]
     if not problems:
