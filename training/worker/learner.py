@@ -155,27 +155,6 @@ class Learner:
     frozen: bool = False  # the backbone's parameters take no gradient (--freeze-epochs)
     pending: int = 0  # micro-batches backpropagated since the last optimiser step (--grad-accum)
 
-    @classmethod
-    def on_cpu(
-        cls, cfg: TrainConfig, model: torch.nn.Module, steps_per_epoch: int, class_counts: tuple = ()
-    ) -> Learner:
-        """A single-process CPU learner (no DDP, a mid-grey Normalize): for tests and benchmarks
-        that run steps outside Ray Train; `steps_per_epoch`: optimiser steps."""
-        optimizer = build_optimizer(cfg, model)
-        weight = class_weights(class_counts) if cfg.class_weights == "balanced" else None
-        return cls(
-            cfg=cfg,
-            device=torch.device("cpu"),
-            model=model,
-            bare=model,
-            optimizer=optimizer,
-            scheduler=build_scheduler(cfg, optimizer, steps_per_epoch),
-            scaler=torch.amp.GradScaler("cpu", enabled=False),
-            normalize=Normalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25)),
-            ema=build_ema(model, cfg.model_ema),
-            class_weight=torch.tensor(weight, dtype=torch.float32) if weight else None,
-        )
-
     # ----------------------------------------------------------------------- the recipe's step
 
     def freeze_backbone(self, frozen: bool) -> None:
