@@ -66,11 +66,14 @@ def test_preview_shows_the_preset_training_would_pick(tmp_path, capsys):
 
 
 def _finished_run(runs, data_root: str, classes, **settings) -> bytes:
-    """A run directory as jobs.train leaves it after two epochs: config.json and metrics.csv."""
+    """A run directory as jobs.train leaves it after two epochs: its marker, config.json and metrics.csv."""
     import json
+
+    from training import storage
 
     run = runs / "mine"
     run.mkdir(parents=True)
+    storage.mark_run_dir(str(run), "mine")
     config = {
         "config": TrainConfig(**settings).to_dict(),
         "preset": {"name": settings.get("preset", "cifar")},
