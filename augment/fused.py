@@ -38,6 +38,7 @@ import dataclasses
 import functools
 import os
 
+import numpy as np
 import torch
 
 META = 20  # int64 columns a program reads about its image (FusedPlan.meta)
@@ -172,8 +173,6 @@ def on_device(images, device) -> list[torch.Tensor]:
     """The images as (H, W, 3)-shaped uint8 tensors on `device`: those there already as they
     are (any strides), the others packed into one host buffer and uploaded in one copy (a
     (B, H, W, 3) array whole), each then a view of it."""
-    import numpy as np
-
     device = torch.device(device)
     if isinstance(images, np.ndarray) and images.ndim == 4:
         return list(torch.from_numpy(np.ascontiguousarray(images)).to(device))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from training import storage
 from training.config import error_line
 from training.driver.flags import FlagParser
 
@@ -77,7 +78,6 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    from training import storage
     from training.driver.session import connect
     from training.forms.data import DataError
     from training.predict import inference, scoring
@@ -132,7 +132,6 @@ def auto_actors(device: str) -> tuple[int, int]:
 def check_out(out: str, overwrite: bool) -> None:
     """StorageError unless `out` can be written: its folder writable, and what is there already replaced
     only with --overwrite (a folder of Parquet files: its .parquet files)."""
-    from training import storage
     from training.predict import scoring
 
     kind = scoring.out_kind(out)

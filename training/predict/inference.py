@@ -21,11 +21,18 @@ from pathlib import PurePosixPath
 import numpy as np
 import torch
 
+from augment.batch import augment_batch
+from augment.ops import Normalize
+from augment.pipeline import Pipeline
 from training import storage
+from training.config import ConfigError
+from training.forms import huggingface, webdataset
 from training.forms.data import DataError, Split, label_of, make_split
 from training.forms.tree import list_images, scan_tree
+from training.model import build_model, check_model, model_names
 from training.modelfile import REQUIRED, ModelFile, StaleModelFile, check_version
 from training.rows import IMAGE, LABEL, PATH
+from training.weights import model_kind
 
 
 class ModelFileError(ValueError):
@@ -74,10 +81,6 @@ def check_arch(arch, path: str) -> None:
     """ModelFileError where this process cannot build the model.pt's model: a torchvision name this
     torchvision does not have, a timm model without timm or unknown to it, a function of the
     user's that does not import (run from the folder that trained it, or put it on PYTHONPATH)."""
-    from training.config import ConfigError
-    from training.model import check_model, model_names
-    from training.weights import model_kind
-
     if not isinstance(arch, str) or arch == "resnet18":  # a bad value: check_model_values says so
         return
     if model_kind(arch) == "torchvision":
@@ -157,7 +160,6 @@ def input_splits(root: str, info: ModelFile, split: str = "all", val_fraction: f
     or row of an export (split="all": test and unlabelled ones too, label -1); else the splits
     of data in another form as training scans them (DataError if its classes are not the
     model's)."""
-    from training.forms import huggingface, webdataset
     from training.forms.formats import data_kind, scan_data
 
     kind, files = data_kind(root)
@@ -181,10 +183,6 @@ class Predictor:
     def __init__(self, info: ModelFile | str, device: str = "cpu", tally=None):
         """`info`: load_model_file's ModelFile, or the model file's path, which each actor reads itself;
         `tally`: training/predict/scoring.py's Tally actor, told each batch's counts (None: not told)."""
-        from augment.ops import Normalize
-        from augment.pipeline import Pipeline
-        from training.model import build_model
-
         info = load_model_file(info) if isinstance(info, str) else info
         self.device = torch.device(device)
         t = info.eval_transform
@@ -197,8 +195,6 @@ class Predictor:
 
     @torch.no_grad()
     def __call__(self, batch: dict) -> dict:
-        from augment.batch import augment_batch
-
         n = len(batch[LABEL])
         if n == 0:
             return {

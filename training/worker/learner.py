@@ -15,6 +15,7 @@ import functools
 import hashlib
 import math
 import random
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -212,8 +213,6 @@ class Learner:
     def reschedule(self, steps_done: int) -> None:
         """The schedule for --epochs as set now, moved on by the steps already taken (the optimizer's
         learning rate with it)."""
-        import warnings
-
         steps_per_epoch = self.scheduler.steps_per_epoch
         for group in self.optimizer.param_groups:  # a new schedule starts from the peak it scales
             group["lr"] = self.cfg.peak_lr * group.get("lr_scale", 1.0)
