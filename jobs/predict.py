@@ -78,7 +78,7 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    from training.driver.session import connect
+    from training.driver.session import connect  # looked up at the call: the tests replace it
     from training.forms.data import DataError
     from training.predict import inference, scoring
 

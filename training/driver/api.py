@@ -100,7 +100,7 @@ def fit(config, callbacks: list[EpochCallback] | tuple = (), *, log=None, share=
     """Train as `python -m jobs.train` does with `config`; the run's lines go to `log` (default: print).
     `share`: the part of the cluster to plan for (training/driver/planning.py share_of; a sweep's trial)."""
     from training.driver.inputs import prepare
-    from training.driver.session import connect
+    from training.driver.session import connect  # looked up at the call: the tests replace it
     from training.forms.data import DataError
 
     log = log or (lambda *a: print(*a, flush=True))

@@ -168,8 +168,8 @@ def tune(config, space: str, options: SweepOptions | None = None, *, name=None, 
 def connect_and_share(cfg: TrainConfig, options: SweepOptions):
     """Join or start Ray; one trial's share of the cluster, checked by planning the base config
     for it (JobError 2 where one trial cannot fit)."""
-    from training.driver.planning import cluster_capacity, plan_resources, share_of
-    from training.driver.session import connect
+    from training.driver.planning import cluster_capacity, plan_resources, share_of  # as connect, below
+    from training.driver.session import connect  # looked up at the call: the tests replace it
 
     try:
         connect(cfg.verbose, cfg.dashboard)
