@@ -384,8 +384,5 @@ def trimmed(src: Path, cache: Path, lzma_min: int | None) -> tuple[Path, list]:
 
 
 def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()

@@ -131,7 +131,8 @@ def auto_actors(device: str) -> tuple[int, int]:
 
 def check_out(out: str, overwrite: bool) -> None:
     """StorageError unless `out` can be written: its folder writable, and what is there already replaced
-    only with --overwrite (a folder of Parquet files: its .parquet files)."""
+        only with --overwrite (a folder: the Parquet files an earlier jobs.predict wrote there, by its record;
+    a folder with Parquet files of someone else's is refused)."""
     from training.predict import scoring
 
     kind = scoring.out_kind(out)
@@ -150,8 +151,16 @@ def check_out(out: str, overwrite: bool) -> None:
             f"--out {target} {what}; nothing was written; give another --out, or --overwrite to replace it"
         )
     if there and kind == "dir":
-        for old in scoring.part_files(target, ".parquet"):  # an earlier prediction's files, not others
+        ours = scoring.earlier_parts(target)
+        if ours is None and scoring.part_files(target, ".parquet"):
+            raise storage.StorageError(
+                f"--out {target} holds Parquet files that jobs.predict did not write; nothing was removed; "
+                "give another --out"
+            )
+        for old in ours or []:  # an earlier prediction's files, and only those
             storage.remove_file(old)
+        if ours is not None:
+            storage.remove_file(storage.join(target, scoring.PARTS_RECORD))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from training.driver.lease import LeaseHeld, Owner
 
 REPO = Path(__file__).resolve().parents[1]
 HOLD = (
-    "import sys, time; from training import lease; lease.acquire(sys.argv[1], 'r'); print('held', flush=True); "
+    "import sys, time; from training.driver import lease; lease.acquire(sys.argv[1], 'r'); print('held', flush=True); "
     "time.sleep(600)"
 )
 

@@ -50,6 +50,7 @@ class RunResult:
     summary: dict  # summary.json's figures
     model_path: str  # model.pt: the last epoch's weights
     best_model_path: str  # model_best.pt: the best validation accuracy's
+    ema_model_path: str | None = None  # model_ema.pt: the weights' moving average (--model-ema), else None
 
     @property
     def epochs(self) -> int:
@@ -141,4 +142,5 @@ def _train(cfg, tree, name, preset, callbacks, log, connect, share=None) -> RunR
         summary=summary,
         model_path=storage.join(run_dir, "model.pt"),
         best_model_path=storage.join(run_dir, "model_best.pt"),
+        ema_model_path=storage.join(run_dir, "model_ema.pt") if cfg.model_ema else None,
     )

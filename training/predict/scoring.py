@@ -28,6 +28,22 @@ from training.rows import LABEL, PATH
 from training.status import BadFileLog
 
 COLUMNS = ("path", "predicted", "confidence", "label")  # the output's columns, in order
+PARTS_RECORD = ".predictions.json"  # in a --out folder: the Parquet files this job wrote there
+
+
+def earlier_parts(folder: str) -> list[str] | None:
+    """The Parquet files an earlier jobs.predict wrote into `folder` (PARTS_RECORD), those still there;
+    None where no record says so: then the folder's Parquet files are someone else's."""
+    import json
+
+    record = storage.join(folder, PARTS_RECORD)
+    if not storage.exists(record):
+        return None
+    try:
+        names = json.loads(storage.read_bytes(record))["parts"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return [f for f in part_files(folder, ".parquet") if f.rsplit("/", 1)[-1] in set(names)]
 
 
 class Tally:
@@ -127,12 +143,12 @@ def score_to(
 
 def as_rows(batch: dict, names: list[str]) -> dict:
     """The scorer's {path, label, pred, prob} as the output's columns: class names, not indices."""
-    labels = batch[LABEL]
+    labels, named = np.asarray(batch[LABEL]), np.asarray(names, dtype=object)
     return {
         "path": batch[PATH],
-        "predicted": np.asarray([names[i] for i in batch["pred"]], dtype=object),
+        "predicted": named[np.asarray(batch["pred"])],
         "confidence": np.round(batch["prob"].astype(np.float64), 6),
-        "label": np.asarray([names[i] if i >= 0 else "" for i in labels], dtype=object),
+        "label": np.where(labels >= 0, named[np.maximum(labels, 0)], ""),  # -1: no label
     }
 
 
@@ -140,7 +156,10 @@ def write(ds, out: str) -> None:
     """Ray Data's tasks write the parts; a one-file output is merged from them, then they go."""
     kind = out_kind(out)
     if kind == "dir":
+        before = set(part_files(out, ".parquet")) if storage.exists(out) else set()
         ds.write_parquet(out)
+        ours = [f.rsplit("/", 1)[-1] for f in part_files(out, ".parquet") if f not in before]
+        storage.write_json(storage.join(out, PARTS_RECORD), {"parts": ours})
         return
     parts = f"{out}.parts"
     if kind == "csv":
