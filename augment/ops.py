@@ -22,6 +22,7 @@ not depend on the batch it lands in. Kornia is imported only by the ops that use
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -313,8 +314,6 @@ def can_shrink(name: str) -> bool:
 
 def check_params(op_cls: type[Op], params: dict) -> None:
     """Raise a ValueError naming the valid parameters when `params` has an unknown one."""
-    import inspect
-
     valid = [p for p in inspect.signature(op_cls.__init__).parameters if p != "self"]
     unknown = sorted(set(params) - set(valid))
     if unknown:

@@ -101,8 +101,7 @@ class EpochPipeline(torch.nn.Module):
         """The request's images as decoded (uint8 (H, W, 3)-shaped: numpy arrays, or tensors of any
         strides, or one (B, H, W, 3) array) -> uint8 (B, S, S, 3), in `out` if given. `cropped`:
         per image whether it was decoded as its request's region. `path` (PATHS): the CPU's
-        per-image first op; the GPU's ragged buffer; the fused kernel (augment/fused.py); the
-        padded canvas of earlier versions (bench/gpu_path.py compares them)."""
+        per-image first op; the GPU's ragged buffer; the fused kernel (augment/fused.py)."""
         device = request.sizes.device
         decoded = torch.tensor([im.shape[:2] for im in images], dtype=torch.int64).view(-1, 2).to(device)
         draws = self._as_decoded(request, decoded, cropped)
@@ -186,7 +185,7 @@ class EpochPipeline(torch.nn.Module):
         return self.apply(canvas, sizes, self.sample(sizes, keys))
 
 
-PATHS = ("cpu", "ragged", "fused", "canvas")  # EpochPipeline.finish's ways to the first op
+PATHS = ("cpu", "ragged", "fused")  # EpochPipeline.finish's ways to the first op
 
 
 @dataclasses.dataclass(frozen=True)

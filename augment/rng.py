@@ -7,7 +7,7 @@ augmentation independent of its batch, its actor and the order of execution, and
 costs only a few vectorised integer ops for the whole batch, on any device.
 
 The mixer is SplitMix64's finaliser on int64 tensors (multiplication wraps modulo 2**64
-on CPU and CUDA); `reference_uniform` is the same function in pure Python for tests.
+on CPU and CUDA); tests/rng_twins.py has the same functions in pure Python.
 """
 
 from __future__ import annotations
@@ -83,14 +83,3 @@ class KeyedRng:
         base = _signed(salt(self.seed, self.epoch, stream))
         counters = torch.arange(n, device=self.keys.device, dtype=torch.int64) * _signed(_GOLDEN)
         return _srl(_mix(_mix(self.keys[:, None] + base + counters[None, :])), 1)
-
-
-def reference_uniform(key: int, seed: int, epoch: int, stream: int, i: int) -> float:
-    """Pure-Python twin of KeyedRng.uniform(stream)[row with `key`, i]."""
-    z = mix64(key + salt(seed, epoch, stream) + i * _GOLDEN)
-    return (z >> 40) / (1 << 24)
-
-
-def reference_seed(key: int, seed: int, epoch: int, stream: int, i: int) -> int:
-    """Pure-Python twin of KeyedRng.seeds(stream)[row with `key`, i]."""
-    return mix64(mix64(key + salt(seed, epoch, stream) + i * _GOLDEN)) >> 1

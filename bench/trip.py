@@ -43,6 +43,7 @@ def _batch_runner(root: str):
     import torch
 
     from augment.presets import PRESETS
+    from bench.loop_checks import cpu_learner
     from training.config import TrainConfig
     from training.forms.formats import scan_data
     from training.model import build_model
@@ -50,14 +51,13 @@ def _batch_runner(root: str):
     from training.stream.ingest import SplitSource
     from training.stream.stage import AugmentStage, StageArgs
     from training.worker.feed import BatchFeed
-    from training.worker.learner import Learner
     from training.worker.loop import EpochMeter, train_step
 
     tree = scan_data(root, 0.2)
     preset = PRESETS["imagenet"].at_size(64)
     source = SplitSource(tree.train)
     stage = AugmentStage(StageArgs.of(preset, train=True, seed=0, shrink=True), device="cpu")
-    learner = Learner.on_cpu(TrainConfig(batch_size=16), build_model("resnet18", 2, small_stem=False, image_size=64), 4)
+    learner = cpu_learner(TrainConfig(batch_size=16), build_model("resnet18", 2, small_stem=False, image_size=64), 4)
     cpu = torch.device("cpu")
 
     def one() -> None:

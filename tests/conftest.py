@@ -141,9 +141,10 @@ def ray_cluster(s3):
     import ray
     from ray.cluster_utils import Cluster
 
-    from training.driver.session import quiet_ray, without_preemption_watcher
+    from training.driver.session import quiet_ray_data, quiet_ray_env, without_preemption_watcher
 
-    kwargs = quiet_ray()
+    kwargs = quiet_ray_env()
+    quiet_ray_data()
     without_preemption_watcher()
     # 2 logical CPUs per node on a 2-core machine: a train worker per node plus Ray Data's actors
     import socket

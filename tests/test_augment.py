@@ -14,8 +14,9 @@ from augment.geometry import resample_boxes
 from augment.ops import OPS, Normalize
 from augment.pipeline import Pipeline, to_canvas
 from augment.presets import PRESETS, PresetError, load_preset, preset_from_dict
-from augment.rng import KeyedRng, reference_seed, reference_uniform
+from augment.rng import KeyedRng
 from bench import fuzz_yaml
+from tests.rng_twins import reference_seed, reference_uniform
 from training.stream.stage import AugmentStage, StageArgs
 
 B = 64

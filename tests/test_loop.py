@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from augment.presets import PRESETS
+from bench.loop_checks import cpu_learner
 from training import records
 from training.bounds import DataSlots
 from training.config import TrainConfig
@@ -37,7 +38,7 @@ def _tiny_model() -> torch.nn.Module:
 
 def _learner(cfg: TrainConfig, model: torch.nn.Module | None = None, steps_per_epoch: int = 2) -> Learner:
     torch.manual_seed(0)
-    return Learner.on_cpu(cfg, model or resnet18(3, small_stem=True), steps_per_epoch)
+    return cpu_learner(cfg, model or resnet18(3, small_stem=True), steps_per_epoch)
 
 
 def _batches(n: int, *, epoch: int, stale_at: int | None = None) -> list[dict]:

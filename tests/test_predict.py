@@ -230,6 +230,35 @@ def test_a_model_file_with_the_right_keys_and_bad_values_is_one_line_before_ray(
         assert err.count("\n") == 1 and err.startswith(f"error: --model {path}: ") and reason in err, err
 
 
+@pytest.mark.parametrize("module", ["jobs.predict", "jobs.evaluate", "jobs.export"])
+def test_a_model_file_of_an_earlier_version_is_one_line_before_ray(
+    module, model_and_tree, tmp_path, capsys, monkeypatch
+):
+    """A model.pt written before MODELFILE_VERSION (no `version`, and without the keys added since)
+    or of another version is one line naming both versions, exit 2, not read field by field."""
+    import importlib
+
+    from training.driver import session
+    from training.modelfile import MODELFILE_VERSION
+
+    monkeypatch.setattr(session, "connect", lambda *a, **k: pytest.fail("Ray was started"))
+    main = importlib.import_module(module).main
+    model, data = model_and_tree
+    earlier = {"config", "version", "model_source", "torchvision_model", "torchvision_eval", "weights"}
+    cases = {
+        "v1.pt": (lambda i: [i.pop(k) for k in earlier], "version 1 of jobs.train"),
+        "v9.pt": (lambda i: i.update(version=9), "version 9 of jobs.train"),
+    }
+    for name, (change, reason) in cases.items():
+        path = _edited(model, tmp_path, name, change)
+        args = ["--data", str(data)] if module != "jobs.export" else ["--format", "safetensors"]
+        assert main(["--model", path, *args, "--out", str(tmp_path / f"{name}.out")]) == 2, name
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"error: --model {path}: ") and reason in err, err
+        assert f"this one reads version {MODELFILE_VERSION}" in err, err
+    assert not list(tmp_path.glob("*.out*"))
+
+
 def test_predict_out_naming_a_folder_is_one_line_before_ray(model_and_tree, tmp_path, capsys, monkeypatch):
     """A folder is where Parquet files go: one that holds the user's files is refused (as an existing
     file is); a folder named like a file is a mistake."""

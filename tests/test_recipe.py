@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 import torchvision
 
+from bench.loop_checks import cpu_learner
 from training.config import ConfigError, TrainConfig
 from training.driver.audit import sampled_coverage
 from training.forms.data import ImageTree, make_split
@@ -56,7 +57,7 @@ def _batches(images: torch.Tensor, labels: torch.Tensor, size: int, epoch: int =
 
 def _learner(steps_per_epoch: int = 2, counts: tuple = (), **settings) -> Learner:
     cfg = TrainConfig(**({"batch_size": 8, "warmup_epochs": 0.0, "epochs": 3} | settings))
-    return Learner.on_cpu(cfg, _tiny_model(), steps_per_epoch, class_counts=counts)
+    return cpu_learner(cfg, _tiny_model(), steps_per_epoch, class_counts=counts)
 
 
 def _params(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -12,7 +12,10 @@ point's process. Each function imports what it needs.
 from __future__ import annotations
 
 import functools
+import importlib
+import inspect
 import json
+import os
 import time
 
 
@@ -100,9 +103,6 @@ def job_runtime_env() -> dict:
     """The runtime env that `ray job submit` gave this driver ({} when it was started otherwise):
     ray.init refuses a runtime env of its own that sets the same fields. Used by
     training/driver/session.py connect."""
-    import json
-    import os
-
     from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
 
     raw = os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR)
@@ -148,8 +148,6 @@ def data_limits_from_the_start() -> None:
 
 
 def _has(module: str, *names: str) -> str | None:
-    import importlib
-
     try:
         obj = importlib.import_module(module)
     except ImportError as e:
@@ -223,8 +221,6 @@ def _check_data_limits():
     problem = _has("ray.data._internal.execution.resource_manager", "ResourceManager", "get_global_limits")
     if problem:
         return problem
-    import inspect
-
     from ray.data._internal.execution.resource_manager import ResourceManager
 
     source = inspect.getsource(ResourceManager)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import io
+import os
+import tempfile
+
+from training import storage
 
 
 def _figure_bytes(fig) -> bytes:
@@ -92,11 +96,6 @@ def write_tensorboard(run_dir: str, history: list[dict], timings: list[dict] | N
             from tensorboardX import SummaryWriter
         except ImportError:
             return None
-    import os
-    import tempfile
-
-    from training import storage
-
     by_epoch = {r["epoch"]: dict(r) for r in history}
     for t in timings or []:
         by_epoch.setdefault(t["epoch"], {}).update(t)

@@ -3,6 +3,7 @@ inference needs), the plots, TensorBoard files, bad_files.csv and summary.json."
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import time
@@ -73,8 +74,6 @@ def write_results(
 
 def model_bytes(state_dict, tree: ImageTree, preset: Preset, cfg: TrainConfig) -> bytes:
     """model.pt: everything inference needs, loadable with torch.load(weights_only=True)."""
-    import io
-
     buf = io.BytesIO()
     small_stem = uses_small_stem(cfg.small_stem, preset.image_size, cfg.model)
     width = state_dict["conv1.weight"].shape[0] if small_stem else 64

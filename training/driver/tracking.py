@@ -19,13 +19,17 @@ be reached, or fails mid-run, costs one warning line and is left out, never the 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
+import netrc
 import os
 import secrets
+import time
 
 from training import storage
 from training.config import ConfigError
+from training.driver.plots import scalar_tag
 
 TRACKERS = ("tensorboard", "mlflow", "wandb")
 IDS_FILE = "trackers.json"
@@ -34,8 +38,6 @@ IDS_FILE = "trackers.json"
 def parse_log_to(value: str) -> tuple[str, ...]:
     """--log-to's names (comma-separated, any order); ConfigError for an unknown one or a library that
     is not installed. Light: the libraries are looked for, not imported."""
-    import importlib.util
-
     names = tuple(dict.fromkeys(n.strip().lower() for n in (value or "").split(",") if n.strip()))
     for name in names:
         if name not in TRACKERS:
@@ -125,8 +127,6 @@ class TensorBoardSink:
         self.writer.add_text("config", json.dumps(config, indent=1, default=str))
 
     def epoch(self, epoch: int, figures: dict) -> None:
-        from training.driver.plots import scalar_tag
-
         for key, value in figures.items():
             self.writer.add_scalar(scalar_tag(key), value, epoch)  # the tags the run's end writes otherwise
         self.writer.flush()  # readable while the run goes
@@ -175,16 +175,12 @@ class MlflowSink:
             self.client.update_run(self.run_id, status="RUNNING")
 
     def epoch(self, epoch: int, figures: dict) -> None:
-        import time
-
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, epoch) for k, v in figures.items()])
 
     def step(self, point: dict) -> None:
-        import time
-
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
@@ -242,8 +238,6 @@ class WandbSink:
 
 
 def _netrc_has_wandb() -> bool:
-    import netrc
-
     try:
         return netrc.netrc().authenticators("api.wandb.ai") is not None
     except (OSError, netrc.NetrcParseError):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import ray
 
 from training import storage
 from training.driver.faults import driver_actor
@@ -112,8 +113,6 @@ def score_to(
     gpus_per_actor: float = 1.0,
 ) -> ScoreReport:
     """Score every image of `splits` into `out` (see the module's docstring)."""
-    import ray
-
     from training.predict.inference import scoring_dataset
 
     ray.data.DataContext.get_current().execution_options.preserve_order = True

@@ -34,12 +34,14 @@ import math
 import time
 
 import numpy as np
+import pyarrow.fs as pafs
 import ray
 import ray.data
 import ray.train
 from ray.data.block import BlockAccessor, BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
+from augment import engines
 from augment.decode import BadImage, decode_image, stack_images
 from augment.streams import stream_rng
 from training import ray_private, storage
@@ -88,8 +90,6 @@ class DecodePlan:
 def gpu_decoder(setting: str = "auto") -> str:
     """What decodes on a GPU for --gpu-decoder `setting` (augment/batch.py default_decoder), as
     the plan line names it."""
-    from augment import engines
-
     if setting == "nvjpeg":
         return "torchvision's nvjpeg (--gpu-decoder nvjpeg)"
     if setting == "nvimgcodec" or engines.available():
@@ -245,8 +245,6 @@ def read_plan(split: Split, rows_per_task: int) -> tuple[int, int]:
 def _check_there(where: str, failed: str, reason: str) -> None:
     """DataGone where `where` (a split's root, a shard's folder) cannot be listed any more: then
     reading `failed` went wrong for a reason that is not the file's, and so would every read."""
-    import pyarrow.fs as pafs
-
     try:
         fs, base, prefix = filesystem(where)
         missing = fs.get_file_info(base).type == pafs.FileType.NotFound

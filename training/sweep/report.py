@@ -12,6 +12,7 @@ from ray import tune as ray_tune
 
 from training import storage
 from training.config import TrainConfig
+from training.driver.plots import sweep_png
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,8 +120,6 @@ def trial_row(result, params: list[str], cfg: TrainConfig, metric: str, mode: st
 
 def finish(cfg: TrainConfig, dims, options, grid, log):
     """trials.csv, trials.png, the end table and the best trial's command; the SweepResult."""
-    from training.driver.plots import sweep_png
-
     params = [d.key for d in dims if d.swept]
     metric = options.metric
     rows = sorted((trial_row(r, params, cfg, metric, options.mode) for r in grid), key=lambda r: r["trial"])

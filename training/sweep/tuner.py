@@ -21,7 +21,10 @@ import math
 import os
 import time
 
+from augment.errors import PresetError
 from training.config import ConfigError, TrainConfig, error_line
+from training.driver.api import JobError, as_config, fit
+from training.storage import StorageError
 from training.sweep.space import Dimension, check_space, read_space
 
 TRIAL_DRIVER_CPUS = 0.05  # the Tune trial itself only waits on its TorchTrainer; its workers take the share
@@ -73,8 +76,6 @@ def run_trial(params: dict, *, base: dict, share) -> None:
     records it as the trial's error, and the sweep goes on."""
     from ray import tune as ray_tune
 
-    from training.driver.api import JobError, fit
-
     config = base | params | {"name": trial_run_name(ray_tune.get_context().get_trial_id()), "fresh": False}
     last = []  # the last epoch's figures: reported once the run has written its files (below)
 
@@ -100,8 +101,6 @@ class TrialFailed(RuntimeError):
 def base_config(config, name: str | None, storage_path: str | None) -> TrainConfig:
     """The sweep's base TrainConfig (through the CLI's checks), with the sweep's name and an
     absolute storage path: trials run in Tune's processes, whose working folder is not this one's."""
-    from training.driver.api import as_config
-
     cfg = as_config(config)
     cfg = dataclasses.replace(cfg, name=name or cfg.name, storage_path=storage_path or cfg.storage_path)
     if not cfg.name:
@@ -112,7 +111,6 @@ def base_config(config, name: str | None, storage_path: str | None) -> TrainConf
 def check_sweep(cfg: TrainConfig, space: str, options: SweepOptions) -> list[Dimension]:
     """Every check that needs no Ray: the space, the options, the base config's data and files,
     and the sweep's folder; the dimensions. ConfigError/DataError/... (exit 2) for a mistake."""
-    from training.driver.api import as_config
     from training.driver.inputs import check_inputs
 
     dims = read_space(space)
@@ -143,10 +141,7 @@ def tune(config, space: str, options: SweepOptions | None = None, *, name=None, 
     """Run (or continue) a sweep of `config` (as training.fit takes it) over the --space file
     `space`; a SweepResult. JobError with the CLI's line for a mistake (exit_code 2) or a sweep
     that could not run (1); a failed trial is a row with its reason, not an error."""
-    from augment.errors import PresetError
-    from training.driver.api import JobError
     from training.forms.data import DataError
-    from training.storage import StorageError
 
     options = options or SweepOptions()
     log = log or (lambda *a: print(*a, flush=True))
@@ -173,9 +168,8 @@ def tune(config, space: str, options: SweepOptions | None = None, *, name=None, 
 def connect_and_share(cfg: TrainConfig, options: SweepOptions):
     """Join or start Ray; one trial's share of the cluster, checked by planning the base config
     for it (JobError 2 where one trial cannot fit)."""
-    from training.driver.api import JobError
-    from training.driver.planning import cluster_capacity, plan_resources, share_of
-    from training.driver.session import connect
+    from training.driver.planning import cluster_capacity, plan_resources, share_of  # as connect, below
+    from training.driver.session import connect  # looked up at the call: the tests replace it
 
     try:
         connect(cfg.verbose, cfg.dashboard)

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import math
 import random
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -155,27 +156,6 @@ class Learner:
     frozen: bool = False  # the backbone's parameters take no gradient (--freeze-epochs)
     pending: int = 0  # micro-batches backpropagated since the last optimiser step (--grad-accum)
 
-    @classmethod
-    def on_cpu(
-        cls, cfg: TrainConfig, model: torch.nn.Module, steps_per_epoch: int, class_counts: tuple = ()
-    ) -> Learner:
-        """A single-process CPU learner (no DDP, a mid-grey Normalize): for tests and benchmarks
-        that run steps outside Ray Train; `steps_per_epoch`: optimiser steps."""
-        optimizer = build_optimizer(cfg, model)
-        weight = class_weights(class_counts) if cfg.class_weights == "balanced" else None
-        return cls(
-            cfg=cfg,
-            device=torch.device("cpu"),
-            model=model,
-            bare=model,
-            optimizer=optimizer,
-            scheduler=build_scheduler(cfg, optimizer, steps_per_epoch),
-            scaler=torch.amp.GradScaler("cpu", enabled=False),
-            normalize=Normalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25)),
-            ema=build_ema(model, cfg.model_ema),
-            class_weight=torch.tensor(weight, dtype=torch.float32) if weight else None,
-        )
-
     # ----------------------------------------------------------------------- the recipe's step
 
     def freeze_backbone(self, frozen: bool) -> None:
@@ -233,8 +213,6 @@ class Learner:
     def reschedule(self, steps_done: int) -> None:
         """The schedule for --epochs as set now, moved on by the steps already taken (the optimizer's
         learning rate with it)."""
-        import warnings
-
         steps_per_epoch = self.scheduler.steps_per_epoch
         for group in self.optimizer.param_groups:  # a new schedule starts from the peak it scales
             group["lr"] = self.cfg.peak_lr * group.get("lr_scale", 1.0)
