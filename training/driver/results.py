@@ -43,16 +43,16 @@ def write_results(
     from the last checkpoint's records; `faults`: FaultLog.records() of the faults this invocation
     survived."""
     run_dir = cfg.run_dir
-    best = best or {"model": model, "epoch": run.last_epoch + 1, "val_acc": run.history[-1]["val_acc"]}
+    best = best or {"model": model, "epoch": run.last_epoch + 1, "val_acc": run.epochs[-1].val.acc}
     storage.write_bytes(storage.join(run_dir, "model.pt"), model_bytes(model, tree, preset, cfg))
     storage.write_bytes(storage.join(run_dir, "model_best.pt"), model_bytes(best["model"], tree, preset, cfg))
     if best.get("ema") is not None:  # --model-ema: the weights' average, in model.pt's format
         storage.write_bytes(storage.join(run_dir, "model_ema.pt"), model_bytes(best["ema"], tree, preset, cfg))
-    storage.write_bytes(storage.join(run_dir, "curves.png"), plots.curves_png(run.history))
-    confusion = plots.confusion_png(run.epochs[-1].confusion, list(tree.class_names))
+    storage.write_bytes(storage.join(run_dir, "curves.png"), plots.curves_png(run.epochs))
+    confusion = plots.confusion_png(run.epochs[-1].val.confusion, list(tree.class_names))
     storage.write_bytes(storage.join(run_dir, "confusion.png"), confusion)
     live = "tensorboard" in parse_log_to(cfg.log_to)  # the run wrote its event files as it went
-    if live or plots.write_tensorboard(run_dir, run.history, run.timings):
+    if live or plots.write_tensorboard(run_dir, run.epochs):
         logdir = storage.join(run_dir, "tensorboard")
         # tensorboardX writes the files without TensorBoard itself, which has the viewer
         viewer = "" if shutil.which("tensorboard") else "pip install tensorboard, then "
@@ -130,30 +130,29 @@ def summarize(
 ) -> dict:
     """summary.json's figures; `sampled`: the seed of a --sampler balanced run (its coverage is
     checked against each epoch's draw)."""
-    history, timings = run.history, run.timings
-    last = history[-1]
-    steady = timings[1:] or timings  # skip the first epoch (actor start-up) when there is more than one
+    epochs, last = run.epochs, run.epochs[-1]
+    steady = epochs[1:] or epochs  # skip the first epoch (actor start-up) when there is more than one
     this_run = [t for t in run.first_steps if t >= start]  # first steps of this invocation's attempts
-    confusion = run.epochs[-1].confusion
+    confusion = last.val.confusion
+    seconds = sum(e.train.epoch_s for e in steady)
+
+    def steady_mean(figure) -> float:  # over the steady epochs, weighed by their seconds
+        return sum(figure(e.train) * e.train.epoch_s for e in steady) / seconds
+
     summary = {
-        "epochs": last["epoch"],
-        "val_acc": last["val_acc"],
-        "val_loss": last["val_loss"],
-        "best_val_acc": max(r["val_acc"] for r in history),
-        "train_loss": last["train_loss"],
-        "train_acc": last["train_acc"],
-        "train_images_per_s": round(
-            sum(t["images_per_s"] * t["epoch_s"] for t in steady) / sum(t["epoch_s"] for t in steady), 1
-        ),
-        "data_wait_frac": round(
-            sum(t["data_wait_frac"] * t["epoch_s"] for t in steady) / sum(t["epoch_s"] for t in steady), 4
-        ),
-        "train_images_per_s_inner": round(  # within epochs, their start and tail left out (timings.csv)
-            sum(t["inner_images_per_s"] * t["epoch_s"] for t in steady) / sum(t["epoch_s"] for t in steady), 1
-        ),
-        "decoded_on": {p: sum(int(t[f"decoded_{p}"]) for t in timings) for p in DECODE_PLACES},
+        "epochs": last.epoch,
+        "val_acc": last.val.acc,
+        "val_loss": last.val.loss,
+        "best_val_acc": max(e.val.acc for e in epochs),
+        "train_loss": last.train.loss,
+        "train_acc": last.train.acc,
+        "train_images_per_s": round(steady_mean(lambda t: t.images_per_s), 1),
+        "data_wait_frac": round(steady_mean(lambda t: t.data_wait_frac), 4),
+        # within epochs, their start and tail left out (timings.csv)
+        "train_images_per_s_inner": round(steady_mean(lambda t: t.inner_images_per_s), 1),
+        "decoded_on": {p: sum(e.train.decoded_on(p) for e in epochs) for p in DECODE_PLACES},
         "wall_s": round(time.time() - start, 1),
-        "bound": steady_verdict(run.slots, timings),  # what bounded the steady epochs
+        "bound": steady_verdict(run.slots, [(e.train.steady_s, e.bound) for e in epochs]),  # the steady epochs'
         # launch to the end of this invocation's first training step: imports, Ray, the trainer
         # and the data pipeline starting (a rerun that resumes counts its own)
         "startup_s": round(min(this_run) - start, 1) if this_run else None,
@@ -175,6 +174,6 @@ def summarize(
         "resumed_at_epochs": run.resumed_at_epochs,
         "ranks": run.ranks,
     }
-    if "val_top5" in last:
-        summary["val_top5"] = last["val_top5"]
+    if last.val.top5 is not None:
+        summary["val_top5"] = last.val.top5
     return summary

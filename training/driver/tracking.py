@@ -89,7 +89,8 @@ class Tracking:
             storage.write_json(storage.join(self.cfg.run_dir, IDS_FILE), self.ids | with_ids)
 
     def on_epoch_end(self, record) -> None:
-        figures = {k: float(v) for k, v in (record.metrics | record.timings).items() if _number(v) and k != "epoch"}
+        row = record.metrics_row() | record.timings_row()  # made from the record's fields, named as the files name them
+        figures = {k: float(v) for k, v in row.items() if _number(v) and k != "epoch"}
         self._each("epoch", record.epoch, figures)
 
     def on_step(self, point: dict) -> None:
