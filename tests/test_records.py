@@ -112,6 +112,7 @@ TYPED = (
     "training/driver/results.py",
     "training/driver/audit.py",
     "training/driver/epochs.py",
+    "training/driver/job.py",
     "training/driver/tracking.py",
     "training/driver/plots.py",
     "training/sweep/tuner.py",

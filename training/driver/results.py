@@ -3,6 +3,7 @@ inference needs), the plots, TensorBoard files, bad_files.csv and summary.json."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
@@ -26,6 +27,16 @@ from training.records import RunRecord
 from training.weights import model_kind, weights_record
 
 
+@dataclasses.dataclass(frozen=True)
+class BestEpoch:
+    """model_best.pt's weights and their epoch (1-based: the best validation accuracy among the
+    checkpoints kept), and model_ema.pt's (the last checkpoint's EMA; None without --model-ema)."""
+
+    model: dict
+    epoch: int
+    ema: dict | None = None
+
+
 def report_bad_files(bad_log, run_dir: str, log) -> None:
     bad = ray.get(bad_log.get.remote())
     if bad:
@@ -38,16 +49,16 @@ def write_results(
     cfg, tree, preset, plan, run: RunRecord, model: dict, bad: dict, *, start: float, log, faults=(), best=None
 ) -> dict:
     """model.pt (`model`: the last epoch's weights), model_best.pt (the best validation accuracy's:
-    `best`, from _fit; the last epoch's where None), model_ema.pt (best["ema"], with --model-ema),
+    `best`, a BestEpoch from _fit; the last epoch's where None), model_ema.pt (best.ema, with --model-ema),
     the plots, TensorBoard files and summary.json
     from the last checkpoint's records; `faults`: FaultLog.records() of the faults this invocation
     survived."""
     run_dir = cfg.run_dir
-    best = best or {"model": model, "epoch": run.last_epoch + 1, "val_acc": run.epochs[-1].val.acc}
+    best = best or BestEpoch(model, run.last_epoch + 1)
     storage.write_bytes(storage.join(run_dir, "model.pt"), model_bytes(model, tree, preset, cfg))
-    storage.write_bytes(storage.join(run_dir, "model_best.pt"), model_bytes(best["model"], tree, preset, cfg))
-    if best.get("ema") is not None:  # --model-ema: the weights' average, in model.pt's format
-        storage.write_bytes(storage.join(run_dir, "model_ema.pt"), model_bytes(best["ema"], tree, preset, cfg))
+    storage.write_bytes(storage.join(run_dir, "model_best.pt"), model_bytes(best.model, tree, preset, cfg))
+    if best.ema is not None:  # --model-ema: the weights' average, in model.pt's format
+        storage.write_bytes(storage.join(run_dir, "model_ema.pt"), model_bytes(best.ema, tree, preset, cfg))
     storage.write_bytes(storage.join(run_dir, "curves.png"), plots.curves_png(run.epochs))
     confusion = plots.confusion_png(run.epochs[-1].val.confusion, list(tree.class_names))
     storage.write_bytes(storage.join(run_dir, "confusion.png"), confusion)
@@ -58,7 +69,7 @@ def write_results(
         viewer = "" if shutil.which("tensorboard") else "pip install tensorboard, then "
         log(f"tensorboard: {viewer}tensorboard --logdir {logdir}")
     sampled = cfg.seed if cfg.sampler == "balanced" else None
-    summary = summarize(run, start, plan, tree, bad, sampled) | {"faults": list(faults), "best_epoch": best["epoch"]}
+    summary = summarize(run, start, plan, tree, bad, sampled) | {"faults": list(faults), "best_epoch": best.epoch}
     for c in summary["coverage"]:
         if c["as_expected"] is False and c.get("sampled"):
             log(f"warning: epoch {c['epoch']} trained on {c['seen']} rows, its balanced draw held {c['drawn']}")
