@@ -14,6 +14,7 @@ import torch
 
 from training.bounds import DataSlots
 from training.records import RECORDS_VERSION, RunRecord, ShardRecord, StaleRecords, TrainFigures, ValFigures
+from training.status import StepLog
 from training.worker.report import cpu_fallback, epoch_line, epoch_record
 
 SLOTS = DataSlots(read=2.0, augment=2.0, fused=True, trainer_cpus=1.0)
@@ -140,3 +141,15 @@ def test_no_figure_is_read_by_its_column_name_between_the_worker_and_the_files()
             if key in columns:
                 reads.append(f"{path}:{node.lineno} [{key!r}]")
     assert not reads, "figures read by key: " + ", ".join(reads)
+
+
+def test_the_step_log_posts_typed_figures_every_n_steps():
+    """--log-every 2 from the second epoch on (10 steps an epoch before it): the run's step, the epoch,
+    the loss over the images since the last post (from the running loss sum), the learning rate."""
+    posted = []
+    log = StepLog(posted.append, 2, lambda: 0.05, steps_per_epoch=10, first_epoch=1)
+    for sums in ([8.0], [12.0], [14.0], [20.0]):
+        log.update(1, 4, sums)
+    assert [(p.step, p.epoch, p.lr) for p in posted] == [(12, 2, 0.05), (14, 2, 0.05)]
+    assert [p.loss for p in posted] == [12.0 / 8, (20.0 - 12.0) / 8] and posted[0].images_per_s > 0
+    assert list(posted[0].scalars()) == ["loss", "lr", "images_per_s"]  # the trackers' step/* names

@@ -161,6 +161,22 @@ class EpochRecord:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class StepFigures:
+    """Rank 0's figures every --log-every steps (training/status.py StepLog), for the driver's trackers
+    and the callbacks' on_step."""
+
+    step: int  # the run's steps so far, the trackers' step axis
+    epoch: int  # 1-based
+    loss: float  # mean over the images since the last
+    lr: float
+    images_per_s: float  # since the last
+
+    def scalars(self) -> dict:
+        """The figures a tracker logs against `step`, by their names there."""
+        return {"loss": self.loss, "lr": self.lr, "images_per_s": self.images_per_s}
+
+
 @dataclasses.dataclass
 class RunRecord:
     """The run so far: its epochs, the epochs at which attempts resumed, the ranks (node, initial
