@@ -268,3 +268,14 @@ def event_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
             for value in event.summary.value:
                 scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
     return scalars
+
+
+def an_epoch_record(epoch: int = 1, val_acc: float = 0.5):
+    """A training.records.EpochRecord with plain figures and the given val_acc."""
+    from training.bounds import Bound
+    from training.records import EpochRecord, TrainFigures, ValFigures
+
+    zero = {f.name: 0.0 for f in dataclasses.fields(TrainFigures)}
+    train = TrainFigures(**(zero | {"images": 8, "image_size": 32, "decoded": (0, 0, 8), "seen": ()}))
+    val = ValFigures(loss=1.0, acc=val_acc, confusion=[[1, 0], [0, 1]])
+    return EpochRecord(epoch, 0.1, train, val, Bound("trainer", 0.0, 0.0, 0.0, False))

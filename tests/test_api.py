@@ -11,6 +11,7 @@ import pytest
 
 from tests.conftest import TEST_STEM, exits_2, write_tree
 from training import STOP, JobError, fit
+from training.bounds import STAGES
 from training.records import EpochRecord
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,7 +57,8 @@ def test_callbacks_get_typed_records_a_stop_rule_ends_the_run_and_a_failing_one_
     config |= {"storage_path": str(tmp_path / "runs"), "name": "cb"}
     result = fit(config, callbacks=[Tracker(), broken, stop_at_two], log=lines.append)
     assert [r.epoch for r in seen] == [1, 2] and all(isinstance(r, EpochRecord) for r in seen)
-    assert seen[-1].metrics["val_acc"] == result.val_acc and result.epochs == 2
+    assert seen[-1].val.acc == result.val_acc and result.epochs == 2
+    assert seen[-1].train.images == sum(r.count for r in seen[-1].seen) > 0 and seen[-1].bound.stage in STAGES
     warned = [line for line in lines if line.startswith("warning: epoch callback")]
     assert warned == [
         "warning: epoch callback test_callbacks_get_typed_records_a_stop_rule_ends_the_run_and_a_failing_one_costs_a_"

@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TEST_STEM, event_scalars, write_tree
+from tests.conftest import TEST_STEM, an_epoch_record, event_scalars, write_tree
 from training import fit
 from training.config import ConfigError, TrainConfig
 from training.driver.tracking import Tracking, parse_log_to
-from training.records import EpochRecord
 
 
 def _wandb_records(run_dir: Path) -> list[tuple[str, dict]]:
@@ -113,7 +112,7 @@ def test_a_tracker_that_cannot_be_reached_costs_one_warning_line(tmp_path, monke
     tracking = Tracking(cfg, ("mlflow",), lines.append)
     started = time.monotonic()
     tracking.start(cfg.to_dict())
-    tracking.on_epoch_end(EpochRecord(1, {"epoch": 1, "val_acc": 0.5}, {}, (), []))
+    tracking.on_epoch_end(an_epoch_record())
     tracking.finish([], ok=True)
     assert len(lines) == 1 and lines[0].startswith("warning: --log-to mlflow: start failed ("), lines
     assert lines[0].endswith("); the run goes on without it") and time.monotonic() - started < 60

@@ -4,7 +4,7 @@ a typed result back, with the checks, the run folder and the figures of `python 
     from training import fit
 
     result = fit({"data": "~/photos", "epochs": 10, "name": "photos-r18"},
-                 callbacks=[lambda record: print(record.epoch, record.metrics["val_acc"])])
+                 callbacks=[lambda record: print(record.epoch, record.val.acc)])
     print(result.best_val_acc, result.model_path)
 
 `config`: a TrainConfig, a dict of its fields (as a --config file has them), or the path of a YAML

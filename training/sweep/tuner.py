@@ -80,7 +80,7 @@ def run_trial(params: dict, *, base: dict, share) -> None:
     last = []  # the last epoch's figures: reported once the run has written its files (below)
 
     def report(record):
-        numbers = {k: float(v) for k, v in record.metrics.items() if isinstance(v, (int, float))}
+        numbers = {k: float(v) for k, v in record.metrics_row().items() if isinstance(v, (int, float))}
         if record.epoch >= int(config["epochs"]):
             last.append(numbers | {"epoch": record.epoch})
         else:
