@@ -50,13 +50,13 @@ def main() -> dict:
     import ray.data
     from ray.train import RunConfig, ScalingConfig
 
-    from training.ray_private import trainer_without_placement_group_cleaner
+    from training.ray_private import trainer_class
     from training.stream.ingest import SplitValUnequally
 
     ds = ray.data.range(1024, override_num_blocks=4).map_batches(_identity, batch_size=64)
     with tempfile.TemporaryDirectory(prefix="ray-floor-") as storage:
         out_path = os.path.join(storage, "times.json")
-        trainer = trainer_without_placement_group_cleaner()(
+        trainer = trainer_class(one_worker=True, own_cluster=True)(
             _loop,
             train_loop_config={"out": out_path},
             scaling_config=ScalingConfig(num_workers=1),

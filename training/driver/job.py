@@ -20,7 +20,6 @@ import time
 import psutil
 import ray
 import ray.train
-from ray.train.torch import TorchTrainer
 
 from augment.presets import Preset
 from augment.schedule import parse_resize
@@ -296,7 +295,8 @@ class Attempt:
         # at its next poll (docs/design.md, "Choices and where they were measured"); a value the
         # user set is kept
         os.environ.setdefault(HEALTH_CHECK_ENV, str(HEALTH_CHECK_S))
-        return (ray_private.trainer_without_placement_group_cleaner() if self.own_cluster else TorchTrainer)(
+        trainer = ray_private.trainer_class(one_worker=plan.num_workers == 1, own_cluster=self.own_cluster)
+        return trainer(
             train_loop,
             train_loop_config={"spec": self.worker_spec(plan)},
             scaling_config=ray.train.ScalingConfig(
