@@ -3,8 +3,9 @@
     python -m bench.ray_floor          # prints one JSON line
 
 The same set-up as `jobs.train` on a machine of its own (a local cluster started by
-`training.driver.session.connect`, Ray Train without its placement-group cleaner (training/ray_private.py)
-with one worker and the job's data config, so no split coordinator), with no model, no
+`training.driver.session.connect`, Ray Train without its placement-group cleaner, with one worker on
+the plain backend (training/ray_private.py trainer_class) and the job's data config, so no split
+coordinator), with no model, no
 images and no augmentation: the train loop takes one batch of a trivial Ray Data pipeline (a
 range, one map_batches task) and reports. It gives, from the process's start:
 

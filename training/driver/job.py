@@ -286,8 +286,9 @@ class Attempt:
         )
 
     def trainer(self, plan: ResourcePlan, datasets: dict):
-        """The TorchTrainer for the plan: workers and their resources, the run directory with one
-        checkpoint kept (the best val_acc), and the datasets split as SplitValUnequally says.
+        """The Ray Train trainer for the plan (TorchTrainer for several workers; one worker needs no
+        process group: ray_private.trainer_class): workers and their resources, the run directory
+        with one checkpoint kept (the best val_acc), and the datasets split as SplitValUnequally says.
         Ray Train restarts nothing itself (max_failures=0): _fit does, with a plan made again."""
         cfg = self.cfg
         # how often Ray Train's controller polls the workers, which it reads from the driver's
