@@ -29,6 +29,12 @@ def interpreter_wanted(cuda_available: bool) -> bool:
 if interpreter_wanted(torch.cuda.is_available()):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The tests' Ray clusters, and those of the jobs they start as subprocesses, collect no usage
+# statistics: otherwise Ray Data starts its usage-collection actor (one more process that imports
+# Ray, in every cluster's first run, on the way to its first batch) and polls Prometheus from the
+# process that runs each execution (docs/benchmark-log.md, "Ray Train's start-up, part by part")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
 
 def write_tree(root: Path, classes: dict[str, int], *, size=(32, 32), seed: int = 0, sizes=None) -> Path:
     """root/<class>/<i>.png with `classes[name]` images each. Each class has its own colour

@@ -20,7 +20,6 @@ import time
 import psutil
 import ray
 import ray.train
-from ray.train.torch import TorchTrainer
 
 from augment.presets import Preset
 from augment.schedule import parse_resize
@@ -287,8 +286,9 @@ class Attempt:
         )
 
     def trainer(self, plan: ResourcePlan, datasets: dict):
-        """The TorchTrainer for the plan: workers and their resources, the run directory with one
-        checkpoint kept (the best val_acc), and the datasets split as SplitValUnequally says.
+        """The Ray Train trainer for the plan (TorchTrainer for several workers; one worker needs no
+        process group: ray_private.trainer_class): workers and their resources, the run directory
+        with one checkpoint kept (the best val_acc), and the datasets split as SplitValUnequally says.
         Ray Train restarts nothing itself (max_failures=0): _fit does, with a plan made again."""
         cfg = self.cfg
         # how often Ray Train's controller polls the workers, which it reads from the driver's
@@ -296,7 +296,8 @@ class Attempt:
         # at its next poll (docs/design.md, "Choices and where they were measured"); a value the
         # user set is kept
         os.environ.setdefault(HEALTH_CHECK_ENV, str(HEALTH_CHECK_S))
-        return (ray_private.trainer_without_placement_group_cleaner() if self.own_cluster else TorchTrainer)(
+        trainer = ray_private.trainer_class(one_worker=plan.num_workers == 1, own_cluster=self.own_cluster)
+        return trainer(
             train_loop,
             train_loop_config={"spec": self.worker_spec(plan)},
             scaling_config=ray.train.ScalingConfig(

@@ -404,6 +404,8 @@ def setup_worker(cfg: TrainConfig, threads: int) -> torch.device:
     device = ray.train.torch.get_device()
     if device.type == "cpu":
         torch.set_num_threads(threads)
+    elif device.type == "cuda":  # as TorchTrainer's context does: one worker trains without it (trainer_class)
+        torch.cuda.set_device(device)
     if cfg.deterministic:
         ray.train.torch.enable_reproducibility(cfg.seed)
     return device
