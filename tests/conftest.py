@@ -9,6 +9,7 @@ import os
 import re
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -285,3 +286,50 @@ def an_epoch_record(epoch: int = 1, val_acc: float = 0.5):
     train = TrainFigures(**(zero | {"images": 8, "image_size": 32, "decoded": (0, 0, 8), "seen": ()}))
     val = ValFigures(loss=1.0, acc=val_acc, confusion=[[1, 0], [0, 1]])
     return EpochRecord(epoch, 0.1, train, val, Bound("trainer", 0.0, 0.0, 0.0, False))
+
+
+class TrackedRun(NamedTuple):
+    """What the `tracked_run` fixture hands its tests."""
+
+    config: dict  # training.fit's config; the same without the callbacks resumes the run
+    result: object  # training.RunResult of the first call
+    run_dir: Path
+    lines: list[str]  # what the driver logged
+    seen: list  # the EpochRecords an epoch callback received
+    during: dict  # TensorBoard's scalars as read while epoch 2 ended, before the trackers saw it
+
+
+@pytest.fixture(scope="session")
+def tracked_run(ray_cluster, tmp_path_factory) -> TrackedRun:
+    """One run of training.fit for the checks of three files (a Ray Train start-up costs 12-15 s):
+    one worker with the balanced sampler on imbalanced classes (tests/test_recipe_on_ray.py),
+    logging live to every tracker (tests/test_tracking.py, which resumes it to its third epoch),
+    and stopped after 2 of its 3 epochs by the last of four epoch callbacks, one of which fails
+    (tests/test_api.py)."""
+    from training import STOP, fit
+
+    root = tmp_path_factory.mktemp("tracked")
+    data = write_tree(root / "data", {"many": 40, "few": 8})
+    run_dir = root / "runs" / "tracked"
+    during, seen, lines = {}, [], []
+
+    def read_tensorboard_while_running(record):  # before the trackers see this epoch: the one before is there
+        if record.epoch == 2:
+            during.update(event_scalars(run_dir / "tensorboard"))
+
+    class Tracker:
+        def on_epoch_end(self, record):
+            seen.append(record)
+
+    def broken(record):
+        raise ValueError("the tracker's server is down")
+
+    def stop_at_two(record):
+        return STOP if record.epoch == 2 else None
+
+    config = {"data": str(data), "epochs": 3, "batch_size": 8, "num_workers": 1, "sampler": "balanced"}
+    config |= {"small_stem": TEST_STEM, "storage_path": str(root / "runs"), "name": "tracked"}
+    config |= {"log_to": "tensorboard,mlflow,wandb", "log_every": 1}
+    callbacks = [read_tensorboard_while_running, Tracker(), broken, stop_at_two]
+    result = fit(config, callbacks=callbacks, log=lines.append)
+    return TrackedRun(config, result, run_dir, lines, seen, during)

@@ -1,5 +1,6 @@
 """training.fit, the job driven from Python (training/driver/api.py): the guide's example as written, epoch
-callbacks (a stop rule, one that fails), and bad input raising the CLI's own line."""
+callbacks (a stop rule, one that fails: on the run tests/conftest.py's tracked_run shares with two other
+files), and bad input raising the CLI's own line."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TEST_STEM, exits_2, write_tree
-from training import STOP, JobError, fit
+from tests.conftest import exits_2, write_tree
+from training import JobError, fit
 from training.bounds import STAGES
 from training.records import EpochRecord
 
@@ -39,34 +40,21 @@ def test_the_guides_example_runs_as_written(ray_cluster, tmp_path, capsys, monke
     assert Path(model).is_file() and data.is_dir()
 
 
-def test_callbacks_get_typed_records_a_stop_rule_ends_the_run_and_a_failing_one_costs_a_line(ray_cluster, tmp_path):
-    data = write_tree(tmp_path / "data", {"a": 8, "b": 8})
-    seen, lines = [], []
-
-    class Tracker:
-        def on_epoch_end(self, record):
-            seen.append(record)
-
-    def broken(record):
-        raise ValueError("the tracker's server is down")
-
-    def stop_at_two(record):
-        return STOP if record.epoch == 2 else None
-
-    config = {"data": str(data), "epochs": 4, "batch_size": 8, "small_stem": TEST_STEM}
-    config |= {"storage_path": str(tmp_path / "runs"), "name": "cb"}
-    result = fit(config, callbacks=[Tracker(), broken, stop_at_two], log=lines.append)
+def test_callbacks_get_typed_records_a_stop_rule_ends_the_run_and_a_failing_one_costs_a_line(tracked_run):
+    """Four callbacks on the run of tests/conftest.py (tracked_run): a tracker of its own, one that fails, and a
+    stop rule that ends the run after epoch 2 of 3."""
+    _, result, run_dir, lines, seen, _ = tracked_run
     assert [r.epoch for r in seen] == [1, 2] and all(isinstance(r, EpochRecord) for r in seen)
     assert seen[-1].val.acc == result.val_acc and result.epochs == 2
     assert seen[-1].train.images == sum(r.count for r in seen[-1].seen) > 0 and seen[-1].bound.stage in STAGES
     warned = [line for line in lines if line.startswith("warning: epoch callback")]
     assert warned == [
-        "warning: epoch callback test_callbacks_get_typed_records_a_stop_rule_ends_the_run_and_a_failing_one_costs_a_"
-        "line.<locals>.broken failed at epoch 1 (ValueError: the tracker's server is down); the run goes on without it"
+        "warning: epoch callback tracked_run.<locals>.broken failed at epoch 1 (ValueError: the tracker's server is "
+        "down); the run goes on without it"
     ], lines
     assert "stopped after epoch 2 by an epoch callback" in lines
     assert Path(result.model_path).is_file() and Path(result.best_model_path).is_file()
-    assert result.summary["epochs"] == 2 and result.run_dir == str(tmp_path / "runs" / "cb")
+    assert result.summary["epochs"] == 2 and result.run_dir == str(run_dir)
 
 
 def test_bad_input_raises_the_clis_line_never_exits(tmp_path, capsys, no_ray):
