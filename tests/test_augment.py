@@ -434,6 +434,20 @@ def test_schedule_scales_jitter_erasing_and_crop_range():
     assert torch.equal(pipe(canvas, sizes, _keys(), epoch=0), first)  # back to epoch 0: same as before
 
 
+def test_an_epochs_pipeline_is_built_at_its_first_batch_and_kept(monkeypatch):
+    """Every batch of an epoch gets the pipeline its first batch built: the schedule strings are
+    read once an epoch, not once a batch."""
+    import augment.pipeline
+
+    pipe = Pipeline(PRESETS["cifar"].train, seed=0, schedule="linear-decay", epochs=4)
+    reads, strength = [], augment.pipeline.strength
+    monkeypatch.setattr(augment.pipeline, "strength", lambda *a: reads.append(a[1]) or strength(*a))
+    canvas, sizes = to_canvas(_batch(8).numpy())
+    outs = [pipe(canvas, sizes, _keys(8), epoch) for epoch in (1, 1, 1, 2, 2)]
+    assert reads == [1, 2] and pipe.at_epoch(2) is pipe.at_epoch(2)
+    assert torch.equal(outs[0], outs[2]) and not torch.equal(outs[2], outs[3])
+
+
 def test_stage_schedules_train_only():
     stage = AugmentStage(
         StageArgs(PRESETS["cifar"], train=False, seed=0, schedule="linear-decay", epochs=4), device="cpu"
