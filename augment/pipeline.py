@@ -25,7 +25,7 @@ import torch
 
 from augment.errors import PresetError
 from augment.fused import FusedPlan, augment_first_ops, fused_prefix, on_device
-from augment.geometry import to_canvas  # noqa: F401  (also the pipeline's: callers take it from here)
+from augment.geometry import to_canvas
 from augment.ops import Op, build_ops, compiled_loops
 from augment.presets import scale_geometry, spec_side
 from augment.ragged import RaggedImages
