@@ -109,7 +109,7 @@ class AugmentStage:
         if self.device.index is not None:  # a task's cuda:N: what lands on "the" GPU lands on ours
             torch.cuda.set_device(self.device)
         clock = StreamClock(self.device)
-        epoch = int(batch[EPOCH][0]) if EPOCH in batch and len(batch[EPOCH]) else 0  # one read's rows: one epoch
+        epoch = int(batch[EPOCH][0]) if EPOCH in batch and len(batch[EPOCH]) else 0  # an execution reads for one epoch
         keys = torch.as_tensor(np.array(batch[KEY]))
         if BYTES in batch:
             decoder = default_decoder(self.device, self.gpu_decoder)
