@@ -12,6 +12,8 @@ on CPU and CUDA); tests/rng_twins.py has the same functions in pure Python.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from augment.streams import C1, C2, M64, mix64
@@ -35,8 +37,10 @@ def _mix(z: torch.Tensor) -> torch.Tensor:
     return z ^ _srl(z, 31)
 
 
+@functools.lru_cache(maxsize=4096)
 def salt(seed: int, epoch: int, stream: int) -> int:
-    """A 64-bit value that differs for every (seed, epoch, stream)."""
+    """A 64-bit value that differs for every (seed, epoch, stream); computed once an epoch for
+    each stream (the cache), not once a batch."""
     return mix64(mix64(mix64(seed) + epoch) + stream)
 
 
@@ -48,11 +52,13 @@ class KeyedRng:
     independent numbers, the same stream always the same numbers.
     """
 
-    def __init__(self, keys: torch.Tensor, seed: int, epoch: int):
+    def __init__(self, keys: torch.Tensor, seed: int, epoch: int, *, prefetch: dict[int, int] | None = None):
         self.keys = keys.to(torch.int64)
         self.seed = seed
         self.epoch = epoch
         self.drawn: dict[int, torch.Tensor] = {}  # stream -> its draws, from prefetch
+        if prefetch:
+            self.prefetch(prefetch)
 
     def prefetch(self, counts: dict[int, int]) -> None:
         """Draw `counts[stream]` uniforms of every stream at once, in one pass of the mixer over

@@ -107,7 +107,7 @@ ALLOCATIONS = ("aten.empty", "aten.empty_like", "aten.new_empty", "aten.empty_st
 def trainer_bytes(batch: int, side: int, amp: str) -> dict:
     """The bytes a trainer's step moves per image before the model: the batch's copy to the device
     (a clone here, the same bytes), Normalize into the step's dtype, the view digest
-    (training/worker/loop.py train_step, EpochMeter.update), by operation."""
+    (training/worker/learner.py Learner.train_step, loop.py EpochMeter.update), by operation."""
     from augment.ops import Normalize
     from augment.presets import IMAGENET_MEAN, IMAGENET_STD
     from training.worker.loop import view_digest

@@ -24,7 +24,7 @@ from training.config import TrainConfig
 from training.model import resnet18
 from training.worker.feed import BatchFeed
 from training.worker.learner import Learner, build_optimizer, build_scheduler
-from training.worker.loop import train_step, view_digest
+from training.worker.loop import view_digest
 from training.worker.recipe import build_ema, class_weights
 
 SHAPES = {"cifar 64 x 32 px": (64, 32, True), "imagenet 32 x 224 px": (32, 224, False)}
@@ -72,7 +72,7 @@ def _feed_overhead(batches: list[dict], repeat: int) -> tuple[float, float]:
 
 def _round(learner: Learner, batch: dict, epoch_keys: list[torch.Tensor]) -> tuple[float, ...]:
     """(train step, view_digest, unique keys per batch, direct hand-over, BatchFeed hand-over) in seconds."""
-    step = _time(lambda: train_step(learner, batch, epoch=0, step=0, rank=0), 3)
+    step = _time(lambda: learner.train_step(batch, epoch=0, step=0, rank=0), 3)
     digest = _time(lambda: view_digest(batch["image"], batch["key"]), 5)
     unique = _time(lambda: torch.unique(torch.cat(epoch_keys)), 5) / len(epoch_keys)
     return (step, digest, unique, *_feed_overhead([batch] * 200, 5))

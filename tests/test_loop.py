@@ -366,7 +366,7 @@ def _step(learner: Learner, batch: dict, **where) -> tuple[float, torch.nn.Modul
     import copy
 
     before = copy.deepcopy(learner.bare).requires_grad_(False)  # in train mode still, as the step ran it
-    loss, _ = loop.train_step(learner, batch, **where)
+    loss, _ = learner.train_step(batch, **where)
     return loss.item(), before
 
 

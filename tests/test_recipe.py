@@ -207,9 +207,8 @@ def test_balanced_class_weights_weigh_the_loss_a_step_trains_on():
     images, labels = _images(8)
     batch = _batches(images, labels, 8)[0]
     model = copy.deepcopy(learner.bare)
-    from training.worker.loop import train_step
 
-    loss = train_step(learner, batch, epoch=0, step=0, rank=0)[0].item()
+    loss = learner.train_step(batch, epoch=0, step=0, rank=0)[0].item()
     logits = model(learner.normalize(images))
     weight = torch.tensor(recipe.class_weights([120, 12, 60]))
     assert loss == pytest.approx(float(F.cross_entropy(logits, labels, weight=weight)), rel=1e-5)

@@ -23,12 +23,14 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
-from augment.mix import MixUpCutMix
+from augment.mix import MixUpCutMix, mix_generator
 from augment.ops import Normalize
 from augment.streams import stream_seed
 from training.config import TrainConfig
 from training.model import initial_model
+from training.rows import IMAGE, LABEL
 from training.spec import WorkerSpec
 from training.worker.recipe import build_ema, class_weights, head_parameters, param_groups, sync_batchnorm
 
@@ -157,6 +159,27 @@ class Learner:
     pending: int = 0  # micro-batches backpropagated since the last optimiser step (--grad-accum)
 
     # ----------------------------------------------------------------------- the recipe's step
+
+    def train_step(
+        self, batch: dict, *, epoch: int, step: int, rank: int, last: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One micro-batch's forward and backward, and the optimizer step where it closes a group of
+        --grad-accum (or is the epoch's `last`); returns the loss and the logits (still on the device).
+        The parts below are its steps, so the whole step reads in this file."""
+        x, y = self.normalize(batch[IMAGE], self.input_dtype), batch[LABEL]
+        target, smoothing = y, self.cfg.label_smoothing
+        if self.mix is not None:  # soft targets, replayable from (seed, epoch, step, rank)
+            x, target = self.mix(x, y, mix_generator(self.cfg.seed, epoch, step, rank))
+            smoothing = 0.0  # already folded into the soft targets
+        closing = self.closes_step(last)
+        with self.grad_sync(closing):  # DDP reduces the gradients of a closing micro-batch only
+            with self.autocast():
+                logits = self.model(x)
+                loss = F.cross_entropy(logits, target, weight=self.class_weight, label_smoothing=smoothing)
+            self.backward(loss)
+        if closing:
+            self.step()
+        return loss, logits
 
     def freeze_backbone(self, frozen: bool) -> None:
         """Every parameter but the head's (recipe.head_parameters) takes no gradient while `frozen`

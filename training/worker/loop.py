@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 
 from augment.decode import DECODE_PLACES
-from augment.mix import mix_generator
 from training import storage
 from training.config import TrainConfig
 from training.records import KEY_MOD, RunRecord, ShardRecord, StaleRecords, TrainFigures, ValFigures
@@ -69,28 +68,6 @@ def quiet_worker_logs(verbose: bool = False) -> None:
 # --------------------------------------------------------------------------- a step, an epoch
 
 
-def train_step(
-    learner: Learner, batch: dict, *, epoch: int, step: int, rank: int, last: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One micro-batch's forward and backward, and the optimizer step where it closes a group of
-    --grad-accum (or is the epoch's `last`); returns the loss and the logits (still on the device)."""
-    cfg = learner.cfg
-    x, y = learner.normalize(batch[IMAGE], learner.input_dtype), batch[LABEL]
-    target, smoothing = y, cfg.label_smoothing
-    if learner.mix is not None:  # soft targets, replayable from (seed, epoch, step, rank)
-        x, target = learner.mix(x, y, mix_generator(cfg.seed, epoch, step, rank))
-        smoothing = 0.0  # already folded into the soft targets
-    closing = learner.closes_step(last)
-    with learner.grad_sync(closing):  # DDP reduces the gradients of a closing micro-batch only
-        with learner.autocast():
-            logits = learner.model(x)
-            loss = F.cross_entropy(logits, target, weight=learner.class_weight, label_smoothing=smoothing)
-        learner.backward(loss)
-    if closing:
-        learner.step()
-    return loss, logits
-
-
 def train_epoch(learner: Learner, batches, *, epoch: int, rank: int, bar=None) -> TrainFigures:
     """One pass over this rank's shard (torchvision's train_one_epoch); loss and accuracy summed
     over ranks. Fails (StaleBatch) if any batch was augmented for another epoch. The backbone is
@@ -103,7 +80,7 @@ def train_epoch(learner: Learner, batches, *, epoch: int, rank: int, bar=None) -
         if meter.steps == 0:
             check_stamp(batch[EPOCH], epoch)
         meter.begin_step()
-        loss, logits = train_step(learner, batch, epoch=epoch, step=meter.steps, rank=rank, last=last)
+        loss, logits = learner.train_step(batch, epoch=epoch, step=meter.steps, rank=rank, last=last)
         meter.update(batch, loss, logits)
         trace.after_step(learner.device, rank)  # RGA_TRACE: the GPU kit's trace of a few steps
         if bar is not None:
