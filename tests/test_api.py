@@ -25,8 +25,11 @@ def _guide_example() -> str:
 
 
 def test_the_guides_example_runs_as_written(ray_cluster, tmp_path, capsys, monkeypatch):
+    """The guide's example, which the README shows too (the same text, so this run covers both)."""
     data = write_tree(tmp_path / "photos", {"cat": 10, "dog": 10})
     code = _guide_example()
+    readme = (REPO / "README.md").read_text().split("callbacks see every epoch", 1)[1]
+    assert re.search(r"```python\n(.*?)```", readme, re.S)[1] == code
     assert '"~/photos"' in code
     monkeypatch.setenv("HOME", str(tmp_path))  # ~/photos is the tree above; runs/ goes under tmp_path
     with contextlib.chdir(tmp_path):
@@ -75,3 +78,21 @@ def test_bad_input_raises_the_clis_line_never_exits(tmp_path, capsys, no_ray):
             fit(config)
         assert err.value.exit_code == 2 and words in str(err.value), str(err.value)
         assert str(err.value).startswith("error: ") and "\n" not in str(err.value)
+
+
+def test_the_guides_json_lines_callback_writes_each_epochs_metrics_row(tmp_path, monkeypatch, no_ray):
+    """docs/guide.md's simplest tracker, its callback run on typed records as training.fit calls it (the run
+    itself faked: what is checked is the callback the user copies)."""
+    import json
+
+    import training
+    from tests.conftest import an_epoch_record
+
+    guide = (REPO / "docs" / "guide.md").read_text()
+    code = re.search(r"```python\n(import json\nfrom training import fit\n.*?)```", guide, re.S)[1]
+    records = [an_epoch_record(1, 0.5), an_epoch_record(2, 0.75)]
+    monkeypatch.setattr(training, "fit", lambda config, callbacks: [cb(r) for r in records for cb in callbacks])
+    with contextlib.chdir(tmp_path):
+        exec(compile(code, "guide.md", "exec"), {})
+    lines = [json.loads(line) for line in (tmp_path / "epochs.jsonl").read_text().splitlines()]
+    assert [(row["epoch"], row["val_acc"]) for row in lines] == [(1, 0.5), (2, 0.75)]
