@@ -57,6 +57,7 @@ def test_callbacks_get_typed_records_a_stop_rule_ends_the_run_and_a_failing_one_
     ], lines
     assert "stopped after epoch 2 by an epoch callback" in lines
     assert Path(result.model_path).is_file() and Path(result.best_model_path).is_file()
+    assert result.ema_model_path is None  # no --model-ema: no model_ema.pt
     assert result.summary["epochs"] == 2 and result.run_dir == str(run_dir)
 
 
