@@ -16,6 +16,7 @@ per-batch counts, so no process holds every row, whatever the number of images.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import ray
@@ -34,8 +35,6 @@ PARTS_RECORD = ".predictions.json"  # in a --out folder: the Parquet files this 
 def earlier_parts(folder: str) -> list[str] | None:
     """The Parquet files an earlier jobs.predict wrote into `folder` (PARTS_RECORD), those still there;
     None where no record says so: then the folder's Parquet files are someone else's."""
-    import json
-
     record = storage.join(folder, PARTS_RECORD)
     if not storage.exists(record):
         return None
