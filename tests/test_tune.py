@@ -102,7 +102,12 @@ def test_trial_gpus_and_cpus_beyond_this_machine_are_refused_before_ray(tmp_path
     args += ["--space", _space(tmp_path, "lr: choice([0.1, 0.01])\n")]
     assert tune_job.main([*args, "--trial-gpus", "0.5"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "error: --trial-gpus 0.5: this machine has 0 GPU(s) that CUDA shows, and a sweep without RAY_ADDRESS starts "
+        "error: --trial-gpus 0.5: a trial's train workers take whole GPUs; give 1, 2, ..., or lower --max-concurrent "
+        "so that each trial gets one"
+    )
+    assert tune_job.main([*args, "--trial-gpus", "1"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --trial-gpus 1: this machine has 0 GPU(s) that CUDA shows, and a sweep without RAY_ADDRESS starts "
         "its cluster here; give 0 or less (0: an equal share), or set RAY_ADDRESS to join a bigger cluster"
     )
     assert tune_job.main([*args, "--trial-cpus", str(os.cpu_count() + 1)]) == 2

@@ -145,6 +145,11 @@ def check_trial_resources(options: SweepOptions) -> None:
 
     if options.trial_cpus < 0 or options.trial_gpus < 0:
         raise ConfigError("--trial-cpus and --trial-gpus must be 0 (an equal share) or more")
+    if options.trial_gpus != int(options.trial_gpus):  # the planner gives each train worker whole GPUs
+        raise ConfigError(
+            f"--trial-gpus {options.trial_gpus:g}: a trial's train workers take whole GPUs; give 1, 2, ..., "
+            "or lower --max-concurrent so that each trial gets one"
+        )
     if not starts_local_cluster():
         return
     for flag, asked, have, what in (
@@ -184,7 +189,7 @@ def tune(config, space: str, options: SweepOptions | None = None, *, name=None, 
     except (ConfigError, DataError, PresetError, StorageError) as e:
         raise JobError(error_line(e), 2) from None
     try:
-        share = connect_and_share(cfg, options)
+        share = connect_and_share(cfg, options, log)
         grid = run_tuner(cfg, dims, options, share, log)
         from training.sweep.report import finish
 
@@ -201,7 +206,7 @@ def tune(config, space: str, options: SweepOptions | None = None, *, name=None, 
     return result
 
 
-def connect_and_share(cfg: TrainConfig, options: SweepOptions):
+def connect_and_share(cfg: TrainConfig, options: SweepOptions, log):
     """Join or start Ray; one trial's share of the cluster, checked by planning the base config
     for it (JobError 2 where one trial cannot fit)."""
     from training.driver.api import JobError
@@ -213,9 +218,15 @@ def connect_and_share(cfg: TrainConfig, options: SweepOptions):
     except Exception as e:  # noqa: BLE001  (Ray's own start-up)
         raise JobError(error_line(f"Ray did not start: {str(e).strip().splitlines()[0][:300]}"), 1) from None
     try:
-        share = share_of(cluster_capacity(), options.max_concurrent, options.trial_cpus, options.trial_gpus)
+        capacity = cluster_capacity()
+        share = share_of(capacity, options.max_concurrent, options.trial_cpus, options.trial_gpus)
     except ConfigError as e:
         raise JobError(error_line(e), 2) from None
+    if capacity.gpus and not share.gpus and cfg.device != "cpu":
+        log(
+            f"note: {capacity.gpus} GPU(s) among {options.max_concurrent} trials at once leaves each trial none: "
+            f"the trials train on CPUs; --max-concurrent {capacity.gpus} gives each one a GPU"
+        )
     try:
         plan_resources(cfg, share)
     except ConfigError as e:
