@@ -130,7 +130,10 @@ def finish(cfg: TrainConfig, dims, options, grid, log):
     rows = sorted((trial_row(r, params, cfg, metric, options.mode) for r in grid), key=lambda r: r["trial"])
     for row in rows:
         if row["status"] == "stopped early" and not storage.exists(storage.join(row["run_dir"], "model.pt")):
-            write_stopped_models(row["run_dir"])
+            try:
+                write_stopped_models(row["run_dir"])
+            except Exception as e:  # noqa: BLE001  (the sweep's table comes first; the trial's folder says the rest)
+                log(f"warning: {row['trial']}: no model.pt written from its checkpoints ({storage.first_line(e)})")
     storage.write_csv(storage.join(cfg.run_dir, "trials.csv"), rows)
     scored = [r for r in rows if r[f"best_{metric}"] is not None]
     if scored:
