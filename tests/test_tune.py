@@ -195,14 +195,23 @@ def test_a_sweep_of_four_trials_under_asha_interrupted_and_continued(ray_cluster
     kept_before = {t: (p.read_bytes(), p.stat().st_mtime_ns) for t, p in kept.items()}
 
     again = []
-    sweep = tune(base, space, options, log=again.append)
+
+    def log_again(line):
+        again.append(line)
+        if " started: lr=" in line:
+            lr_of[line.split(" ")[0]] = float(line.split("lr=")[1])
+
+    sweep = tune(base, space, options, log=log_again)
     assert "sweep sw: continuing from " + str(sweep_dir / "tune") + " (finished trials are kept)" in again
     assert {t: (p.read_bytes(), p.stat().st_mtime_ns) for t, p in kept.items()} == kept_before, "ran again"
     events = lines + again  # the restored sweep's lines go to its log too
     started = {float(line.split("lr=")[1]) for line in events if " started: lr=" in line}
     assert started == {3.0, 2.0, POOR, FAILS}, events
-    fails = [line for line in events if " failed: " in line]
-    assert len(fails) == 1 and "the training loss became non-finite" in fails[0], events
+    # the failing trial's line (twice where it failed as the first call was interrupted, before Tune
+    # saved that: the continued sweep runs it again)
+    fails = {line for line in events if " failed: " in line}
+    assert len(fails) == 1 and lr_of.get(next(iter(fails)).split(" ")[0]) == FAILS, events
+    assert "failed: error: training failed: the training loss became non-finite" in next(iter(fails)), fails
     console = capfd.readouterr()
     assert "Configuration for experiment" not in console.out + console.err  # Tune's box, at neither start
     with open(sweep_dir / "trials.csv") as f:
