@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -209,7 +210,7 @@ def test_a_sweep_of_four_trials_under_asha_interrupted_and_continued(ray_cluster
     assert started == {3.0, 2.0, POOR, FAILS}, events
     # the failing trial's line (twice where it failed as the first call was interrupted, before Tune
     # saved that: the continued sweep runs it again)
-    fails = {line for line in events if " failed: " in line}
+    fails = {line for line in events if re.match(r"trial-\S+ failed: ", line)}  # not the end table's lines
     assert len(fails) == 1 and lr_of.get(next(iter(fails)).split(" ")[0]) == FAILS, events
     assert "failed: error: training failed: the training loss became non-finite" in next(iter(fails)), fails
     console = capfd.readouterr()
