@@ -56,10 +56,11 @@ def write_results(
     survived."""
     run_dir = cfg.run_dir
     best = best or BestEpoch(model, run.last_epoch + 1)
-    storage.write_bytes(storage.join(run_dir, "model.pt"), model_bytes(model, tree, preset, cfg))
-    storage.write_bytes(storage.join(run_dir, "model_best.pt"), model_bytes(best.model, tree, preset, cfg))
+    names = tree.class_names
+    storage.write_bytes(storage.join(run_dir, "model.pt"), model_bytes(model, names, preset, cfg))
+    storage.write_bytes(storage.join(run_dir, "model_best.pt"), model_bytes(best.model, names, preset, cfg))
     if best.ema is not None:  # --model-ema: the weights' average, in model.pt's format
-        storage.write_bytes(storage.join(run_dir, "model_ema.pt"), model_bytes(best.ema, tree, preset, cfg))
+        storage.write_bytes(storage.join(run_dir, "model_ema.pt"), model_bytes(best.ema, names, preset, cfg))
     storage.write_bytes(storage.join(run_dir, "curves.png"), plots.curves_png(run.epochs))
     confusion = plots.confusion_png(run.epochs[-1].val.confusion, list(tree.class_names))
     storage.write_bytes(storage.join(run_dir, "confusion.png"), confusion)
@@ -83,7 +84,7 @@ def write_results(
     return summary
 
 
-def model_bytes(state_dict, tree: ImageTree, preset: Preset, cfg: TrainConfig) -> bytes:
+def model_bytes(state_dict, class_names, preset: Preset, cfg: TrainConfig) -> bytes:
     """model.pt: everything inference needs, loadable with torch.load(weights_only=True)."""
     buf = io.BytesIO()
     small_stem = uses_small_stem(cfg.small_stem, preset.image_size, cfg.model)
@@ -91,18 +92,18 @@ def model_bytes(state_dict, tree: ImageTree, preset: Preset, cfg: TrainConfig) -
     model = ModelFile(
         arch=cfg.model,
         state_dict=state_dict,
-        class_names=tuple(tree.class_names),
+        class_names=tuple(class_names),
         image_size=preset.image_size,
         small_stem=small_stem,
         eval_transform={"ops": json.loads(json.dumps(preset.eval)), "mean": list(preset.mean), "std": list(preset.std)},
         # the same model and eval steps for torchvision alone (docs/guide.md, "Prediction and evaluation")
         torchvision_model=torchvision_model(
-            cfg.model, len(tree.class_names), small_stem=small_stem, image_size=preset.image_size, width=width
+            cfg.model, len(class_names), small_stem=small_stem, image_size=preset.image_size, width=width
         )
         if model_kind(cfg.model) == "torchvision"
         else None,
         model_source=model_source(
-            cfg.model, len(tree.class_names), small_stem=small_stem, image_size=preset.image_size, width=width
+            cfg.model, len(class_names), small_stem=small_stem, image_size=preset.image_size, width=width
         ),
         weights=weights_record(cfg),
         torchvision_eval=torchvision_eval(preset),
@@ -110,6 +111,35 @@ def model_bytes(state_dict, tree: ImageTree, preset: Preset, cfg: TrainConfig) -
     )
     torch.save(model.to_state(), buf)
     return buf.getvalue()
+
+
+def models_of_a_stopped_run(run_dir: str, checkpoints: list[str]) -> int | None:
+    """model.pt (the last checkpoint's weights) and model_best.pt (the kept checkpoint of the best
+    val_acc) of a run that was ended between epochs without writing them (a sweep's trial that the
+    scheduler stopped), from its `checkpoints` (their folders, the job's and Ray Train's own format)
+    and its config.json, as a finished run writes them; the last epoch, None where none is complete."""
+    from augment.presets import preset_from_dict
+    from training.worker.report import DamagedCheckpoint, load_checkpoint
+
+    saved = json.loads(storage.read_bytes(storage.join(run_dir, "config.json")))
+    cfg = TrainConfig(**saved["config"])
+    preset = preset_from_dict(saved["preset"])
+    kept = []  # (epoch, val_acc, weights)
+    for folder in checkpoints:
+        with ray.train.Checkpoint(folder).as_directory() as d:
+            try:
+                state = load_checkpoint(d, map_location="cpu")
+            except DamagedCheckpoint:
+                continue
+        run = RunRecord.from_state(state["records"])
+        kept.append((run.last_epoch + 1, run.epochs[-1].val.acc, state["learner"]["model"]))
+    if not kept:
+        return None
+    last, best = max(kept, key=lambda k: k[0]), max(kept, key=lambda k: (k[1], k[0]))
+    names = saved["class_names"]
+    storage.write_bytes(storage.join(run_dir, "model.pt"), model_bytes(last[2], names, preset, cfg))
+    storage.write_bytes(storage.join(run_dir, "model_best.pt"), model_bytes(best[2], names, preset, cfg))
+    return last[0]
 
 
 def torchvision_eval(preset: Preset) -> list | None:
