@@ -34,7 +34,7 @@ def cpu_chunks(n: int, size: int) -> list[slice]:
     return [slice(i, min(n, i + size)) for i in range(0, n, size)]
 
 
-DECODERS = ("cpu", "nvjpeg", "nvimgcodec", "nvimgcodec-whole")
+DECODERS = ("cpu", "nvjpeg", "nvimgcodec")
 
 
 class Decoded(NamedTuple):
@@ -89,8 +89,7 @@ def decode_augment(
       still covers the output at 1/2, 1/4 or 1/8 scale is decoded at that scale.
     * "nvjpeg": the whole batch at full size in one batched torchvision call.
     * "nvimgcodec": the whole batch in one batched nvImageCodec call, each image only in the
-      region the first op reads (augment/engines.py); "nvimgcodec-whole" the same call on whole
-      images (for bench/gpu_path.py to compare).
+      region the first op reads (augment/engines.py).
     The batched decoders run on CPU tensors too: the tests take the GPU path through them on a
     machine without one. `path` (augment.pipeline.PATHS; default: gpu_path's for the batched
     decoders) is how their images reach the first op.
@@ -126,7 +125,7 @@ def decode_augment(
             kept += rows[c][good].tolist()
             where += on
     finally:
-        if decoder.startswith("nvimgcodec") and device.type == "cuda":
+        if decoder == "nvimgcodec" and device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()  # before the decoder's buffers (in `images`) go
     if not outs:
         return Decoded(pipe.empty(device), [], bad, [])
@@ -143,7 +142,7 @@ def _decode_chunk(encoded, chunk, request, device, bad, decoder: str):
     if decoder == "nvjpeg":
         results = [_hwc(r) for r in decode_cuda(datas, jpeg, device)]
         where = [GPU_SMS if isinstance(r, torch.Tensor) else ON_CPU for r in results]
-    elif decoder.startswith("nvimgcodec"):
+    elif decoder == "nvimgcodec":
         regions = None if request.regions is None else request.regions.tolist()  # host sync, once a batch
         try:
             results, cropped, where = engines.decode_regions(datas, jpeg, regions, device)

@@ -10,10 +10,11 @@ were measured").
   half to even as torch.round is, written straight into `out` (a slice of the batch).
 
 They take what `takes(x)` accepts: float32 planar (contiguous) batches on the CPU, which is
-what the CPU path makes; the GPU (and the GPU's path run on a CPU, channels_last) keeps the
-batched torch ops. The torch ops' float32 formulas (where torch fuses a multiply-add, the
-last bit may differ), the contrast mean summed in float64; tests/test_cpu_kernels.py holds them to the torch ops and
-to torchvision. numba compiles them on first use in a process and caches the machine code
+what the CPU path makes, and return None for any other batch (a caller asks once); the GPU
+(and the GPU's path run on a CPU, channels_last) keeps the batched torch ops. The torch ops'
+float32 formulas (where torch fuses a multiply-add, the last bit may differ), the contrast
+mean summed in float64; tests/test_cpu_kernels.py holds them to the torch ops and to
+torchvision. numba compiles them on first use in a process and caches the machine code
 beside this file (or in its user cache where that is read-only). augment/ops.py
 (`compiled_loops`) imports this module only when a CPU batch first reaches an op that uses
 it, and where numba is missing runs the torch ops instead.
@@ -111,16 +112,20 @@ def _flat(x: torch.Tensor) -> np.ndarray:
     return x.view(b, c, h * w).numpy()
 
 
-def color_jitter_(x: torch.Tensor, factors: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """x (takes(x)) in place: image b's adjustments order[b, step] (BRIGHTNESS, CONTRAST,
-    SATURATION), each with factors[b, that adjustment], one after the other. Returns x."""
+def color_jitter_(x: torch.Tensor, factors: torch.Tensor, order: torch.Tensor) -> torch.Tensor | None:
+    """x in place: image b's adjustments order[b, step] (BRIGHTNESS, CONTRAST, SATURATION), each
+    with factors[b, that adjustment], one after the other. Returns x; None where not takes(x)."""
+    if not takes(x):
+        return None
     _color_jitter(_flat(x), factors.to(torch.float32).contiguous().numpy(), order.to(torch.int64).contiguous().numpy())
     return x
 
 
-def to_uint8_nhwc(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x (takes(x)) -> uint8 (B, H, W, 3): round(x * 255) clamped to 0..255, into `out` (a
-    contiguous uint8 (B, H, W, 3), e.g. the batch's rows for this chunk) or a new tensor."""
+def to_uint8_nhwc(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x -> uint8 (B, H, W, 3): round(x * 255) clamped to 0..255, into `out` (a contiguous uint8
+    (B, H, W, 3), e.g. the batch's rows for this chunk) or a new tensor; None where not takes(x)."""
+    if not takes(x):
+        return None
     b, c, h, w = x.shape
     if out is None:
         out = torch.empty((b, h, w, c), dtype=torch.uint8)

@@ -48,6 +48,8 @@ import importlib.util
 import os
 import sys
 
+import numpy as np
+
 from augment.decode import ENGINES, GPU_SMS, ON_CPU, ends_complete
 
 
@@ -229,6 +231,4 @@ def _expected(stream, region) -> tuple[int, int, int]:
 
 
 def _host_array(image):
-    import numpy as np
-
     return np.asarray(image)  # a view that keeps the library's buffer alive

@@ -26,10 +26,10 @@ launch takes the mean from the sums and the steps from contrast on (augment/fuse
 Hue is not covered: a preset with hue keeps the torch path.
 
 The launch is a torch custom op (`rga::augment_first_ops`): a dispatch mode sees it with the
-tensors it reads and writes (bench/gpu_path.py counts its bytes), and torch.compile sees its
-shape. Without Triton (or off a GPU without TRITON_INTERPRET=1) `available()` is False and the
-pipeline keeps the torch path. Under TRITON_INTERPRET=1 the same kernel runs on the CPU with
-numpy: the tests run it that way (tests/conftest.py sets the variable where there is no GPU).
+tensors it reads and writes (bench/gpu_path.py counts its bytes). Without Triton (or off a GPU
+without TRITON_INTERPRET=1) `available()` is False and the pipeline keeps the torch path. Under
+TRITON_INTERPRET=1 the same kernel runs on the CPU with numpy: the tests run it that way
+(tests/conftest.py sets the variable where there is no GPU).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import dataclasses
 import functools
 import os
 
+import numpy as np
 import torch
 
 META = 20  # int64 columns a program reads about its image (FusedPlan.meta)
@@ -168,20 +169,10 @@ def augment_first_ops(
     return out.permute(0, 3, 1, 2) if float_out else out
 
 
-@augment_first_ops.register_fake
-def output_like(images, meta, factors, out_h, out_w, fill, float_out):
-    """The op's output, unfilled: its shape, dtype and strides (torch.compile's fake tensors; the
-    benchmark's byte count without the launch)."""
-    out = meta.new_empty((len(images), out_h, out_w, 3), dtype=torch.float32 if float_out else torch.uint8)
-    return out.permute(0, 3, 1, 2) if float_out else out
-
-
 def on_device(images, device) -> list[torch.Tensor]:
     """The images as (H, W, 3)-shaped uint8 tensors on `device`: those there already as they
     are (any strides), the others packed into one host buffer and uploaded in one copy (a
     (B, H, W, 3) array whole), each then a view of it."""
-    import numpy as np
-
     device = torch.device(device)
     if isinstance(images, np.ndarray) and images.ndim == 4:
         return list(torch.from_numpy(np.ascontiguousarray(images)).to(device))

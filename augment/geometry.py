@@ -2,19 +2,103 @@
 images of possibly different sizes `sizes` (B, 2) in its top-left corners, a RaggedImages on the
 GPU's path, or on the CPU a list of images) and returns one float batch (B, 3, S, S) in [0, 1],
 channels_last: the crops (RandomCrop, CenterCrop) and the resamples (RandomResizedCrop,
-ResizeCenterCrop), with torchvision's semantics. The first op of every preset is one of them.
+ResizeCenterCrop), with torchvision's semantics. The first op of every preset is one of them,
+and their base, GeometryOp, answers the pipeline's two questions about decoding (draw, fit).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from augment.decode import SHRINK_FACTORS
 from augment.op import Op, as_pair, constant, register
 from augment.ragged import RaggedImages, crop, resample
+from augment.rng import KeyedRng
+
+
+class GeometryOp(Op):
+    """The first op of a preset. Beside the op contract (sample, apply on the decoded images, in
+    any of the forms above), it answers the pipeline's two questions about decoding:
+
+        params, scales, regions = op.draw(rng, sizes, shrink=..., regions=...)   # before
+        params = op.fit(request, decoded, cropped, seed=..., epoch=...)          # after
+
+    `draw`: its parameters for images of `sizes` (full size, from the headers), and what it asks
+    of a decoder: per image the factor it may decode smaller by (max_shrink) and the box the op
+    reads (region), where asked. `fit`: those parameters for the images as they were decoded.
+    The hooks behind them are this class's; RandomResizedCrop is the op that implements them."""
+
+    geometry = True
+
+    def draw(self, rng: KeyedRng, sizes: torch.Tensor, *, shrink: bool = False, regions: bool = False):
+        """(params, scales or None, regions or None) for images of `sizes` (see the class)."""
+        params = self.sample(rng, sizes)
+        return params, self.max_shrink(params) if shrink else None, self.region(params) if regions else None
+
+    def fit(self, request, decoded: torch.Tensor, cropped, *, seed: int, epoch: int) -> dict:
+        """The op's draws of `request` (augment.pipeline.DecodeRequest: drawn for the images' full
+        sizes) for the images as decoded (`decoded` their sizes; `cropped` per image whether it was
+        decoded as its request's region): moved into the regions decoded alone, the boxes rescaled
+        for JPEGs decoded smaller, and drawn afresh (from (seed, epoch) and the keys) for an image
+        whose size matches neither its header nor its scale (a header that lied), so no crop ever
+        reaches outside an image."""
+        params, sizes = request.draws.first, request.sizes
+        if request.regions is not None and cropped is not None:
+            inside = torch.tensor(list(cropped), dtype=torch.bool, device=sizes.device)
+            params = self.in_region(params, request.regions, inside)
+            sizes = torch.where(inside[:, None], request.regions[:, 2:], sizes)
+        full = (decoded == sizes).all(1)
+        if request.scales is None:  # decoded at full size (the GPU's decoders): one check, one host sync
+            if bool(full.all()):
+                return params
+            factors = torch.ones_like(sizes[:, 0])
+        else:
+            factors = request.scales
+        scaled = -torch.div(-sizes, factors[:, None], rounding_mode="floor")  # ceil(size / f)
+        shrunk = (decoded == scaled).all(1) & (factors > 1)
+        if not bool((full | shrunk).all()):  # host sync, once a chunk
+            redrawn = self.sample(KeyedRng(request.draws.keys, seed, epoch), decoded)
+            params = {k: _where(full | shrunk, v, redrawn[k]) for k, v in params.items()}
+        if bool(shrunk.any()):
+            params = self.shrink_params(params, torch.where(shrunk, factors, 1))
+        return params
+
+    def max_shrink(self, params) -> torch.Tensor | None:
+        """Per image, the largest factor in augment.decode.SHRINK_FACTORS by which a decoder may
+        shrink the image before `apply` (with `shrink_params`) and lose nothing of the output's
+        resolution; None: the op needs the image at full size."""
+        return None
+
+    def shrink_params(self, params: dict, factors: torch.Tensor) -> dict:
+        """`params` (drawn for the full-size image) in the coordinates of the image decoded at
+        1/factors of its size."""
+        raise NotImplementedError
+
+    def region(self, params: dict) -> torch.Tensor | None:
+        """Per image, the box (top, left, h, w) of the full-size image that `apply` reads, for a
+        decoder that can decode that region alone (augment/engines.py); None: the whole image."""
+        return None
+
+    def in_region(self, params: dict, region: torch.Tensor, inside: torch.Tensor) -> dict:
+        """`params` in the coordinates of `region` (from `region`) of each image where `inside`,
+        unchanged elsewhere."""
+        raise NotImplementedError
+
+
+def _where(mask, a, b):
+    if not isinstance(a, torch.Tensor) or not a.dim():
+        return a
+    return torch.where(mask.view(-1, *[1] * (a.dim() - 1)), a, b)
+
+
+def as_canvas(images):
+    """The images as a canvas where they came as a list (the CPU's path; see to_canvas)."""
+    return to_canvas(images)[0] if isinstance(images, list) else images
 
 
 def _to_float_nchw(hwc_uint8: torch.Tensor) -> torch.Tensor:
@@ -44,12 +128,11 @@ def gather_crop(canvas: torch.Tensor, sizes: torch.Tensor, top, left, out_hw, fi
 
 
 @register
-class RandomCrop(Op):
+class RandomCrop(GeometryOp):
     """torchvision.transforms.RandomCrop(size, padding, pad_if_needed=True, fill) on a batch."""
 
     name = "random_crop"
     uniforms = 2  # what sample draws per image (KeyedRng.prefetch)
-    geometry = True
     lengths = ("padding",)
 
     def __init__(self, *, size, padding: int = 0, fill: float = 0.0):
@@ -70,6 +153,7 @@ class RandomCrop(Op):
         return {"top": top - self.padding - extra_h, "left": left - self.padding - extra_w}
 
     def apply(self, canvas, params, sizes=None):
+        canvas = as_canvas(canvas)
         return _to_float_nchw(gather_crop(canvas, sizes, params["top"], params["left"], self.size, self.fill))
 
 
@@ -81,11 +165,10 @@ def _center_offset(n: torch.Tensor, crop: int) -> torch.Tensor:
 
 
 @register
-class CenterCrop(Op):
+class CenterCrop(GeometryOp):
     """torchvision.transforms.CenterCrop(size): the middle window, zero-padded if too small."""
 
     name = "center_crop"
-    geometry = True
 
     def __init__(self, *, size):
         super().__init__()
@@ -96,7 +179,7 @@ class CenterCrop(Op):
         return {"top": _center_offset(sizes[:, 0], th), "left": _center_offset(sizes[:, 1], tw)}
 
     def apply(self, canvas, params, sizes=None):
-        return _to_float_nchw(gather_crop(canvas, sizes, params["top"], params["left"], self.size))
+        return _to_float_nchw(gather_crop(as_canvas(canvas), sizes, params["top"], params["left"], self.size))
 
 
 # --------------------------------------------------------------------------- resampling
@@ -182,7 +265,7 @@ def first_valid(ok: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 
 @register
-class RandomResizedCrop(Op):
+class RandomResizedCrop(GeometryOp):
     """torchvision.transforms.RandomResizedCrop(size, scale, ratio), antialiased bilinear.
 
     The crop box is drawn on each original image (not on a copy resized to one size first)
@@ -192,8 +275,6 @@ class RandomResizedCrop(Op):
 
     name = "random_resized_crop"
     uniforms = 22  # what sample draws per image (KeyedRng.prefetch)
-    geometry = True
-    takes_image_list = True
     scalable = ("scale", "ratio")
 
     def __init__(self, *, size, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), method: str = "auto"):
@@ -240,6 +321,7 @@ class RandomResizedCrop(Op):
         return {"box": box, "resized": out, "offset": constant((0, 0), sizes.device).expand(len(sizes), 2)}
 
     def apply(self, canvas, params, sizes=None):
+        canvas = as_canvas(canvas) if self.method == "matmul" else canvas  # a list: resampled image by image
         return resample_boxes(canvas, params["box"], params["resized"], params["offset"], self.size, self.method)
 
     def max_shrink(self, params):
@@ -275,13 +357,11 @@ class RandomResizedCrop(Op):
 
 
 @register
-class ResizeCenterCrop(Op):
+class ResizeCenterCrop(GeometryOp):
     """torchvision's eval transform: Resize(resize) (shorter side, antialiased bilinear) then
     CenterCrop(size), on each original image. Only the kept window is computed."""
 
     name = "resize_center_crop"
-    geometry = True
-    takes_image_list = True
     lengths = ("resize",)
 
     def __init__(self, *, resize: int, size, method: str = "auto"):
@@ -308,4 +388,38 @@ class ResizeCenterCrop(Op):
         return {"box": box, "resized": torch.stack([rh, rw], 1), "offset": torch.stack([oy, ox], 1)}
 
     def apply(self, canvas, params, sizes=None):
+        canvas = as_canvas(canvas) if self.method == "matmul" else canvas  # a list: resampled image by image
         return resample_boxes(canvas, params["box"], params["resized"], params["offset"], self.size, self.method)
+
+
+def to_canvas(images) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoded images -> (uint8 canvas (B, Hmax, Wmax, 3), int64 sizes (B, 2)).
+
+    A fixed-shape batch is used as it is (no copy); a ragged one (an object array of HWC
+    arrays) is copied into the top-left corners of a canvas. The rest of the canvas is left
+    uninitialised: no op reads outside an image's size (crops mask, resampling weights
+    are zero there), and zero-filling it would cost as much as the copy (docs/design.md,
+    "Choices and where they were measured").
+    """
+    if isinstance(images, np.ndarray) and images.dtype == np.uint8 and images.ndim == 4:
+        b, h, w, c = images.shape
+        if c != 3:
+            raise ValueError(f"augment: expected RGB images (B, H, W, 3), got shape {images.shape}")
+        with warnings.catch_warnings():  # Arrow's buffers are read-only; nothing here writes to them
+            warnings.simplefilter("ignore", UserWarning)
+            canvas = torch.from_numpy(images)
+        return canvas, torch.tensor([[h, w]], dtype=torch.int64).expand(b, 2)
+    arrays = list(images)
+    for a in arrays:
+        if a.dtype not in (np.uint8, torch.uint8) or a.ndim != 3 or a.shape[2] != 3:
+            raise ValueError(f"augment: expected uint8 HWC RGB images, got {a.dtype} {tuple(a.shape)}")
+    device = arrays[0].device if isinstance(arrays[0], torch.Tensor) else torch.device("cpu")
+    sizes = torch.tensor([a.shape[:2] for a in arrays], dtype=torch.int64).view(-1, 2)
+    canvas = torch.empty(
+        (len(arrays), int(sizes[:, 0].max()), int(sizes[:, 1].max()), 3), dtype=torch.uint8, device=device
+    )
+    with warnings.catch_warnings():  # read-only arrays (decoded by PIL, Arrow's buffers) are only read
+        warnings.simplefilter("ignore", UserWarning)
+        for i, a in enumerate(arrays):  # a memcpy per image; unavoidable for ragged input
+            canvas[i, : a.shape[0], : a.shape[1]] = torch.as_tensor(a)
+    return canvas, sizes.to(device)

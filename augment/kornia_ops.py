@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import typing
 
 import torch
 
@@ -103,8 +104,6 @@ def check_kornia_params(name: str, params: dict) -> None:
 def _kornia_args(cls: type, params: dict) -> dict:
     """YAML and JSON give lists: Kornia's signatures ask for tuples, or for a tensor where that is
     the only type a parameter takes (RandomFisheye's center_x)."""
-    import typing
-
     sig = inspect.signature(cls.__init__).parameters
 
     def convert(v, annotation):

@@ -32,10 +32,7 @@ def register(cls):
 
 class Op(torch.nn.Module):
     name = ""
-    geometry = False  # True: canvas + sizes in, uniform float batch out
-    # True: on the CPU, `apply` also takes a list of (H, W, 3) uint8 images in place of the
-    # canvas (each image is resampled on its own there), sparing the copy into a canvas
-    takes_image_list = False
+    geometry = False  # True: a GeometryOp (augment/geometry.py): decoded images in, uniform float batch out
     uniforms = 0  # uniforms sample draws per image, where it is known (KeyedRng.prefetch draws them at once)
     scalable: tuple[str, ...] = ()  # parameters that a strength schedule may scale
     # geometry ops: lengths in px besides `size` that scale with it (--image-size, progressive resizing)
@@ -63,27 +60,6 @@ class Op(torch.nn.Module):
         """`apply`, free to overwrite x: the pipeline hands each op after the first its own
         intermediate batch, which nothing else holds. Ops that can work in place on the CPU do."""
         return self.apply(x, params, sizes)
-
-    def max_shrink(self, params) -> torch.Tensor | None:
-        """Per image, the largest factor in augment.decode.SHRINK_FACTORS by which a decoder may
-        shrink the image before `apply` (with `shrink_params`) and lose nothing of the output's
-        resolution; None: the op needs the image at full size."""
-        return None
-
-    def shrink_params(self, params: dict, factors: torch.Tensor) -> dict:
-        """`params` (drawn for the full-size image) in the coordinates of the image decoded at
-        1/factors of its size."""
-        raise NotImplementedError
-
-    def region(self, params: dict) -> torch.Tensor | None:
-        """Per image, the box (top, left, h, w) of the full-size image that `apply` reads, for a
-        decoder that can decode that region alone (augment/engines.py); None: the whole image."""
-        return None
-
-    def in_region(self, params: dict, region: torch.Tensor, inside: torch.Tensor) -> dict:
-        """`params` in the coordinates of `region` (from `region`) of each image where `inside`,
-        unchanged elsewhere."""
-        raise NotImplementedError
 
     def forward(self, x, rng: KeyedRng, sizes: torch.Tensor | None = None):
         return self.apply(x, self.sample(rng, sizes), sizes)

@@ -22,12 +22,13 @@ not depend on the batch it lands in. Kornia is imported only by the ops that use
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
 
 from augment.errors import PresetError
-from augment.geometry import first_valid  # importing it registers the geometry ops in OPS
+from augment.geometry import GeometryOp, first_valid  # importing it registers the geometry ops in OPS
 from augment.kornia_ops import KeyedKornia, build_keyed, is_kornia
 from augment.op import OPS, Op, as_pair, compiled_loops, constant, register
 
@@ -133,9 +134,9 @@ class ColorJitter(Op):
         return x
 
     def apply_(self, x, params, sizes=None):
-        if not self._compiled(x):
-            return self.apply(x, params)
-        return compiled_loops().color_jitter_(x, self.factors_or_identity(params), params["order"])
+        loops = compiled_loops() if self.hue == 0 and x.device.type == "cpu" else None  # see _compiled
+        done = None if loops is None else loops.color_jitter_(x, self.factors_or_identity(params), params["order"])
+        return self.apply(x, params) if done is None else done  # None: not a batch the loops take
 
     def factors_or_identity(self, params) -> torch.Tensor:
         """(B, 4) factors, the identity's for the images that do not jitter."""
@@ -308,13 +309,11 @@ class KorniaOp(Op):
 
 def can_shrink(name: str) -> bool:
     """Whether op `name`, first in a preset, lets the CPU decode a JPEG at a reduced size."""
-    return name in OPS and OPS[name].max_shrink is not Op.max_shrink
+    return name in OPS and issubclass(OPS[name], GeometryOp) and OPS[name].max_shrink is not GeometryOp.max_shrink
 
 
 def check_params(op_cls: type[Op], params: dict) -> None:
     """Raise a ValueError naming the valid parameters when `params` has an unknown one."""
-    import inspect
-
     valid = [p for p in inspect.signature(op_cls.__init__).parameters if p != "self"]
     unknown = sorted(set(params) - set(valid))
     if unknown:

@@ -19,13 +19,13 @@ The runtime half of a preset (augment/presets.py holds presets as data and loads
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import numpy as np
 import torch
 
 from augment.errors import PresetError
 from augment.fused import FusedPlan, augment_first_ops, fused_prefix, on_device
+from augment.geometry import to_canvas
 from augment.ops import Op, build_ops, compiled_loops
 from augment.presets import scale_geometry, spec_side
 from augment.ragged import RaggedImages
@@ -75,6 +75,9 @@ class EpochPipeline(torch.nn.Module):
         self.ops, self.seed, self.epoch = ops, seed, epoch
         self.out_hw = tuple(ops[0].size)
         self.cpu_chunk = max(1, CPU_CHUNK_PIXELS // (self.out_hw[0] * self.out_hw[1]))  # images a CPU chunk
+        self.uniforms = {op.stream: op.uniforms for op in ops}  # what sample draws, stream by stream
+        # the later ops that sample through the contract (the rest draw from the batch they are given)
+        self.sampled = tuple(type(op).forward is Op.forward for op in ops[1:])
 
     def empty(self, device) -> torch.Tensor:
         return torch.empty((0, *self.out_hw, 3), dtype=torch.uint8, device=device)
@@ -82,67 +85,39 @@ class EpochPipeline(torch.nn.Module):
     @torch.no_grad()
     def sample(self, sizes: torch.Tensor, keys: torch.Tensor) -> Draws:
         """Every op's parameters for images of `sizes` (full size, e.g. from the file headers)."""
-        rng = KeyedRng(keys, self.seed, self.epoch)
-        rng.prefetch({op.stream: op.uniforms for op in self.ops})
-        rest = tuple(op.sample(rng, None) if type(op).forward is Op.forward else None for op in self.ops[1:])
-        return Draws(keys, self.ops[0].sample(rng, sizes), rest)
+        return self.request(sizes, keys).draws
 
     @torch.no_grad()
     def request(self, sizes: torch.Tensor, keys: torch.Tensor, *, shrink: bool = False, regions: bool = False):
         """The batch's DecodeRequest: every op's draws for images of `sizes` (full size, from the
-        headers), and from them, where asked, the factor each JPEG may be decoded smaller by and
-        the region of each image the first op reads."""
-        draws = self.sample(sizes, keys)
-        scales = self.ops[0].max_shrink(draws.first) if shrink else None
-        return DecodeRequest(draws, sizes, scales, self.ops[0].region(draws.first) if regions else None)
+        headers), and from the first op's (its `draw`), where asked, the factor each JPEG may be
+        decoded smaller by and the region of each image the first op reads."""
+        rng = KeyedRng(keys, self.seed, self.epoch, prefetch=self.uniforms)
+        first, scales, boxes = self.ops[0].draw(rng, sizes, shrink=shrink, regions=regions)
+        rest = tuple(op.sample(rng, None) if own else None for op, own in zip(self.ops[1:], self.sampled, strict=True))
+        return DecodeRequest(Draws(keys, first, rest), sizes, scales, boxes)
 
     @torch.no_grad()
     def finish(self, request: "DecodeRequest", images, *, path: str, cropped=None, out=None) -> torch.Tensor:
         """The request's images as decoded (uint8 (H, W, 3)-shaped: numpy arrays, or tensors of any
         strides, or one (B, H, W, 3) array) -> uint8 (B, S, S, 3), in `out` if given. `cropped`:
         per image whether it was decoded as its request's region. `path` (PATHS): the CPU's
-        per-image first op; the GPU's ragged buffer; the fused kernel (augment/fused.py); the
-        padded canvas of earlier versions (bench/gpu_path.py compares them)."""
+        per-image first op; the GPU's ragged buffer; the fused kernel (augment/fused.py)."""
         device = request.sizes.device
         decoded = torch.tensor([im.shape[:2] for im in images], dtype=torch.int64).view(-1, 2).to(device)
-        draws = self._as_decoded(request, decoded, cropped)
+        # the first op's draws for the images as decoded (GeometryOp.fit): the rest stay as drawn
+        first = self.ops[0].fit(request, decoded, cropped, seed=self.seed, epoch=self.epoch)
+        draws = request.draws.with_first(first)
         if path == "fused":
             return self._fused(images, decoded, draws, out)
         return self.apply(self._first_input(images, path, device), decoded, draws, out)
-
-    def _as_decoded(self, request: "DecodeRequest", decoded: torch.Tensor, cropped) -> Draws:
-        """The request's draws for its images as decoded (`decoded` their sizes): moved into the
-        regions decoded alone, the boxes rescaled for JPEGs decoded smaller, and drawn afresh for
-        an image whose size matches neither its header nor its scale (a header that lied), so no
-        crop ever reaches outside an image."""
-        draws, sizes = request.draws, request.sizes
-        if request.regions is not None and cropped is not None:
-            inside = torch.tensor(list(cropped), dtype=torch.bool, device=sizes.device)
-            draws = draws.with_first(self.ops[0].in_region(draws.first, request.regions, inside))
-            sizes = torch.where(inside[:, None], request.regions[:, 2:], sizes)
-        full = (decoded == sizes).all(1)
-        if request.scales is None:  # decoded at full size (the GPU's decoders): one check, one host sync
-            if bool(full.all()):
-                return draws
-            factors = torch.ones_like(sizes[:, 0])
-        else:
-            factors = request.scales
-        scaled = -torch.div(-sizes, factors[:, None], rounding_mode="floor")  # ceil(size / f)
-        shrunk = (decoded == scaled).all(1) & (factors > 1)
-        first = draws.first
-        if not bool((full | shrunk).all()):  # host sync, once a chunk
-            redrawn = self.ops[0].sample(KeyedRng(draws.keys, self.seed, self.epoch), decoded)
-            first = {k: _where(full | shrunk, v, redrawn[k]) for k, v in first.items()}
-        if bool(shrunk.any()):
-            first = self.ops[0].shrink_params(first, torch.where(shrunk, factors, 1))
-        return draws.with_first(first)
 
     def _first_input(self, images, path: str, device):
         """The decoded images as the first op takes them on `path` (see finish)."""
         if path == "ragged":  # every image as it was decoded, in one buffer: no canvas (augment/ragged.py)
             return RaggedImages.from_images(list(images), device)
-        if path == "cpu" and self.ops[0].takes_image_list and getattr(self.ops[0], "method", "auto") != "matmul":
-            return [torch.as_tensor(a) for a in images]  # the first op resamples each image on its own: no canvas
+        if path == "cpu" and not (isinstance(images, np.ndarray) and images.ndim == 4):
+            return [torch.as_tensor(a) for a in images]  # ragged: the first op makes a canvas only where it needs one
         canvas, _ = to_canvas(images)
         return canvas.to(device)
 
@@ -186,7 +161,7 @@ class EpochPipeline(torch.nn.Module):
         return self.apply(canvas, sizes, self.sample(sizes, keys))
 
 
-PATHS = ("cpu", "ragged", "fused", "canvas")  # EpochPipeline.finish's ways to the first op
+PATHS = ("cpu", "ragged", "fused")  # EpochPipeline.finish's ways to the first op
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,12 +212,14 @@ class Pipeline:
         self.specs, self.resize, self.full_side = tuple(specs), resize, spec_side(specs[0])
         self.device = torch.device("cpu")
         self._ops: dict[tuple, torch.nn.ModuleList] = {}  # (size, strength) -> the ops built for them
+        self.current: EpochPipeline | None = None  # the last epoch's, kept: an epoch's batches share it
         self.at_epoch(0)  # every op built once now: a spec that does not build fails here
 
     def to(self, device) -> "Pipeline":
         """Every epoch's ops on `device`."""
         self.device = torch.device(device)
         self._ops = {key: ops.to(self.device) for key, ops in self._ops.items()}
+        self.current = None
         return self
 
     def _first_spec(self, epoch: int) -> dict:
@@ -256,7 +233,10 @@ class Pipeline:
         return (int(size), int(size)) if isinstance(size, (int, float)) else (int(size[0]), int(size[1]))
 
     def at_epoch(self, epoch: int) -> EpochPipeline:
-        """The ops at the epoch's size and strength (built once for each such pair), keyed on `epoch`."""
+        """The ops at the epoch's size and strength (built once for each such pair), keyed on `epoch`:
+        made at the epoch's first batch and kept for the rest (the schedules are read once an epoch)."""
+        if self.current is not None and self.current.epoch == epoch:
+            return self.current
         first, s = self._first_spec(epoch), strength(self.schedule, epoch, self.epochs)
         key = (self.size_at(epoch), s)
         if key not in self._ops:
@@ -264,7 +244,8 @@ class Pipeline:
             for op in ops if s != 1.0 else ():
                 op.set_strength(s)
             self._ops[key] = torch.nn.ModuleList(ops).to(self.device)
-        return EpochPipeline(self._ops[key], seed=self.seed, epoch=epoch)
+        self.current = EpochPipeline(self._ops[key], seed=self.seed, epoch=epoch)
+        return self.current
 
     def __call__(self, canvas: torch.Tensor, sizes: torch.Tensor, keys: torch.Tensor, epoch: int) -> torch.Tensor:
         """at_epoch(epoch), then sample and apply."""
@@ -288,52 +269,14 @@ def check_sides(preset, train_sides) -> None:
         raise PresetError(f"its eval ops at {preset.image_size} px: {e}") from None
 
 
-def _where(mask, a, b):
-    if not isinstance(a, torch.Tensor) or not a.dim():
-        return a
-    return torch.where(mask.view(-1, *[1] * (a.dim() - 1)), a, b)
-
-
-def to_canvas(images) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decoded images -> (uint8 canvas (B, Hmax, Wmax, 3), int64 sizes (B, 2)).
-
-    A fixed-shape batch is used as it is (no copy); a ragged one (an object array of HWC
-    arrays) is copied into the top-left corners of a canvas. The rest of the canvas is left
-    uninitialised: no op reads outside an image's size (crops mask, resampling weights
-    are zero there), and zero-filling it would cost as much as the copy (docs/design.md,
-    "Choices and where they were measured").
-    """
-    if isinstance(images, np.ndarray) and images.dtype == np.uint8 and images.ndim == 4:
-        b, h, w, c = images.shape
-        if c != 3:
-            raise ValueError(f"augment: expected RGB images (B, H, W, 3), got shape {images.shape}")
-        with warnings.catch_warnings():  # Arrow's buffers are read-only; nothing here writes to them
-            warnings.simplefilter("ignore", UserWarning)
-            canvas = torch.from_numpy(images)
-        return canvas, torch.tensor([[h, w]], dtype=torch.int64).expand(b, 2)
-    arrays = list(images)
-    for a in arrays:
-        if a.dtype not in (np.uint8, torch.uint8) or a.ndim != 3 or a.shape[2] != 3:
-            raise ValueError(f"augment: expected uint8 HWC RGB images, got {a.dtype} {tuple(a.shape)}")
-    device = arrays[0].device if isinstance(arrays[0], torch.Tensor) else torch.device("cpu")
-    sizes = torch.tensor([a.shape[:2] for a in arrays], dtype=torch.int64).view(-1, 2)
-    canvas = torch.empty(
-        (len(arrays), int(sizes[:, 0].max()), int(sizes[:, 1].max()), 3), dtype=torch.uint8, device=device
-    )
-    with warnings.catch_warnings():  # read-only arrays (decoded by PIL, Arrow's buffers) are only read
-        warnings.simplefilter("ignore", UserWarning)
-        for i, a in enumerate(arrays):  # a memcpy per image; unavoidable for ragged input
-            canvas[i, : a.shape[0], : a.shape[1]] = torch.as_tensor(a)
-    return canvas, sizes.to(device)
-
-
 def to_uint8_nhwc(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """float (B, 3, H, W) in [0, 1] -> uint8 (B, H, W, 3), rounded (half to even), into `out` if
     given. On the CPU (planar float32 x) one compiled loop writes the bytes
     (augment/cpu_kernels.py, where numba is installed); on a GPU x is channels_last and the
     permute already contiguous."""
     loops = compiled_loops() if x.device.type == "cpu" else None
-    if loops is not None and loops.takes(x):
-        return loops.to_uint8_nhwc(x, out)
+    done = None if loops is None else loops.to_uint8_nhwc(x, out)  # None: not a batch the loops take
+    if done is not None:
+        return done
     y = x.mul(255.0).round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
     return y if out is None else out.copy_(y)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from augment.decode import BadImage, decode_image
 from augment.pipeline import Pipeline, to_canvas
 from augment.presets import Preset
 
@@ -23,8 +24,6 @@ def read_examples(
     local name that is not UTF-8). A file that does not is passed over, and added to `skipped` as
     (path, reason)."""
     import pyarrow.fs as pafs
-
-    from augment.decode import BadImage, decode_image
 
     def read_all(fs, path: str) -> bytes:
         with fs.open_input_file(path) as f:

@@ -7,10 +7,12 @@ augmentation independent of its batch, its actor and the order of execution, and
 costs only a few vectorised integer ops for the whole batch, on any device.
 
 The mixer is SplitMix64's finaliser on int64 tensors (multiplication wraps modulo 2**64
-on CPU and CUDA); `reference_uniform` is the same function in pure Python for tests.
+on CPU and CUDA); tests/rng_twins.py has the same functions in pure Python.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -35,8 +37,10 @@ def _mix(z: torch.Tensor) -> torch.Tensor:
     return z ^ _srl(z, 31)
 
 
+@functools.lru_cache(maxsize=4096)
 def salt(seed: int, epoch: int, stream: int) -> int:
-    """A 64-bit value that differs for every (seed, epoch, stream)."""
+    """A 64-bit value that differs for every (seed, epoch, stream); computed once an epoch for
+    each stream (the cache), not once a batch."""
     return mix64(mix64(mix64(seed) + epoch) + stream)
 
 
@@ -48,11 +52,13 @@ class KeyedRng:
     independent numbers, the same stream always the same numbers.
     """
 
-    def __init__(self, keys: torch.Tensor, seed: int, epoch: int):
+    def __init__(self, keys: torch.Tensor, seed: int, epoch: int, *, prefetch: dict[int, int] | None = None):
         self.keys = keys.to(torch.int64)
         self.seed = seed
         self.epoch = epoch
         self.drawn: dict[int, torch.Tensor] = {}  # stream -> its draws, from prefetch
+        if prefetch:
+            self.prefetch(prefetch)
 
     def prefetch(self, counts: dict[int, int]) -> None:
         """Draw `counts[stream]` uniforms of every stream at once, in one pass of the mixer over
@@ -83,14 +89,3 @@ class KeyedRng:
         base = _signed(salt(self.seed, self.epoch, stream))
         counters = torch.arange(n, device=self.keys.device, dtype=torch.int64) * _signed(_GOLDEN)
         return _srl(_mix(_mix(self.keys[:, None] + base + counters[None, :])), 1)
-
-
-def reference_uniform(key: int, seed: int, epoch: int, stream: int, i: int) -> float:
-    """Pure-Python twin of KeyedRng.uniform(stream)[row with `key`, i]."""
-    z = mix64(key + salt(seed, epoch, stream) + i * _GOLDEN)
-    return (z >> 40) / (1 << 24)
-
-
-def reference_seed(key: int, seed: int, epoch: int, stream: int, i: int) -> int:
-    """Pure-Python twin of KeyedRng.seeds(stream)[row with `key`, i]."""
-    return mix64(mix64(key + salt(seed, epoch, stream) + i * _GOLDEN)) >> 1

@@ -43,7 +43,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from augment import engines, fused
 from augment.batch import decode_augment
-from augment.pipeline import Pipeline
+from augment.decode import BadImage, decode_cuda, read_header
+from augment.pipeline import Pipeline, to_canvas
 from augment.presets import PRESETS
 from bench import kernel_loads, write_json
 from bench.decode import encoded_photos
@@ -70,7 +71,7 @@ class OpCounter(TorchDispatchMode):
         self.names[str(func.overloadpacket)] += 1
         kwargs = kwargs or {}
         if str(func.overloadpacket) == "rga.augment_first_ops" and not self.run_kernel:
-            out = fused.output_like(*args, **kwargs)
+            out = output_like(*args, **kwargs)
         else:
             out = func(*args, **kwargs)
         if kind != "views" and str(func.overloadpacket) not in ALLOCATIONS:
@@ -93,13 +94,20 @@ def fused_scratch_bytes(images, meta, factors, out_h, out_w, fill, float_out) ->
     return fused_kernel.scratch_bytes(factors, out_h, out_w, float_out)
 
 
+def output_like(images, meta, factors, out_h, out_w, fill, float_out):
+    """augment/fused.py's augment_first_ops output, unfilled: its shape, dtype and strides (the
+    byte count without the launch)."""
+    out = meta.new_empty((len(images), out_h, out_w, 3), dtype=torch.float32 if float_out else torch.uint8)
+    return out.permute(0, 3, 1, 2) if float_out else out
+
+
 ALLOCATIONS = ("aten.empty", "aten.empty_like", "aten.new_empty", "aten.empty_strided")  # no byte moved
 
 
 def trainer_bytes(batch: int, side: int, amp: str) -> dict:
     """The bytes a trainer's step moves per image before the model: the batch's copy to the device
     (a clone here, the same bytes), Normalize into the step's dtype, the view digest
-    (training/worker/loop.py train_step, EpochMeter.update), by operation."""
+    (training/worker/learner.py Learner.train_step, loop.py EpochMeter.update), by operation."""
     from augment.ops import Normalize
     from augment.presets import IMAGENET_MEAN, IMAGENET_STD
     from training.worker.loop import view_digest
@@ -130,10 +138,35 @@ def tensor_bytes(value) -> int:
 
 def one_batch(pipeline: Pipeline, files: list[bytes], device, epoch: int, decoder: str, path: str) -> torch.Tensor:
     keys = torch.arange(len(files), dtype=torch.int64) * 7919 + epoch
+    if decoder == "nvimgcodec-whole" or path == "canvas":
+        return earlier_batch(pipeline, files, keys, epoch, device, decoder, path)
     out, kept, bad, _ = decode_augment(pipeline, files, keys, epoch, device, shrink=False, decoder=decoder, path=path)
     if bad or len(kept) != len(files):
         raise RuntimeError(f"bench: {len(bad)} of the generated files did not decode: {bad[:3]}")
     return out
+
+
+def earlier_batch(pipeline: Pipeline, files: list[bytes], keys, epoch: int, device, decoder: str, path: str):
+    """The ways of earlier versions, kept here to compare with the job's: nvImageCodec on whole
+    images (`nvimgcodec-whole`) and the padded canvas before augment/ragged.py (`canvas`: the
+    batch copied into one (B, Hmax, Wmax, 3) tensor, the matmul resampler). The generated files
+    all decode at their headers' sizes, so the draws need no fitting to what was decoded."""
+    pipe = pipeline.at_epoch(epoch)
+    headers = [read_header(f) for f in files]
+    sizes = torch.tensor([h[:2] for h in headers], dtype=torch.int64, device=device)
+    jpeg = [h[2] for h in headers]
+    request = pipe.request(sizes, keys.to(device))
+    if decoder == "nvimgcodec-whole":
+        images, _, _ = engines.decode_regions(files, jpeg, None, device)
+    else:  # nvjpeg's (3, H, W) tensors as (H, W, 3) views
+        decoded = decode_cuda(files, jpeg, device)
+        images = [im.permute(1, 2, 0) if isinstance(im, torch.Tensor) else im for im in decoded]
+    if any(im is None or isinstance(im, BadImage) for im in images):
+        raise RuntimeError("bench: a generated file did not decode")
+    if path != "canvas":
+        return pipe.finish(request, images, path=path)
+    canvas, _ = to_canvas(images)
+    return pipe.apply(canvas.to(device), sizes, request.draws)
 
 
 def count(pipeline: Pipeline, files: list[bytes], device, decoder: str, path: str, run_kernel: bool) -> OpCounter:

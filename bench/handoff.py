@@ -23,7 +23,7 @@ Before any epoch, most of the object store's pages are written once (`warm_store
 printed): a page of the store's shared memory costs a fault and its zeroing the first time
 anything writes it, then no more. A job is past that after a few store-fuls of blocks; the
 warm-up keeps the figures from depending on how much the store was written before
-(docs/benchmarks.md, "Hand-off"). `--cold` leaves the store as Ray starts it.
+(docs/benchmark-log.md, "Hand-off"). `--cold` leaves the store as Ray starts it.
 """
 
 from __future__ import annotations

@@ -19,18 +19,39 @@ import time
 
 import torch
 
+from augment.ops import Normalize
 from training.config import TrainConfig
 from training.model import resnet18
 from training.worker.feed import BatchFeed
-from training.worker.learner import Learner
-from training.worker.loop import train_step, view_digest
+from training.worker.learner import Learner, build_optimizer, build_scheduler
+from training.worker.loop import view_digest
+from training.worker.recipe import build_ema, class_weights
 
 SHAPES = {"cifar 64 x 32 px": (64, 32, True), "imagenet 32 x 224 px": (32, 224, False)}
 
 
+def cpu_learner(cfg: TrainConfig, model: torch.nn.Module, steps_per_epoch: int, class_counts: tuple = ()) -> Learner:
+    """A single-process CPU learner (no DDP, a mid-grey Normalize): for the benchmarks and tests
+    that run steps outside Ray Train; `steps_per_epoch`: optimiser steps."""
+    optimizer = build_optimizer(cfg, model)
+    weight = class_weights(class_counts) if cfg.class_weights == "balanced" else None
+    return Learner(
+        cfg=cfg,
+        device=torch.device("cpu"),
+        model=model,
+        bare=model,
+        optimizer=optimizer,
+        scheduler=build_scheduler(cfg, optimizer, steps_per_epoch),
+        scaler=torch.amp.GradScaler("cpu", enabled=False),
+        normalize=Normalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25)),
+        ema=build_ema(model, cfg.model_ema),
+        class_weight=torch.tensor(weight, dtype=torch.float32) if weight else None,
+    )
+
+
 def _learner(size_small: bool) -> Learner:
     torch.manual_seed(0)
-    return Learner.on_cpu(TrainConfig(batch_size=64), resnet18(10, small_stem=size_small), 100)
+    return cpu_learner(TrainConfig(batch_size=64), resnet18(10, small_stem=size_small), 100)
 
 
 def _time(fn, repeat: int) -> float:
@@ -51,7 +72,7 @@ def _feed_overhead(batches: list[dict], repeat: int) -> tuple[float, float]:
 
 def _round(learner: Learner, batch: dict, epoch_keys: list[torch.Tensor]) -> tuple[float, ...]:
     """(train step, view_digest, unique keys per batch, direct hand-over, BatchFeed hand-over) in seconds."""
-    step = _time(lambda: train_step(learner, batch, epoch=0, step=0, rank=0), 3)
+    step = _time(lambda: learner.train_step(batch, epoch=0, step=0, rank=0), 3)
     digest = _time(lambda: view_digest(batch["image"], batch["key"]), 5)
     unique = _time(lambda: torch.unique(torch.cat(epoch_keys)), 5) / len(epoch_keys)
     return (step, digest, unique, *_feed_overhead([batch] * 200, 5))

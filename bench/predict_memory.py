@@ -58,7 +58,7 @@ def make_model(path: Path) -> None:
         tree = scan_tree(tmp, 0.0)
     torch.manual_seed(0)
     model = resnet18(tree.num_classes, small_stem=False)  # the ImageNet stem: a tenth of the small one's work
-    path.write_bytes(model_bytes(model.state_dict(), tree, PRESETS["cifar"], TrainConfig(small_stem="off")))
+    path.write_bytes(model_bytes(model.state_dict(), tree.class_names, PRESETS["cifar"], TrainConfig(small_stem="off")))
 
 
 def peak_rss(args: list[str]) -> tuple[float, float, str]:

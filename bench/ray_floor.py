@@ -3,8 +3,9 @@
     python -m bench.ray_floor          # prints one JSON line
 
 The same set-up as `jobs.train` on a machine of its own (a local cluster started by
-`training.driver.session.connect`, Ray Train without its placement-group cleaner (training/ray_private.py)
-with one worker and the job's data config, so no split coordinator), with no model, no
+`training.driver.session.connect`, Ray Train without its placement-group cleaner, with one worker on
+the plain backend (training/ray_private.py trainer_class) and the job's data config, so no split
+coordinator), with no model, no
 images and no augmentation: the train loop takes one batch of a trivial Ray Data pipeline (a
 range, one map_batches task) and reports. It gives, from the process's start:
 
@@ -50,13 +51,13 @@ def main() -> dict:
     import ray.data
     from ray.train import RunConfig, ScalingConfig
 
-    from training.ray_private import trainer_without_placement_group_cleaner
+    from training.ray_private import trainer_class
     from training.stream.ingest import SplitValUnequally
 
     ds = ray.data.range(1024, override_num_blocks=4).map_batches(_identity, batch_size=64)
     with tempfile.TemporaryDirectory(prefix="ray-floor-") as storage:
         out_path = os.path.join(storage, "times.json")
-        trainer = trainer_without_placement_group_cleaner()(
+        trainer = trainer_class(one_worker=True, own_cluster=True)(
             _loop,
             train_loop_config={"out": out_path},
             scaling_config=ScalingConfig(num_workers=1),

@@ -4,8 +4,9 @@
     python -m bench.trip --json trip.json
 
 A CPU run of an image tree (80 JPEGs of 160 x 120, the imagenet preset at 64 px), in this
-process: a read task of training/stream/ingest.py's SplitSource, training/stream/stage.py's AugmentStage on
-its first 16 rows, then training/worker/'s BatchFeed, and loop.py's train_step and EpochMeter.
+process: a read task of training/stream/ingest.py's SplitSource (planned before the trip, as
+an epoch's read tasks are once an epoch), training/stream/stage.py's AugmentStage on
+its first 16 rows, then training/worker/'s BatchFeed, learner.py's Learner.train_step and loop.py's EpochMeter.
 The batch goes through once to warm up, then once traced: every call of a project function
 from a project function in another file is a call site (caller function -> callee function,
 counted once however many images call it). docs/design.md, "The trip of one steady training
@@ -43,6 +44,7 @@ def _batch_runner(root: str):
     import torch
 
     from augment.presets import PRESETS
+    from bench.loop_checks import cpu_learner
     from training.config import TrainConfig
     from training.forms.formats import scan_data
     from training.model import build_model
@@ -50,18 +52,18 @@ def _batch_runner(root: str):
     from training.stream.ingest import SplitSource
     from training.stream.stage import AugmentStage, StageArgs
     from training.worker.feed import BatchFeed
-    from training.worker.learner import Learner
-    from training.worker.loop import EpochMeter, train_step
+    from training.worker.loop import EpochMeter
 
     tree = scan_data(root, 0.2)
     preset = PRESETS["imagenet"].at_size(64)
-    source = SplitSource(tree.train)
+    # the read tasks are planned once an epoch (the file order, the clock's epoch): not on the trip
+    read_task = SplitSource(tree.train).get_read_tasks(1)[0]
     stage = AugmentStage(StageArgs.of(preset, train=True, seed=0, shrink=True), device="cpu")
-    learner = Learner.on_cpu(TrainConfig(batch_size=16), build_model("resnet18", 2, small_stem=False, image_size=64), 4)
+    learner = cpu_learner(TrainConfig(batch_size=16), build_model("resnet18", 2, small_stem=False, image_size=64), 4)
     cpu = torch.device("cpu")
 
     def one() -> None:
-        table = pa.concat_tables(list(source.get_read_tasks(1)[0]())).slice(0, 16)
+        table = pa.concat_tables(list(read_task())).slice(0, 16)
         rows = stage({c: table.column(c).to_numpy(zero_copy_only=False) for c in table.column_names})
         batch = {c: torch.as_tensor(rows[c]) for c in (IMAGE, LABEL, KEY, EPOCH)}
         batch[LABEL] = batch[LABEL].long()
@@ -69,7 +71,7 @@ def _batch_runner(root: str):
         with BatchFeed(iter([batch]), None, cpu) as feed:
             for b in meter.timed(feed):
                 meter.begin_step()
-                loss, logits = train_step(learner, b, epoch=0, step=0, rank=0)
+                loss, logits = learner.train_step(b, epoch=0, step=0, rank=0)
                 meter.update(b, loss, logits)
 
     return one

@@ -13,7 +13,9 @@ from __future__ import annotations
 import sys
 
 from jobs.predict import add_inference_arguments, auto_actors, check_numbers
+from training import storage
 from training.config import error_line
+from training.driver import plots
 from training.driver.flags import FlagParser
 
 OUTPUTS = ("confusion.png", "per_class.csv", "predictions.csv")  # what an evaluation writes into --out
@@ -41,9 +43,7 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    from training import storage
-    from training.driver import plots
-    from training.driver.session import connect
+    from training.driver.session import connect  # looked up at the call: the tests replace it
     from training.forms.data import DataError
     from training.predict import inference, scoring
 

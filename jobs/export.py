@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 
+from training import storage
 from training.config import error_line
 from training.driver.flags import FlagParser
 
@@ -41,8 +42,6 @@ def parse(argv=None):
 def check_out(out: str, model: str, overwrite: bool) -> None:
     """StorageError unless `out` and its sidecar can be written: a writable place, not a folder, not the
     model itself, and not there already without --overwrite."""
-    from training import storage
-
     storage.check_writable(storage.parent(out), "--out")
     if storage.is_dir(out):
         raise storage.StorageError(f"--out {out.rstrip('/')}: a folder; give a file to write, e.g. {out}/model.onnx")
@@ -58,7 +57,6 @@ def check_out(out: str, model: str, overwrite: bool) -> None:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    from training import storage
     from training.predict import export, inference
 
     try:  # bad --model, --out or a missing library: exit 2 before anything is built

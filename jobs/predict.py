@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from training import storage
 from training.config import error_line
 from training.driver.flags import FlagParser
 
@@ -77,8 +78,7 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    from training import storage
-    from training.driver.session import connect
+    from training.driver.session import connect  # looked up at the call: the tests replace it
     from training.forms.data import DataError
     from training.predict import inference, scoring
 
@@ -133,7 +133,6 @@ def check_out(out: str, overwrite: bool) -> None:
     """StorageError unless `out` can be written: its folder writable, and what is there already replaced
         only with --overwrite (a folder: the Parquet files an earlier jobs.predict wrote there, by its record;
     a folder with Parquet files of someone else's is refused)."""
-    from training import storage
     from training.predict import scoring
 
     kind = scoring.out_kind(out)

@@ -16,6 +16,7 @@ import sys
 
 from training.config import error_line
 from training.driver.flags import FlagParser
+from training.storage import StorageError
 
 
 def parse(argv=None):
@@ -55,7 +56,6 @@ def main(argv=None) -> int:
     args = parse(argv)
     from training.forms.data import DataError
     from training.forms.parquet import prepare_tree
-    from training.storage import StorageError
 
     if args.shard_mb <= 0 or args.threads <= 0:
         print("error: --shard-mb and --threads must be positive", file=sys.stderr)

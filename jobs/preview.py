@@ -13,8 +13,10 @@ import dataclasses
 import functools
 import sys
 
+from augment.presets import PresetError, load_preset
 from training.config import error_line
 from training.driver.flags import FlagParser
+from training.storage import StorageError, read_file
 
 
 def parse(argv=None):
@@ -41,13 +43,11 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    from augment.presets import PresetError, load_preset
     from augment.preview import read_examples, render_grid
     from training.driver.inputs import auto_preset, typical_size
     from training.forms.data import DataError
     from training.forms.formats import scan_data, shard_examples
     from training.forms.tree import default_dataset_dir
-    from training.storage import StorageError, read_file
 
     try:
         tree = scan_data(args.data or str(default_dataset_dir()))

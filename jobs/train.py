@@ -13,6 +13,9 @@ Exit codes: 0 done; 2 bad input (found before training starts); 1 training faile
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
+import signal
 import sys
 import threading
 
@@ -132,8 +135,6 @@ def main(argv=None) -> int:
 
 def ray_start_failure(error: Exception) -> str:
     """One line for a failed ray.init: its message's first line, what was asked and where to look."""
-    import os
-
     first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
     address = os.environ.get("RAY_ADDRESS")
     if address:
@@ -145,8 +146,6 @@ def stop_on_sigterm() -> threading.Event:
     """SIGTERM (what `ray job stop`, a scheduler or `kill` sends) stops the run as Ctrl-C does: Ray
     Train aborts the attempt, the driver says which checkpoint the same command resumes from and
     exits 143. The event is set once SIGTERM came."""
-    import signal
-
     came = threading.Event()
 
     def on_term(signum, frame):
@@ -162,8 +161,6 @@ def rerun_command(argv, cfg) -> str:
     """The command that continues this run: the same flags, with --name (the default name is a
     new timestamp every time) and without --fresh or --stop-after (which would start it over,
     or stop it again; turned off where a --config file sets them)."""
-    import shlex
-
     args, given, skip = [], set(), False
     for arg in sys.argv[1:] if argv is None else argv:
         flag = arg.split("=", 1)[0]
@@ -186,8 +183,6 @@ def interpreter() -> str:
     """The Python that runs this job as the user would type it here: a path inside the current
     directory (the repository's .venv/bin/python) relative to it, else `python` (a cluster's
     own, under `ray job submit`)."""
-    import os
-
     here, exe = os.getcwd(), sys.executable
     inside = bool(exe) and os.path.commonpath([here, os.path.abspath(exe)]) == here
     return os.path.relpath(exe, here) if inside else "python"

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import sys
 
-from training.driver.flags import FlagParser, add_arguments
-from training.sweep.tuner import SweepOptions
+from training.config import ConfigError, error_line
+from training.driver.api import JobError
+from training.driver.flags import FlagParser, add_arguments, parse_config
+from training.driver.session import quiet_ray_env
+from training.sweep.tuner import SweepOptions, tune
 
 
 def parser() -> FlagParser:
@@ -39,12 +42,6 @@ def parser() -> FlagParser:
 
 
 def main(argv=None) -> int:
-    from training.config import ConfigError, error_line
-    from training.driver.api import JobError
-    from training.driver.flags import parse_config
-    from training.driver.session import quiet_ray_env
-    from training.sweep.tuner import tune
-
     ap = parser()
     try:
         cfg, _ = parse_config(ap, argv)

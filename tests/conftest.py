@@ -9,6 +9,7 @@ import os
 import re
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -28,6 +29,12 @@ def interpreter_wanted(cuda_available: bool) -> bool:
 # (torch alone does not import Triton).
 if interpreter_wanted(torch.cuda.is_available()):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The tests' Ray clusters, and those of the jobs they start as subprocesses, collect no usage
+# statistics: otherwise Ray Data starts its usage-collection actor (one more process that imports
+# Ray, in every cluster's first run, on the way to its first batch) and polls Prometheus from the
+# process that runs each execution (docs/benchmark-log.md, "Ray Train's start-up, part by part")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
 def write_tree(root: Path, classes: dict[str, int], *, size=(32, 32), seed: int = 0, sizes=None) -> Path:
@@ -141,9 +148,10 @@ def ray_cluster(s3):
     import ray
     from ray.cluster_utils import Cluster
 
-    from training.driver.session import quiet_ray, without_preemption_watcher
+    from training.driver.session import quiet_ray_data, quiet_ray_env, without_preemption_watcher
 
-    kwargs = quiet_ray()
+    kwargs = quiet_ray_env()
+    quiet_ray_data()
     without_preemption_watcher()
     # 2 logical CPUs per node on a 2-core machine: a train worker per node plus Ray Data's actors
     import socket
@@ -267,3 +275,61 @@ def event_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
             for value in event.summary.value:
                 scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
     return scalars
+
+
+def an_epoch_record(epoch: int = 1, val_acc: float = 0.5):
+    """A training.records.EpochRecord with plain figures and the given val_acc."""
+    from training.bounds import Bound
+    from training.records import EpochRecord, TrainFigures, ValFigures
+
+    zero = {f.name: 0.0 for f in dataclasses.fields(TrainFigures)}
+    train = TrainFigures(**(zero | {"images": 8, "image_size": 32, "decoded": (0, 0, 8), "seen": ()}))
+    val = ValFigures(loss=1.0, acc=val_acc, confusion=[[1, 0], [0, 1]])
+    return EpochRecord(epoch, 0.1, train, val, Bound("trainer", 0.0, 0.0, 0.0, False))
+
+
+class TrackedRun(NamedTuple):
+    """What the `tracked_run` fixture hands its tests."""
+
+    config: dict  # training.fit's config; the same without the callbacks resumes the run
+    result: object  # training.RunResult of the first call
+    run_dir: Path
+    lines: list[str]  # what the driver logged
+    seen: list  # the EpochRecords an epoch callback received
+    during: dict  # TensorBoard's scalars as read while epoch 2 ended, before the trackers saw it
+
+
+@pytest.fixture(scope="session")
+def tracked_run(ray_cluster, tmp_path_factory) -> TrackedRun:
+    """One run of training.fit for the checks of three files (a Ray Train start-up costs 12-15 s):
+    one worker with the balanced sampler on imbalanced classes (tests/test_recipe_on_ray.py),
+    logging live to every tracker (tests/test_tracking.py, which resumes it to its third epoch),
+    and stopped after 2 of its 3 epochs by the last of four epoch callbacks, one of which fails
+    (tests/test_api.py)."""
+    from training import STOP, fit
+
+    root = tmp_path_factory.mktemp("tracked")
+    data = write_tree(root / "data", {"many": 40, "few": 8})
+    run_dir = root / "runs" / "tracked"
+    during, seen, lines = {}, [], []
+
+    def read_tensorboard_while_running(record):  # before the trackers see this epoch: the one before is there
+        if record.epoch == 2:
+            during.update(event_scalars(run_dir / "tensorboard"))
+
+    class Tracker:
+        def on_epoch_end(self, record):
+            seen.append(record)
+
+    def broken(record):
+        raise ValueError("the tracker's server is down")
+
+    def stop_at_two(record):
+        return STOP if record.epoch == 2 else None
+
+    config = {"data": str(data), "epochs": 3, "batch_size": 8, "num_workers": 1, "sampler": "balanced"}
+    config |= {"small_stem": TEST_STEM, "storage_path": str(root / "runs"), "name": "tracked"}
+    config |= {"log_to": "tensorboard,mlflow,wandb", "log_every": 1}
+    callbacks = [read_tensorboard_while_running, Tracker(), broken, stop_at_two]
+    result = fit(config, callbacks=callbacks, log=lines.append)
+    return TrackedRun(config, result, run_dir, lines, seen, during)

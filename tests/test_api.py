@@ -1,5 +1,6 @@
 """training.fit, the job driven from Python (training/driver/api.py): the guide's example as written, epoch
-callbacks (a stop rule, one that fails), and bad input raising the CLI's own line."""
+callbacks (a stop rule, one that fails: on the run tests/conftest.py's tracked_run shares with two other
+files), and bad input raising the CLI's own line."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TEST_STEM, exits_2, write_tree
-from training import STOP, JobError, fit
+from tests.conftest import exits_2, write_tree
+from training import JobError, fit
+from training.bounds import STAGES
 from training.records import EpochRecord
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,8 +25,11 @@ def _guide_example() -> str:
 
 
 def test_the_guides_example_runs_as_written(ray_cluster, tmp_path, capsys, monkeypatch):
+    """The guide's example, which the README shows too (the same text, so this run covers both)."""
     data = write_tree(tmp_path / "photos", {"cat": 10, "dog": 10})
     code = _guide_example()
+    readme = (REPO / "README.md").read_text().split("callbacks see every epoch", 1)[1]
+    assert re.search(r"```python\n(.*?)```", readme, re.S)[1] == code
     assert '"~/photos"' in code
     monkeypatch.setenv("HOME", str(tmp_path))  # ~/photos is the tree above; runs/ goes under tmp_path
     with contextlib.chdir(tmp_path):
@@ -38,33 +43,22 @@ def test_the_guides_example_runs_as_written(ray_cluster, tmp_path, capsys, monke
     assert Path(model).is_file() and data.is_dir()
 
 
-def test_callbacks_get_typed_records_a_stop_rule_ends_the_run_and_a_failing_one_costs_a_line(ray_cluster, tmp_path):
-    data = write_tree(tmp_path / "data", {"a": 8, "b": 8})
-    seen, lines = [], []
-
-    class Tracker:
-        def on_epoch_end(self, record):
-            seen.append(record)
-
-    def broken(record):
-        raise ValueError("the tracker's server is down")
-
-    def stop_at_two(record):
-        return STOP if record.epoch == 2 else None
-
-    config = {"data": str(data), "epochs": 4, "batch_size": 8, "small_stem": TEST_STEM}
-    config |= {"storage_path": str(tmp_path / "runs"), "name": "cb"}
-    result = fit(config, callbacks=[Tracker(), broken, stop_at_two], log=lines.append)
+def test_callbacks_get_typed_records_a_stop_rule_ends_the_run_and_a_failing_one_costs_a_line(tracked_run):
+    """Four callbacks on the run of tests/conftest.py (tracked_run): a tracker of its own, one that fails, and a
+    stop rule that ends the run after epoch 2 of 3."""
+    _, result, run_dir, lines, seen, _ = tracked_run
     assert [r.epoch for r in seen] == [1, 2] and all(isinstance(r, EpochRecord) for r in seen)
-    assert seen[-1].metrics["val_acc"] == result.val_acc and result.epochs == 2
+    assert seen[-1].val.acc == result.val_acc and result.epochs == 2
+    assert seen[-1].train.images == sum(r.count for r in seen[-1].seen) > 0 and seen[-1].bound.stage in STAGES
     warned = [line for line in lines if line.startswith("warning: epoch callback")]
     assert warned == [
-        "warning: epoch callback test_callbacks_get_typed_records_a_stop_rule_ends_the_run_and_a_failing_one_costs_a_"
-        "line.<locals>.broken failed at epoch 1 (ValueError: the tracker's server is down); the run goes on without it"
+        "warning: epoch callback tracked_run.<locals>.broken failed at epoch 1 (ValueError: the tracker's server is "
+        "down); the run goes on without it"
     ], lines
     assert "stopped after epoch 2 by an epoch callback" in lines
     assert Path(result.model_path).is_file() and Path(result.best_model_path).is_file()
-    assert result.summary["epochs"] == 2 and result.run_dir == str(tmp_path / "runs" / "cb")
+    assert result.ema_model_path is None  # no --model-ema: no model_ema.pt
+    assert result.summary["epochs"] == 2 and result.run_dir == str(run_dir)
 
 
 def test_bad_input_raises_the_clis_line_never_exits(tmp_path, capsys, no_ray):
@@ -85,3 +79,21 @@ def test_bad_input_raises_the_clis_line_never_exits(tmp_path, capsys, no_ray):
             fit(config)
         assert err.value.exit_code == 2 and words in str(err.value), str(err.value)
         assert str(err.value).startswith("error: ") and "\n" not in str(err.value)
+
+
+def test_the_guides_json_lines_callback_writes_each_epochs_metrics_row(tmp_path, monkeypatch, no_ray):
+    """docs/guide.md's simplest tracker, its callback run on typed records as training.fit calls it (the run
+    itself faked: what is checked is the callback the user copies)."""
+    import json
+
+    import training
+    from tests.conftest import an_epoch_record
+
+    guide = (REPO / "docs" / "guide.md").read_text()
+    code = re.search(r"```python\n(import json\nfrom training import fit\n.*?)```", guide, re.S)[1]
+    records = [an_epoch_record(1, 0.5), an_epoch_record(2, 0.75)]
+    monkeypatch.setattr(training, "fit", lambda config, callbacks: [cb(r) for r in records for cb in callbacks])
+    with contextlib.chdir(tmp_path):
+        exec(compile(code, "guide.md", "exec"), {})
+    lines = [json.loads(line) for line in (tmp_path / "epochs.jsonl").read_text().splitlines()]
+    assert [(row["epoch"], row["val_acc"]) for row in lines] == [(1, 0.5), (2, 0.75)]

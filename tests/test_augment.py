@@ -14,8 +14,9 @@ from augment.geometry import resample_boxes
 from augment.ops import OPS, Normalize
 from augment.pipeline import Pipeline, to_canvas
 from augment.presets import PRESETS, PresetError, load_preset, preset_from_dict
-from augment.rng import KeyedRng, reference_seed, reference_uniform
+from augment.rng import KeyedRng
 from bench import fuzz_yaml
+from tests.rng_twins import reference_seed, reference_uniform
 from training.stream.stage import AugmentStage, StageArgs
 
 B = 64
@@ -179,23 +180,24 @@ def test_ragged_batch_equals_each_image_alone():
         assert torch.equal(alone[0], together[i])
 
 
-def test_stage_stamps_every_row_with_the_epoch_it_augmented_for(ray_cluster):
-    from training.stream.stamp import EpochClock
+def test_stage_stamps_every_row_with_the_epoch_it_augmented_for(monkeypatch):
+    """The epoch comes with the rows (the read task's EPOCH column): the stage asks no actor."""
+    import ray
 
+    monkeypatch.setattr(ray, "get", lambda *a, **k: pytest.fail("an augment call asked an actor (ray.get)"))
     batch = {"image": _batch(8).numpy(), "label": np.arange(8), "key": np.arange(8, dtype=np.int64)}
-    clock = ray_cluster.remote(num_cpus=0)(EpochClock).remote()
-    stage = AugmentStage(StageArgs(PRESETS["cifar"], train=True, seed=0), clock=clock, device="cpu")
+    stage = AugmentStage(StageArgs(PRESETS["cifar"], train=True, seed=0), device="cpu")
     outs = {}
     for epoch in (0, 3):
-        ray_cluster.get(clock.set.remote(epoch))
-        outs[epoch] = stage(batch)
+        outs[epoch] = stage(batch | {"epoch": np.full(8, epoch, dtype=np.int64)})
         assert outs[epoch]["image"].shape == (8, 32, 32, 3) and outs[epoch]["image"].dtype == np.uint8
         assert list(outs[epoch]["label"]) == list(range(8)) and list(outs[epoch]["key"]) == list(range(8))
         assert outs[epoch]["epoch"].tolist() == [epoch] * 8
     expected = Pipeline(PRESETS["cifar"].train, seed=0)(*to_canvas(batch["image"]), torch.arange(8), epoch=3)
     assert np.array_equal(outs[3]["image"], expected.numpy())  # the stamp names the epoch the views were drawn for
     assert not np.array_equal(outs[0]["image"], outs[3]["image"])
-    ray_cluster.kill(clock)
+    again = stage(batch | {"epoch": np.full(8, 3, dtype=np.int64)})  # the epoch's pipeline, kept
+    assert stage.pipeline.current.epoch == 3 and np.array_equal(again["image"], outs[3]["image"])
 
 
 def test_preset_files_and_their_errors(tmp_path):
@@ -433,6 +435,20 @@ def test_schedule_scales_jitter_erasing_and_crop_range():
     assert torch.equal(pipe(canvas, sizes, _keys(), epoch=0), first)  # back to epoch 0: same as before
 
 
+def test_an_epochs_pipeline_is_built_at_its_first_batch_and_kept(monkeypatch):
+    """Every batch of an epoch gets the pipeline its first batch built: the schedule strings are
+    read once an epoch, not once a batch."""
+    import augment.pipeline
+
+    pipe = Pipeline(PRESETS["cifar"].train, seed=0, schedule="linear-decay", epochs=4)
+    reads, strength = [], augment.pipeline.strength
+    monkeypatch.setattr(augment.pipeline, "strength", lambda *a: reads.append(a[1]) or strength(*a))
+    canvas, sizes = to_canvas(_batch(8).numpy())
+    outs = [pipe(canvas, sizes, _keys(8), epoch) for epoch in (1, 1, 1, 2, 2)]
+    assert reads == [1, 2] and pipe.at_epoch(2) is pipe.at_epoch(2)
+    assert torch.equal(outs[0], outs[2]) and not torch.equal(outs[2], outs[3])
+
+
 def test_stage_schedules_train_only():
     stage = AugmentStage(
         StageArgs(PRESETS["cifar"], train=False, seed=0, schedule="linear-decay", epochs=4), device="cpu"
@@ -527,17 +543,6 @@ def test_preview_writes_a_grid_and_rejects_a_bad_preset(tree, tmp_path, capsys):
     assert "built-in presets" in capsys.readouterr().err
 
 
-class _Clock:
-    """The run's EpochClock as the stage calls it (`ray.get(clock.get.remote())`, ray.get patched out)."""
-
-    def __init__(self):
-        self.epoch = 0
-        self.get = self
-
-    def remote(self):
-        return self.epoch
-
-
 def _photo_tree(root):
     """train/ and val/ of two classes: JPEG photos of several sizes, and a PNG in each."""
     import io
@@ -565,7 +570,6 @@ def test_preview_shows_the_views_the_training_stage_makes(preset, tmp_path, monk
     the augment call may decode a large JPEG at a reduced scale where its crop allows: the
     same parameters, pixels within a few levels; tests/test_decode.py holds that bound.)"""
     import matplotlib.axes
-    import ray
 
     from augment.decode import decode_image
     from jobs.preview import main
@@ -581,8 +585,6 @@ def test_preview_shows_the_views_the_training_stage_makes(preset, tmp_path, monk
     assert len(rel) == 4 and len(shown) == 4 * 5  # every train file shown (original, eval, 3 epochs)
     previewed = {stable_hash(r): shown[5 * i + 2 : 5 * i + 5] for i, r in enumerate(rel)}
 
-    monkeypatch.setattr(ray, "get", lambda ref: ref)
-    clock = _Clock()
     order = [rel[i] for i in (2, 0, 3, 1)]  # a training batch: all four, in another order
     datas = [(tree / r).read_bytes() for r in order]
     batch = {"label": np.zeros(4, np.int64), "key": np.array([stable_hash(r) for r in order], np.int64)}
@@ -590,10 +592,9 @@ def test_preview_shows_the_views_the_training_stage_makes(preset, tmp_path, monk
     decoded = np.empty(4, dtype=object)
     decoded[:] = [decode_image(d) for d in datas]
     for rows in (by_bytes, batch | {"image": decoded}):  # decoded in the augment call, or in the read task
-        stage = AugmentStage(StageArgs(PRESETS[preset], train=True, seed=4), clock=clock, device="cpu")
+        stage = AugmentStage(StageArgs(PRESETS[preset], train=True, seed=4), device="cpu")
         for epoch in range(3):
-            clock.epoch = epoch
-            out = stage(rows)
+            out = stage(rows | {"epoch": np.full(4, epoch, dtype=np.int64)})  # the read task's column
             assert list(out["epoch"]) == [epoch] * 4
             for key, view in zip(out["key"], out["image"], strict=True):
                 np.testing.assert_array_equal(previewed[int(key)][epoch], view)

@@ -13,7 +13,7 @@ import torch
 from augment.kornia_ops import kornia_choices
 from augment.pipeline import Pipeline, to_canvas
 from augment.presets import PresetError, load_preset, preset_from_dict
-from augment.rng import reference_seed
+from tests.rng_twins import reference_seed
 from training.stream.stage import AugmentStage, StageArgs
 
 B = 16
@@ -92,7 +92,7 @@ KORNIA_CASES = {  # a spread of Kornia's list: blurs, geometry, colour, noise, a
 def _applied(name: str, params: dict, keys, *, seed: int, epoch: int, stream: int) -> list[bool]:
     """Which images a `kornia.<Name>` op at `stream` transforms, worked out apart from the
     stage: a fresh Kornia module's own sampler, run for each image alone from the image's
-    seed (augment.rng.reference_seed, the pure-Python twin), as the contract says."""
+    seed (tests/rng_twins.py reference_seed, the pure-Python twin), as the contract says."""
     import kornia.augmentation as K
 
     module = getattr(K, name.split(".", 1)[1])(**{k: tuple(v) if isinstance(v, list) else v for k, v in params.items()})

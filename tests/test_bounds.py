@@ -69,7 +69,9 @@ def test_an_epoch_names_the_stage_its_figures_point_to(slots, read_s, augment_s,
     else:
         assert line.startswith(f"  << input-bound by {'the ' if stage == 'hand-off' else ''}{stage}")
         assert ("--" in line) or ("jobs.prepare" in line)  # the flags that would help
-    assert Bound.of_row(bound.to_row()) == Bound(stage, *(round(f, 4) for f in bound_fields(bound)), bound.input_bound)
+    kept = bound.rounded()  # as the record and timings.csv keep it
+    assert (kept.stage, kept.input_bound, kept.to_row()) == (stage, bound.input_bound, bound.to_row())
+    assert bound_fields(kept) == tuple(round(f, 4) for f in bound_fields(bound))
 
 
 def bound_fields(bound: Bound) -> tuple[float, float, float]:
@@ -103,11 +105,10 @@ def test_a_hint_gives_the_trainers_the_cpus_they_were_measured_to_use():
     assert "would keep" not in read_bound(two, 0.4).describe(two)
     cpu = dataclasses.replace(CPU, trainer_cpus=8.0)  # on CPUs the share sets the torch threads: no such hint
     assert "would keep" not in read_bound(cpu, 0.9).describe(cpu)
-    row = idle.to_row() | {"steady_s": 10.0, "steady_wait_frac": 0.5}
-    assert idle.to_row()["trainer_cpus"] == 0.9 and Bound.of_row(row) == idle
+    assert idle.to_row()["trainer_cpus"] == 0.9 and idle.rounded().fed_cpus() == idle.fed_cpus()
     verdict = idle.to_dict(held)
     assert (verdict["trainer_cpus"], verdict["trainer_cpus_planned"]) == (0.9, 8.0)
-    assert steady_bound(held, [row, row]).trainer_cpus == pytest.approx(0.9)  # the run's, from its epochs' rows
+    assert steady_bound(held, [(10.0, idle)] * 2).trainer_cpus == pytest.approx(0.9)  # the run's, from its epochs
 
 
 def test_augment_calls_that_share_the_trainers_gpu_are_named_and_never_answered_with_more_tasks():
@@ -135,24 +136,23 @@ def test_augment_calls_that_share_the_trainers_gpu_are_named_and_never_answered_
     line = starved.describe(GPU)
     assert starved.stage == "decode + augment" and "more augment tasks" not in line and "--augment-gpus" in line
     assert "share the trainer's GPU" in line and line.endswith("GPU shared: the augment calls took 25% of its time")
-    assert Bound.of_row(starved.to_row() | {"steady_wait_frac": 0.5}) == starved
     assert "run more augment tasks" in bound(0.5, augment_gpu_s=1.0).describe(GPU)  # 9.5 s of 10: no turns taken
     assert bound(0.1, slots=CPU).gpu_shared == 0  # augment calls on CPUs share no GPU
-    assert steady_bound(GPU, [busy.to_row() | {"steady_s": 10, "steady_wait_frac": 0.1}] * 2).gpu_shared == 0.25
+    assert steady_bound(GPU, [(10.0, busy)] * 2).gpu_shared == 0.25
+    assert steady_bound(GPU, [(10.0, starved)] * 2).describe(GPU) == line  # the run's verdict, from its epochs
 
 
 def test_the_run_verdict_weighs_the_steady_epochs_by_their_time_and_skips_the_first():
     def row(read, augment, wait, seconds):
-        bound = epoch_bound(CPU, read_s=read, augment_s=augment, steady_s=seconds, steady_wait=wait)
-        return bound.to_row() | {"steady_s": seconds, "steady_wait_frac": wait}
+        return seconds, epoch_bound(CPU, read_s=read, augment_s=augment, steady_s=seconds, steady_wait=wait)
 
     first = row(40.0, 0.0, 0.9, 20.0)  # a first epoch, read-bound as its caches warm: left out
     short = row(1.0, 1.0, 0.9, 2.0)  # a short input-bound epoch with idle tasks
     long = row(1.0, 32.0, 0.6, 20.0)  # a long one bound by decode + augment
-    assert (short["bound"], long["bound"]) == ("hand-off", "decode + augment")
+    assert (short[1].stage, long[1].stage) == ("hand-off", "decode + augment")
     assert steady_bound(CPU, [first, short, long]).stage == "decode + augment"  # weighed by seconds
     assert steady_bound(CPU, [first]).stage == "read"  # one epoch only: that one
-    verdict = steady_verdict(dataclasses.asdict(CPU), [first, short, long])
+    verdict = steady_verdict(CPU, [first, short, long])
     assert verdict["stage"] == "decode + augment" and verdict["input_bound"] and "--device cuda" in verdict["hint"]
 
 

@@ -1,17 +1,14 @@
 """The exit codes jobs.train promises once Ray has started (its docstring; README.md, "Exit
 codes"), through the CLI as a user meets them: 2 for bad input found on the cluster (a
 --strict tree with a bad file, a plan the cluster cannot hold), 1 for training that failed;
-each is one `error:` line on stderr and no traceback."""
+each is one `error:` line on stderr and no traceback. (A last checkpoint another version wrote, exit 1:
+tests/test_interruptions.py, on the run whose damaged checkpoint is passed over.)"""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-import torch
 
-from tests.conftest import write_tree
-from training.worker.report import save_checkpoint
+from tests.conftest import TEST_STEM, write_tree
 
 
 @pytest.fixture(scope="module")
@@ -65,44 +62,10 @@ def test_a_plan_the_cluster_cannot_hold_exits_2_with_one_line(ray_cluster, small
     assert not (tmp_path / "big" / "config.json").exists()  # refused before the run began
 
 
-def _as_an_older_version_wrote_it(checkpoint: Path) -> None:
-    """The checkpoint's schedule as versions before torch's SequentialLR saved it: a LambdaLR's
-    state (tests/test_loop.py has the learner's own check of this)."""
-    state = torch.load(checkpoint, weights_only=True)
-    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    state["learner"]["scheduler"] = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0).state_dict()
-    save_checkpoint(str(checkpoint.parent), state)  # sealed, as that version would have written it whole
-
-
-def test_a_checkpoint_that_does_not_fit_exits_1_with_one_line(ray_cluster, small_tree, tmp_path, capsys):
-    """A real training failure, found by the train worker: the run is resumed under its --name
-    from a checkpoint an older version wrote, whose schedule the learner cannot load."""
-    argv = ["--data", str(small_tree), "--epochs", "2", "--batch-size", "8", "--val-fraction", "0.25"]
-    argv += ["--storage-path", str(tmp_path), "--name", "old", "--quiet"]
-    code, err = _main([*argv, "--stop-after", "1"], capsys)
-    assert code == 0, err[-3000:]
-    summary = (tmp_path / "old" / "summary.json").read_text()
-    _as_an_older_version_wrote_it(tmp_path / "old" / "checkpoint_epoch_0001" / "checkpoint.pt")
-    code, err = _main(argv, capsys)
-    line = _one_error_line(err)
-    assert code == 1, err[-3000:]
-    assert line.startswith(
-        "error: training failed: the last checkpoint of --name old was written by another version or other settings ("
-    ), line
-    assert line.endswith("rerun with --fresh to start over, or with the settings it was written with"), line
-    # records of another version of the job (training/records.py): one line too, not a shim per field
-    state = torch.load(tmp_path / "old" / "checkpoint_epoch_0001" / "checkpoint.pt", weights_only=True)
-    state["records"]["version"] = 1
-    save_checkpoint(str(tmp_path / "old" / "checkpoint_epoch_0001"), state)
-    code, err = _main(argv, capsys)
-    line = _one_error_line(err)
-    assert code == 1 and "written by another version of this job (its records are of version 1" in line, line
-    assert (tmp_path / "old" / "summary.json").read_text() == summary  # the failed run wrote no results
-
-
 def test_a_loss_that_turns_non_finite_exits_1_with_one_line_and_no_model(ray_cluster, small_tree, tmp_path, capsys):
     """--lr 1e30: before this check the run trained its epochs on nan weights and exited 0 "done"."""
     argv = ["--data", str(small_tree), "--epochs", "1", "--batch-size", "4", "--lr", "1e30", "--warmup-epochs", "0"]
+    argv += ["--small-stem", TEST_STEM]
     code, err = _main([*argv, "--storage-path", str(tmp_path), "--name", "nan", "--quiet"], capsys)
     line = _one_error_line(err)
     assert code == 1, err[-3000:]

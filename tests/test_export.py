@@ -30,7 +30,7 @@ def model_and_images(tmp_path_factory):
     torch.manual_seed(0)
     model = resnet18(tree.num_classes, small_stem=True)
     path = root / "model.pt"
-    path.write_bytes(model_bytes(model.state_dict(), tree, PRESETS["cifar"], TrainConfig()))
+    path.write_bytes(model_bytes(model.state_dict(), tree.class_names, PRESETS["cifar"], TrainConfig()))
     return path, sorted(data.rglob("*.png"))[:5]  # sizes 32x32 and 36x30: a crop and a pad
 
 

@@ -66,11 +66,14 @@ def test_preview_shows_the_preset_training_would_pick(tmp_path, capsys):
 
 
 def _finished_run(runs, data_root: str, classes, **settings) -> bytes:
-    """A run directory as jobs.train leaves it after two epochs: config.json and metrics.csv."""
+    """A run directory as jobs.train leaves it after two epochs: its marker, config.json and metrics.csv."""
     import json
+
+    from training import storage
 
     run = runs / "mine"
     run.mkdir(parents=True)
+    storage.mark_run_dir(str(run), "mine")
     config = {
         "config": TrainConfig(**settings).to_dict(),
         "preset": {"name": settings.get("preset", "cifar")},
@@ -133,11 +136,11 @@ def test_a_rerun_with_more_epochs_or_other_resources_goes_on(tmp_path, monkeypat
 def test_a_run_resumed_with_more_epochs_follows_the_longer_schedule_from_the_step_it_reached(schedule):
     import torch
 
-    from training.worker.learner import Learner
+    from bench.loop_checks import cpu_learner
 
     def learner(epochs):
         cfg = TrainConfig(epochs=epochs, schedule=schedule, warmup_epochs=1, lr=0.4, batch_size=64)
-        return Learner.on_cpu(cfg, torch.nn.Linear(2, 2), steps_per_epoch=5)
+        return cpu_learner(cfg, torch.nn.Linear(2, 2), steps_per_epoch=5)
 
     short = learner(2)
     for _ in range(7):  # 1.4 epochs of the 2-epoch run

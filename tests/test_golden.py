@@ -16,8 +16,9 @@ import torch
 from augment.mix import mix_generator
 from augment.pipeline import Pipeline
 from augment.presets import PRESETS
-from augment.rng import KeyedRng, mix64, reference_seed, reference_uniform, salt
+from augment.rng import KeyedRng, mix64, salt
 from augment.streams import STREAMS, stream_seed
+from tests.rng_twins import reference_seed, reference_uniform
 from training.forms.data import in_validation, stable_hash
 from training.stream.ingest import epoch_order
 from training.worker.learner import rank_seed

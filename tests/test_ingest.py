@@ -255,6 +255,18 @@ def test_a_read_task_that_decodes_yields_a_block_per_cap_of_pixels(tmp_path, mon
     assert [[path for path, _ in batch] for batch in reported] == ([bad] if bad else [])
 
 
+@pytest.mark.parametrize("decode", [False, True])
+def test_a_read_task_writes_the_epoch_it_read_for_into_every_row(tmp_path, decode):
+    """The epoch comes with the rows (EPOCH, from the clock once an execution): the augment
+    stage draws for it and asks no actor."""
+    from training.stream import ingest
+
+    root = write_tree(tmp_path / "t", {"a": 3, "b": 3}, size=(8, 8))
+    rel = [f"{c}/{i:03d}.png" for i in range(3) for c in "ab"]
+    blocks = list(ingest._read_files(_rows(rel), 5, root=str(root), decode=decode, bad_log=None, relative_paths=True))
+    assert [int(e) for b in blocks for e in b.column("epoch").to_pylist()] == [5] * 6
+
+
 def _rows(rel_paths):
     """A read task's table of files, labelled by their class directory (a or b)."""
     import pyarrow as pa

@@ -1,14 +1,15 @@
 """Every way a run can stop resumes with the same command: SIGTERM (what `ray job stop` or a
-scheduler sends) and `kill -9` of the driver's process group, each followed by the same command
-reaching the last epoch with coverage exact and no process of the first attempt left; and a
-damaged last checkpoint passed over with one line. (Ctrl-C: tests/test_faults.py, on S3.)"""
+scheduler sends) and `kill -9` of the driver's process group, one after the other on one run, the
+same command each time reaching the last epoch with coverage exact and no process of the stopped
+attempt left; and a damaged last checkpoint passed over with one line. (Ctrl-C: tests/test_faults.py,
+on S3.)"""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,11 +18,12 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from bench.interrupt import alive, descendants
-from tests.conftest import TEST_STEM, prepare, registered_checkpoint, write_tree
+from tests.conftest import TEST_STEM, registered_checkpoint, write_tree
 from training.config import TrainConfig
-from training.driver import job
+from training.worker.report import save_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,85 +40,152 @@ def _args(data: Path, runs: Path, epochs: int = 3) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("how", ["sigterm", "kill-9-group"])
-def test_a_stopped_run_resumes_with_the_same_command(ray_cluster, small_tree, tmp_path, how):
-    runs = tmp_path / "runs"
-    args = _args(small_tree, runs, epochs=5)  # room after the first checkpoint for the stop to come mid-run
-    env = {**os.environ, "RAY_ADDRESS": ""}  # a plain local run: its own cluster
-    first = subprocess.Popen(
+def _start(args: list[str], env: dict) -> subprocess.Popen:
+    return subprocess.Popen(
         args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
+
+
+def _mid_epoch_after_a_checkpoint_newer_than(last: str, proc: subprocess.Popen, run_dir: Path) -> set[int]:
+    """Until the run registers a checkpoint newer than `last`, then a random step of the epoch after it
+    (the stop may come anywhere in it): the processes the run started (its embedded cluster's)."""
     deadline = time.time() + 300
-    if how == "sigterm":  # while it runs, a second run with the same name, --fresh included, is refused
-        while not (runs / "stopped" / ".lease").exists() and first.poll() is None:
-            assert time.time() < deadline, "no lease in 300 s"
-            time.sleep(0.1)
-        second = subprocess.run([*args, "--fresh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-        assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
-        assert f"is in use by a running jobs.train (pid {first.pid} on " in second.stderr, second.stderr
-        assert "Traceback" not in second.stderr
-    while registered_checkpoint(runs / "stopped") != "checkpoint_epoch_0001" and first.poll() is None:
-        assert time.time() < deadline, "no checkpoint in 300 s"
+    while registered_checkpoint(run_dir) <= last and proc.poll() is None:
+        assert time.time() < deadline, f"no checkpoint after {last or 'none'} in 300 s"
         time.sleep(0.1)
-    assert first.poll() is None, first.stdout.read()[-3000:]
-    pause = random.Random().uniform(0, 1)  # a random step of epoch 2 (of 5): the stop may come anywhere in it
-    time.sleep(pause)
-    ours = descendants(first.pid)
+    assert proc.poll() is None, proc.stdout.read()[-3000:]
+    time.sleep(random.Random().uniform(0, 1))
+    ours = descendants(proc.pid)
     assert ours  # its embedded cluster's processes
-    if how == "sigterm":
-        first.send_signal(signal.SIGTERM)
-        out, _ = first.communicate(timeout=180)
-        assert first.returncode == 143, out[-3000:]
-        assert "stopped: terminated (SIGTERM); the last checkpoint is checkpoint_epoch_000" in out, out[-2000:]
-        assert "to resume: " in out and "SIGTERM received" not in out, out[-2000:]  # no stack dump from Ray
-    else:
-        os.killpg(first.pid, signal.SIGKILL)
-        first.communicate(timeout=60)
+    return ours
+
+
+def _gone(ours: set[int]) -> None:
+    """The stopped run's cluster and workers went with it."""
     deadline = time.time() + 60
-    while alive(ours) and time.time() < deadline:  # its cluster and workers went with it
+    while alive(ours) and time.time() < deadline:
         time.sleep(0.5)
     assert not alive(ours), [psutil.Process(p).cmdline()[:3] for p in alive(ours)]
 
+
+def test_a_run_stopped_by_sigterm_and_then_by_kill_9_resumes_with_the_same_command_each_time(
+    ray_cluster, small_tree, tmp_path
+):
+    """One run stopped twice, each time at a random step after a checkpoint: SIGTERM stops the first
+    attempt, `kill -9` of its process group the second (itself a resume), and the same command a third
+    time reaches the last epoch with every image trained on exactly once."""
+    runs = tmp_path / "runs"
+    run_dir = runs / "stopped"
+    args = _args(small_tree, runs, epochs=6)  # room after each stop's checkpoint for the next stop to come mid-run
+    env = {**os.environ, "RAY_ADDRESS": ""}  # a plain local run: its own cluster
+    first = _start(args, env)
+    deadline = time.time() + 300
+    while not (run_dir / ".lease").exists() and first.poll() is None:  # while it runs, a second run with the
+        assert time.time() < deadline, "no lease in 300 s"  # same name, --fresh included, is refused
+        time.sleep(0.1)
+    second = subprocess.run([*args, "--fresh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
+    assert f"is in use by a running jobs.train (pid {first.pid} on " in second.stderr, second.stderr
+    assert "Traceback" not in second.stderr
+
+    ours = _mid_epoch_after_a_checkpoint_newer_than("", first, run_dir)
+    first.send_signal(signal.SIGTERM)
+    out, _ = first.communicate(timeout=180)
+    assert first.returncode == 143, out[-3000:]
+    assert "stopped: terminated (SIGTERM); the last checkpoint is checkpoint_epoch_000" in out, out[-2000:]
+    assert "to resume: " in out and "SIGTERM received" not in out, out[-2000:]  # no stack dump from Ray
+    _gone(ours)
+
+    resumed = _start(args, env)  # the same command
+    ours = _mid_epoch_after_a_checkpoint_newer_than(registered_checkpoint(run_dir), resumed, run_dir)
+    os.killpg(resumed.pid, signal.SIGKILL)
+    out, _ = resumed.communicate(timeout=60)
+    assert "took over the lease of pid" not in out, out[-2000:]  # a stopped owner released its lease
+    _gone(ours)
+
     again = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0, (
-        f"stopped {pause:.2f} s after the first checkpoint: " + again.stdout[-3000:] + again.stderr[-3000:]
-    )
-    summary = json.loads((runs / "stopped" / "summary.json").read_text())
-    assert summary["epochs"] == 5 and summary["resumed_at_epochs"], summary["resumed_at_epochs"]
-    assert all(c["exactly_once"] for c in summary["coverage"]), (pause, summary["coverage"])
-    # a killed owner never released its lease: the rerun says it took it over; a stopped one did
-    assert ("took over the lease of pid" in again.stdout) == (how == "kill-9-group"), again.stdout[-2000:]
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["epochs"] == 6, summary["epochs"]
+    first_resume, second_resume = summary["resumed_at_epochs"]  # one resume after each stop
+    assert 2 <= first_resume < second_resume <= 6, summary["resumed_at_epochs"]
+    assert all(c["exactly_once"] for c in summary["coverage"]), summary["coverage"]
+    assert "took over the lease of pid" in again.stdout, again.stdout[-2000:]  # a killed owner never released it
 
 
-def test_a_damaged_last_checkpoint_is_passed_over_in_one_line(ray_cluster, small_tree, tmp_path):
-    """checkpoint.pt of the last epoch cut in half (a crash or a full disk mid-write): the same command
+def _as_an_older_version_wrote_it(checkpoint: Path) -> None:
+    """The checkpoint's schedule as versions before torch's SequentialLR saved it: a LambdaLR's
+    state (tests/test_loop.py has the learner's own check of this)."""
+    state = torch.load(checkpoint, weights_only=True)
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    state["learner"]["scheduler"] = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0).state_dict()
+    save_checkpoint(str(checkpoint.parent), state)  # sealed, as that version would have written it whole
+
+
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    return lines[0]
+
+
+def test_a_last_checkpoint_of_another_version_exits_1_and_a_damaged_one_is_passed_over_in_one_line(
+    ray_cluster, small_tree, tmp_path, capsys
+):
+    """The same command after a run stopped at epoch 2 (of 3), its last checkpoint changed in turn.
+    Written by an older version (a schedule the learner cannot load), or with records of another
+    version: a real training failure, found by the train worker, exit 1 with one line (README.md,
+    "Exit codes") and no results written. Cut in half (a crash or a full disk mid-write): the run
     resumes from the newest complete checkpoint, says which one it passed over, and never needs --fresh."""
-    cfg = TrainConfig(
-        data=str(small_tree), epochs=3, stop_after=2, batch_size=16, storage_path=str(tmp_path), name="torn"
-    )
-    job.run(*prepare(cfg), log=lambda *a: None, own_cluster=True)
-    torn = tmp_path / "torn" / "checkpoint_epoch_0002" / "checkpoint.pt"
+    from jobs.train import main
+
+    argv = ["--data", str(small_tree), "--epochs", "3", "--batch-size", "16", "--small-stem", TEST_STEM]
+    argv += ["--storage-path", str(tmp_path / "runs"), "--name", "torn"]
+    assert main([*argv, "--quiet", "--stop-after", "2"]) == 0, capsys.readouterr().err[-3000:]
+    summary = (tmp_path / "runs" / "torn" / "summary.json").read_text()
+    last = tmp_path / "runs" / "torn" / "checkpoint_epoch_0002"
+    written = shutil.copytree(last, tmp_path / "as-written")
+    capsys.readouterr()
+
+    _as_an_older_version_wrote_it(last / "checkpoint.pt")
+    code, err = main([*argv, "--quiet"]), capsys.readouterr().err
+    line = _one_error_line(err)
+    assert code == 1, err[-3000:]
+    assert line.startswith(
+        "error: training failed: the last checkpoint of --name torn was written by another version or other settings ("
+    ), line
+    assert line.endswith("rerun with --fresh to start over, or with the settings it was written with"), line
+    # records of another version of the job (training/records.py): one line too, not a shim per field
+    state = torch.load(last / "checkpoint.pt", weights_only=True)
+    state["records"]["version"] = 1
+    save_checkpoint(str(last), state)
+    code, err = main([*argv, "--quiet"]), capsys.readouterr().err
+    line = _one_error_line(err)
+    assert code == 1 and "written by another version of this job (its records are of version 1" in line, line
+    assert (tmp_path / "runs" / "torn" / "summary.json").read_text() == summary  # the failed runs wrote no results
+
+    shutil.rmtree(last)
+    shutil.copytree(written, last)
+    torn = last / "checkpoint.pt"
     size = torn.stat().st_size
     with open(torn, "r+b") as f:
         f.truncate(size // 2)
-    lines = []
-    summary = job.run(*prepare(dataclasses.replace(cfg, stop_after=0)), log=lines.append, own_cluster=True)
-    said = [line for line in lines if line.startswith("note: passed over")]
+    assert main(argv) == 0, capsys.readouterr().err[-3000:]
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: passed over")]
     assert said == [
         f"note: passed over damaged checkpoint checkpoint_epoch_0002 (checkpoint.pt has {size // 2} of its {size} "
         "bytes); resuming from checkpoint_epoch_0001"
-    ], lines
+    ], said
+    summary = json.loads((tmp_path / "runs" / "torn" / "summary.json").read_text())
     assert summary["epochs"] == 3 and summary["resumed_at_epochs"] == [2]
     assert all(c["exactly_once"] for c in summary["coverage"])
     # epoch 2 trained again into a folder of its own: Ray Train still lists the damaged one
-    assert (tmp_path / "torn" / "checkpoint_epoch_0002_again1" / "checkpoint.pt").exists()
+    assert (tmp_path / "runs" / "torn" / "checkpoint_epoch_0002_again1" / "checkpoint.pt").exists()
 
 
 def test_a_checkpoint_is_read_only_where_it_matches_its_seal(tmp_path):
     """training/worker/report.py: the seal finds a file cut short or changed; a checkpoint of a version
     before seals is read where torch reads it whole."""
-    import torch
-
     from training.worker.report import CHECKPOINT_SEAL, DamagedCheckpoint, load_checkpoint, save_checkpoint
 
     save_checkpoint(str(tmp_path), {"learner": {"w": torch.arange(1000)}})
@@ -141,7 +210,6 @@ def test_a_checkpoint_is_read_only_where_it_matches_its_seal(tmp_path):
 
 def test_a_run_whose_only_checkpoint_is_damaged_starts_over_with_one_line(tmp_path, monkeypatch):
     import ray.train
-    import torch
 
     from training.worker import loop
     from training.worker.report import save_checkpoint

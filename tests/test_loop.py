@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from augment.presets import PRESETS
+from bench.loop_checks import cpu_learner
+from tests.conftest import an_epoch_record
 from training import records
 from training.bounds import DataSlots
 from training.config import TrainConfig
@@ -37,7 +39,7 @@ def _tiny_model() -> torch.nn.Module:
 
 def _learner(cfg: TrainConfig, model: torch.nn.Module | None = None, steps_per_epoch: int = 2) -> Learner:
     torch.manual_seed(0)
-    return Learner.on_cpu(cfg, model or resnet18(3, small_stem=True), steps_per_epoch)
+    return cpu_learner(cfg, model or resnet18(3, small_stem=True), steps_per_epoch)
 
 
 def _batches(n: int, *, epoch: int, stale_at: int | None = None) -> list[dict]:
@@ -58,14 +60,14 @@ def test_amp_bf16_trains_in_bfloat16_on_cpu():
     dtypes = []
     learner.model.fc.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
     before = learner.model.fc.weight.detach().clone()
-    stats = train_epoch(learner, _batches(2, epoch=0), epoch=0, rank=0)
+    trained = train_epoch(learner, _batches(2, epoch=0), epoch=0, rank=0)
     assert dtypes == [torch.bfloat16, torch.bfloat16]  # the forward ran under bf16 autocast
     weight = learner.model.fc.weight
     assert weight.dtype == torch.float32 and not torch.equal(weight, before)  # fp32 master weights, updated
-    assert stats["train_images"] == 16 and math.isfinite(stats["train_loss"])
-    (seen,) = stats["seen"]
-    assert (seen["count"], seen["distinct"]) == (16, 16)
-    assert seen["key_sum"] == sum(range(16))
+    assert trained.images == 16 and math.isfinite(trained.loss) and trained.image_size == 32
+    (seen,) = trained.seen
+    assert (seen.count, seen.distinct) == (16, 16)
+    assert seen.key_sum == sum(range(16))
 
 
 def test_weight_decay_skips_batchnorm_and_biases():
@@ -247,7 +249,7 @@ def test_a_lone_last_image_joins_the_batch_before_it_and_trains_under_the_imagen
     learner = _learner(TrainConfig(data="unused"), resnet18(3, small_stem=False))
     with pytest.raises(ValueError, match="more than 1 value per channel"):
         train_epoch(learner, batches, epoch=0, rank=0)  # the bug the fold prevents
-    assert train_epoch(learner, folded, epoch=0, rank=0)["train_images"] == 17
+    assert train_epoch(learner, folded, epoch=0, rank=0).images == 17
 
 
 def test_batch_feed_asks_the_watch_while_no_batch_comes_and_stops_on_its_error():
@@ -364,7 +366,7 @@ def _step(learner: Learner, batch: dict, **where) -> tuple[float, torch.nn.Modul
     import copy
 
     before = copy.deepcopy(learner.bare).requires_grad_(False)  # in train mode still, as the step ran it
-    loss, _ = loop.train_step(learner, batch, **where)
+    loss, _ = learner.train_step(batch, **where)
     return loss.item(), before
 
 
@@ -451,10 +453,16 @@ def test_the_inner_rate_leaves_out_an_epochs_start_and_tail():
     assert report.inner_rate(marks[:1]) == 0.0
 
 
-def test_a_gpu_runs_share_of_images_decoded_on_the_cpu_is_counted_from_its_row():
-    row = {"decoded_engines": 950, "decoded_gpu_sms": 30, "decoded_cpu": 20}
-    assert report.cpu_fallback(row) == pytest.approx(0.02) and report.cpu_fallback(row) > report.CPU_FALLBACK
-    assert report.cpu_fallback({"decoded_cpu": 0}) == 0.0
+def test_a_gpu_runs_share_of_images_decoded_on_the_cpu_is_counted_from_its_figures():
+    fell_back = _figures(decoded=(950, 30, 20))  # in DECODE_PLACES' order: engines, gpu_sms, cpu
+    assert (
+        report.cpu_fallback(fell_back) == pytest.approx(0.02) and report.cpu_fallback(fell_back) > report.CPU_FALLBACK
+    )
+    assert report.cpu_fallback(_figures(decoded=(0, 0, 0))) == 0.0
+
+
+def _figures(decoded: tuple[int, ...]) -> records.TrainFigures:
+    return dataclasses.replace(an_epoch_record().train, decoded=decoded)
 
 
 def test_a_loss_that_turns_non_finite_stops_the_run_naming_the_epoch_and_step():
@@ -464,7 +472,7 @@ def test_a_loss_that_turns_non_finite_stops_the_run_naming_the_epoch_and_step():
     with pytest.raises(loop.RunStopped, match=r"non-finite \(nan or inf\) at step [2-4] of epoch 1; .*lower --lr"):
         train_epoch(learner, _batches(4, epoch=0), epoch=0, rank=0)
     fine = _learner(TrainConfig(batch_size=8), _tiny_model(), steps_per_epoch=4)
-    assert math.isfinite(train_epoch(fine, _batches(4, epoch=0), epoch=0, rank=0)["train_loss"])
+    assert math.isfinite(train_epoch(fine, _batches(4, epoch=0), epoch=0, rank=0).loss)
 
 
 def test_an_epoch_that_trained_no_image_stops_the_run():

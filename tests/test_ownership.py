@@ -73,12 +73,14 @@ def test_a_second_run_with_the_same_name_is_refused_before_ray_and_fresh_removes
 def test_fresh_clears_a_run_under_its_lease_and_keeps_the_lease(tmp_path):
     """--fresh removes the old run's files, not the lease the new run holds (training.driver.inputs.start_fresh)."""
     from tests.conftest import prepare
+    from training import storage
     from training.config import TrainConfig
 
     tree = write_tree(tmp_path / "data", {"a": 4, "b": 4})
     run_dir = tmp_path / "runs" / "again"
     (run_dir / "checkpoint_epoch_0001").mkdir(parents=True)
     (run_dir / "config.json").write_text('{"config": {"name": "again"}}')
+    storage.mark_run_dir(str(run_dir), "again")
     outside = tmp_path / "outside.txt"
     outside.write_text("keep")
     (run_dir / "link").symlink_to(outside)

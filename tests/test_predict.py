@@ -3,6 +3,7 @@ not trained: the tests check the plumbing, the CSV and the arithmetic, not the a
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import os
@@ -32,7 +33,7 @@ def model_and_tree(tmp_path_factory):
     torch.manual_seed(0)
     model = resnet18(tree.num_classes, small_stem=True)
     path = root / "model.pt"
-    path.write_bytes(model_bytes(model.state_dict(), tree, PRESETS["cifar"], TrainConfig()))
+    path.write_bytes(model_bytes(model.state_dict(), tree.class_names, PRESETS["cifar"], TrainConfig()))
     return path, data
 
 
@@ -41,15 +42,33 @@ def _csv(path):
         return list(csv.DictReader(f))
 
 
-def test_predict_writes_one_row_per_image_and_the_accuracy_of_the_csv(ray_cluster, model_and_tree, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def predictions(ray_cluster, model_and_tree, tmp_path_factory):
+    """jobs.predict on the tree three ways, 1 to 2 inference actors: into a folder of Parquet files, into
+    FILE.parquet, and into FILE.csv (in 8-image batches, over an older file that --overwrite replaces).
+    Returns ({kind: out}, {kind: what it printed}); the tests below check these three runs."""
     from jobs.predict import main
 
     model, data = model_and_tree
-    out = tmp_path / "predictions.csv"
-    out.write_text("an older result\n")  # replaced only because --overwrite says so (the refusal: below)
-    argv = ["--model", str(model), "--data", str(data), "--out", str(out), "--batch-size", "8", "--overwrite"]
-    assert main(argv) == 0
-    printed = capsys.readouterr().out
+    root = tmp_path_factory.mktemp("predictions")
+    outs = {"dir": root / "preds", "parquet": root / "p.parquet", "csv": root / "p.csv"}
+    outs["csv"].write_text("an older result\n")  # replaced only because --overwrite says so (the refusal: below)
+    printed = {}
+    for kind, out in outs.items():
+        argv = ["--model", str(model), "--data", str(data), "--out", str(out), "--actors", "1-2"]
+        if kind == "csv":
+            argv += ["--batch-size", "8", "--overwrite"]
+        capture = io.StringIO()
+        with contextlib.redirect_stdout(capture):
+            assert main(argv) == 0
+        printed[kind] = capture.getvalue()
+    return outs, printed
+
+
+def test_predict_writes_one_row_per_image_and_the_accuracy_of_the_csv(model_and_tree, predictions):
+    _, data = model_and_tree
+    outs, printed = predictions
+    out, printed = outs["csv"], printed["csv"]
     rows = _csv(out)
     files = sorted(str(p.relative_to(data)) for p in data.rglob("*.png"))
     assert sorted(r["path"] for r in rows) == files  # 18 labelled + 2 unlabelled
@@ -65,17 +84,14 @@ def test_predict_writes_one_row_per_image_and_the_accuracy_of_the_csv(ray_cluste
     assert float(m.group(1)) == round(correct / 18, 4)
 
 
-def test_predict_matches_torchvisions_eval_transform_and_the_model(ray_cluster, model_and_tree, tmp_path):
+def test_predict_matches_torchvisions_eval_transform_and_the_model(model_and_tree, predictions):
     """jobs.predict's CSV (its own read tasks, decode, eval transform and model) gives the
     classes and confidences of the model on torchvision's own eval transform for the cifar
     preset (CenterCrop(32) on the decoded file, then ToDtype and Normalize), not on this
     project's pipeline: a read, crop or normalisation that drifted from torchvision fails."""
-    import shutil
-
     import torchvision.transforms.v2 as T
     from PIL import Image
 
-    from jobs.predict import main
     from training.predict import inference
 
     model_path, data = model_and_tree
@@ -88,20 +104,14 @@ def test_predict_matches_torchvisions_eval_transform_and_the_model(ray_cluster, 
     model = resnet18(3, small_stem=True)
     model.load_state_dict(info.state_dict)
     model.eval()
-    files = sorted((data / "cat").glob("*.png"))[:3] + sorted((data / "dog").glob("*.png"))[:3]
+    files = sorted(data.rglob("*.png"))  # every image jobs.predict scored into the CSV (in 8-image batches)
     assert {Image.open(f).size for f in files} == {(32, 32), (30, 36)}  # a crop and a pad of 2 px
-    some = tmp_path / "some"
-    for f in files:
-        (some / f.parent.name).mkdir(parents=True, exist_ok=True)
-        shutil.copy(f, some / f.parent.name / f.name)
-    out = tmp_path / "p.csv"
-    assert main(["--model", str(model_path), "--data", str(some), "--out", str(out), "--batch-size", "4"]) == 0
-    got = {r["path"]: r for r in _csv(out)}
-    assert sorted(got) == sorted(f"{f.parent.name}/{f.name}" for f in files)
+    got = {r["path"]: r for r in _csv(predictions[0]["csv"])}
+    assert sorted(got) == sorted(str(f.relative_to(data)) for f in files)
     with torch.no_grad():
         probs = model(torch.stack([reference(Image.open(f).convert("RGB")) for f in files])).softmax(1)
     for f, p in zip(files, probs, strict=True):
-        row = got[f"{f.parent.name}/{f.name}"]
+        row = got[str(f.relative_to(data))]
         assert row["predicted"] == info.class_names[int(p.argmax())], row
         assert float(row["confidence"]) == pytest.approx(float(p.max()), abs=1e-5), row  # the CSV has 6 decimals
 
@@ -230,6 +240,35 @@ def test_a_model_file_with_the_right_keys_and_bad_values_is_one_line_before_ray(
         assert err.count("\n") == 1 and err.startswith(f"error: --model {path}: ") and reason in err, err
 
 
+@pytest.mark.parametrize("module", ["jobs.predict", "jobs.evaluate", "jobs.export"])
+def test_a_model_file_of_an_earlier_version_is_one_line_before_ray(
+    module, model_and_tree, tmp_path, capsys, monkeypatch
+):
+    """A model.pt written before MODELFILE_VERSION (no `version`, and without the keys added since)
+    or of another version is one line naming both versions, exit 2, not read field by field."""
+    import importlib
+
+    from training.driver import session
+    from training.modelfile import MODELFILE_VERSION
+
+    monkeypatch.setattr(session, "connect", lambda *a, **k: pytest.fail("Ray was started"))
+    main = importlib.import_module(module).main
+    model, data = model_and_tree
+    earlier = {"config", "version", "model_source", "torchvision_model", "torchvision_eval", "weights"}
+    cases = {
+        "v1.pt": (lambda i: [i.pop(k) for k in earlier], "version 1 of jobs.train"),
+        "v9.pt": (lambda i: i.update(version=9), "version 9 of jobs.train"),
+    }
+    for name, (change, reason) in cases.items():
+        path = _edited(model, tmp_path, name, change)
+        args = ["--data", str(data)] if module != "jobs.export" else ["--format", "safetensors"]
+        assert main(["--model", path, *args, "--out", str(tmp_path / f"{name}.out")]) == 2, name
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"error: --model {path}: ") and reason in err, err
+        assert f"this one reads version {MODELFILE_VERSION}" in err, err
+    assert not list(tmp_path.glob("*.out*"))
+
+
 def test_predict_out_naming_a_folder_is_one_line_before_ray(model_and_tree, tmp_path, capsys, monkeypatch):
     """A folder is where Parquet files go: one that holds the user's files is refused (as an existing
     file is); a folder named like a file is a mistake."""
@@ -281,23 +320,16 @@ def test_an_existing_output_is_kept_and_refused_in_one_line_before_ray(
     assert mine.read_text() == "my own results\n"
 
 
-def test_predictions_stream_into_parquet_files_a_parquet_file_or_a_csv_with_counts_not_rows(
-    ray_cluster, model_and_tree, tmp_path, capsys
-):
+def test_predictions_stream_into_parquet_files_a_parquet_file_or_a_csv_with_counts_not_rows(predictions):
     """training/predict/scoring.py: the rows go from the pipeline into the output; the accuracy comes from a
     tally of counts. A folder gets Ray Data's Parquet files, FILE.parquet one file merged from them,
     FILE.csv one CSV; the same rows each way, in the input's order, and no parts left behind."""
     import pyarrow.parquet as pq
 
-    from jobs.predict import main
-
-    model, data = model_and_tree
-    outs = {"dir": tmp_path / "preds", "parquet": tmp_path / "p.parquet", "csv": tmp_path / "p.csv"}
+    outs, printed = predictions
     rows = {}
     for kind, out in outs.items():
-        assert main(["--model", str(model), "--data", str(data), "--out", str(out), "--actors", "1-2"]) == 0
-        printed = capsys.readouterr().out
-        assert f"wrote {out}: 20 predictions" in printed, printed
+        assert f"wrote {out}: 20 predictions" in printed[kind], printed[kind]
         if kind == "csv":
             rows[kind] = [(r["path"], r["predicted"], r["label"]) for r in _csv(out)]
         else:
@@ -305,7 +337,7 @@ def test_predictions_stream_into_parquet_files_a_parquet_file_or_a_csv_with_coun
             rows[kind] = [(r["path"], r["predicted"], r["label"]) for r in table]
     assert rows["dir"] == rows["parquet"] == rows["csv"]  # the same rows, in the same (the input's) order
     assert [p for p, _, _ in rows["csv"]] == sorted(p for p, _, _ in rows["csv"])
-    assert sorted(os.listdir(tmp_path)) == ["p.csv", "p.parquet", "preds"]  # no .parts left
+    assert sorted(os.listdir(outs["csv"].parent)) == ["p.csv", "p.parquet", "preds"]  # no .parts left
     labelled = [r for r in rows["csv"] if r[2]]
     correct = sum(p == lab for _, p, lab in labelled)
-    assert f"accuracy {correct / 18:.4f} ({correct}/18 labelled images)" in printed
+    assert f"accuracy {correct / 18:.4f} ({correct}/18 labelled images)" in printed["csv"]

@@ -153,8 +153,9 @@ def test_amp_bf16_trains_in_bfloat16_and_validates_in_float32():
     """docs/guide.md: validation stays in float32. evaluate() on a --amp bf16 learner computes every
     layer in float32 and gives, to the bit, the figures of the same weights at --amp off; the
     control: the learner's training autocast does compute in bfloat16, which the hooks see."""
+    from bench.loop_checks import cpu_learner
     from training.model import resnet18
-    from training.worker import learner, loop
+    from training.worker import loop
 
     torch.manual_seed(0)
     model = resnet18(3, small_stem=True)
@@ -164,7 +165,7 @@ def test_amp_bf16_trains_in_bfloat16_and_validates_in_float32():
             module.register_forward_hook(lambda m, args, out: seen.append(out.dtype))
     images = torch.randint(0, 256, (6, 32, 32, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     batch = {"image": images, "label": torch.tensor([0, 1, 2, 0, 1, 2])}
-    bf16 = learner.Learner.on_cpu(TrainConfig(amp="bf16"), model, steps_per_epoch=4)
+    bf16 = cpu_learner(TrainConfig(amp="bf16"), model, steps_per_epoch=4)
     with torch.no_grad(), bf16.autocast():
         bf16.model(bf16.normalize(images))
     assert set(seen) == {torch.bfloat16}  # the control
@@ -173,5 +174,5 @@ def test_amp_bf16_trains_in_bfloat16_and_validates_in_float32():
         got = loop.evaluate(bf16, [batch], num_classes=3)
     assert seen and set(seen) == {torch.float32}
     with torch.no_grad():
-        full = loop.evaluate(learner.Learner.on_cpu(TrainConfig(amp="off"), model, steps_per_epoch=4), [batch], 3)
+        full = loop.evaluate(cpu_learner(TrainConfig(amp="off"), model, steps_per_epoch=4), [batch], 3)
     assert got == full

@@ -132,7 +132,7 @@ def test_predict_decodes_photos_at_full_size(ray_cluster, photos, tmp_path):
     tree, preset = scan_tree(str(photos), 0.2), PRESETS["imagenet"]
     torch.manual_seed(0)
     model = resnet18(tree.num_classes, small_stem=False).eval()
-    (tmp_path / "model.pt").write_bytes(model_bytes(model.state_dict(), tree, preset, TrainConfig()))
+    (tmp_path / "model.pt").write_bytes(model_bytes(model.state_dict(), tree.class_names, preset, TrainConfig()))
     out = tmp_path / "p.csv"
     assert main(["--model", str(tmp_path / "model.pt"), "--data", str(photos), "--out", str(out)]) == 0
     with open(out, newline="") as f:

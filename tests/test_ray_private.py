@@ -17,7 +17,8 @@ def test_private_ray_api_is_still_there(name, users, check):
     )
 
 
-def test_a_cluster_the_job_owns_runs_ray_train_without_the_placement_group_cleaner(tmp_path):
+@pytest.mark.parametrize("one_worker", [True, False])
+def test_a_cluster_the_job_owns_runs_ray_train_without_the_placement_group_cleaner(tmp_path, one_worker):
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -25,11 +26,40 @@ def test_a_cluster_the_job_owns_runs_ray_train_without_the_placement_group_clean
         "scaling_config": ray.train.ScalingConfig(num_workers=1),
         "run_config": ray.train.RunConfig(name="owned", storage_path=str(tmp_path)),
     }
-    owned_cls = ray_private.trainer_without_placement_group_cleaner()
+    owned_cls = ray_private.trainer_class(one_worker=one_worker, own_cluster=True)
     plain = {type(c).__name__ for c in TorchTrainer(lambda: None, **kwargs)._create_default_callbacks()}
     owned = {type(c).__name__ for c in owned_cls(lambda: None, **kwargs)._create_default_callbacks()}
+    joined = ray_private.trainer_class(one_worker=one_worker, own_cluster=False)
     assert "PlacementGroupCleanerCallback" in plain  # else the filter has nothing to do on this Ray
     assert owned == plain - {"PlacementGroupCleanerCallback"}
+    assert {type(c).__name__ for c in joined(lambda: None, **kwargs)._create_default_callbacks()} == plain
+
+
+def test_one_worker_reaches_ray_trains_controller_without_torch(tmp_path):
+    """Ray Train's controller unpickles the trainer's backend config before it starts the workers:
+    a one-worker run's must not import torch there (TorchTrainer's does, seconds on the way to the
+    first step); several workers keep TorchTrainer's, for DDP."""
+    import subprocess
+    import sys
+
+    import ray.cloudpickle
+    import ray.train
+
+    kwargs = {
+        "scaling_config": ray.train.ScalingConfig(num_workers=1),
+        "run_config": ray.train.RunConfig(name="one", storage_path=str(tmp_path)),
+    }
+
+    def torch_on_load(one_worker: bool) -> bool:
+        trainer = ray_private.trainer_class(one_worker=one_worker, own_cluster=True)(lambda: None, **kwargs)
+        (tmp_path / "config.pkl").write_bytes(ray.cloudpickle.dumps(trainer.backend_config))
+        code = "import pickle, sys; pickle.load(open(sys.argv[1], 'rb')); print('torch' in sys.modules)"
+        out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "config.pkl")], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip() == "True"
+
+    assert torch_on_load(one_worker=False)  # else there is nothing to spare on this Ray
+    assert not torch_on_load(one_worker=True)
 
 
 def test_the_train_loops_own_error_is_found_inside_ray_trains_wrapper():

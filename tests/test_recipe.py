@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 import torchvision
 
+from bench.loop_checks import cpu_learner
+from tests.conftest import an_epoch_record
 from training.config import ConfigError, TrainConfig
 from training.driver.audit import sampled_coverage
 from training.forms.data import ImageTree, make_split
@@ -56,7 +58,7 @@ def _batches(images: torch.Tensor, labels: torch.Tensor, size: int, epoch: int =
 
 def _learner(steps_per_epoch: int = 2, counts: tuple = (), **settings) -> Learner:
     cfg = TrainConfig(**({"batch_size": 8, "warmup_epochs": 0.0, "epochs": 3} | settings))
-    return Learner.on_cpu(cfg, _tiny_model(), steps_per_epoch, class_counts=counts)
+    return cpu_learner(cfg, _tiny_model(), steps_per_epoch, class_counts=counts)
 
 
 def _params(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -188,8 +190,8 @@ def test_the_ema_averages_the_weights_after_each_step_and_is_validated_and_saved
     assert len(after) == 2
     for ema, first, second in zip(learner.ema.module.parameters(), *after, strict=True):
         torch.testing.assert_close(ema, 0.5 * first + 0.5 * second)  # the first update copies, then lerp
-    stats = evaluate(learner, _batches(*_images(12, seed=1), 6), num_classes=3)
-    assert {"val_acc_ema", "val_loss_ema"} <= set(stats) and stats["val_loss_ema"] != stats["val_loss"]
+    scored = evaluate(learner, _batches(*_images(12, seed=1), 6), num_classes=3)
+    assert 0 <= scored.acc_ema <= 1 and scored.loss_ema != scored.loss and scored.top5 is None  # 3 classes
     state = learner.state_dict()
     assert state["ema_updates"] == 2 and set(state["ema"]) == set(state["model"])  # model.pt's keys
     resumed = _learner(model_ema=0.5)
@@ -205,9 +207,8 @@ def test_balanced_class_weights_weigh_the_loss_a_step_trains_on():
     images, labels = _images(8)
     batch = _batches(images, labels, 8)[0]
     model = copy.deepcopy(learner.bare)
-    from training.worker.loop import train_step
 
-    loss = train_step(learner, batch, epoch=0, step=0, rank=0)[0].item()
+    loss = learner.train_step(batch, epoch=0, step=0, rank=0)[0].item()
     logits = model(learner.normalize(images))
     weight = torch.tensor(recipe.class_weights([120, 12, 60]))
     assert loss == pytest.approx(float(F.cross_entropy(logits, labels, weight=weight)), rel=1e-5)
@@ -215,7 +216,7 @@ def test_balanced_class_weights_weigh_the_loss_a_step_trains_on():
 
 
 def test_early_stop_after_patience_epochs_without_a_better_val_acc():
-    history = [{"epoch": e, "val_acc": a} for e, a in enumerate([0.5, 0.7, 0.7, 0.65, 0.69], start=1)]
+    history = [an_epoch_record(e, a) for e, a in enumerate([0.5, 0.7, 0.7, 0.65, 0.69], start=1)]
     assert recipe.early_stop_line(history[:4], 3) is None
     assert recipe.early_stop_line(history, 3) == (
         "early stop: no better val_acc for 3 epochs (best 0.7000 at epoch 2); model_best.pt holds that epoch's weights"

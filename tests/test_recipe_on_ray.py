@@ -2,7 +2,8 @@
 start-up costs 12-15 s): one of two DDP ranks with most flags folded in (the EMA saved and
 validated, the early stop, the class weights and the plan line's imbalance, accumulation, the
 frozen epoch's re-wrap, the backbone's rate, clipping), and one with the balanced sampler, whose
-coverage the audit checks against each epoch's draw."""
+coverage the audit checks against each epoch's draw (tests/conftest.py's tracked_run, which
+other files' checks share)."""
 
 from __future__ import annotations
 
@@ -73,19 +74,11 @@ def test_ema_early_stop_class_weights_and_accumulation_on_two_ranks(ray_cluster,
     assert len(out["pred"]) == 2
 
 
-def test_the_balanced_sampler_trains_each_epochs_draw_and_the_audit_knows(ray_cluster, tmp_path):
-    data = write_tree(tmp_path / "data", {"many": 40, "few": 8})
-    lines = []
-    summary, tree = _run(
-        lines.append,
-        data=str(data),
-        storage_path=str(tmp_path / "runs"),
-        name="sampled",
-        epochs=2,
-        batch_size=8,
-        num_workers=1,
-        sampler="balanced",
-    )
+def test_the_balanced_sampler_trains_each_epochs_draw_and_the_audit_knows(tracked_run):
+    """One worker, --sampler balanced on 40 + 8 images: the run of tests/conftest.py (tracked_run), whose two
+    epochs before its stop rule are this test's."""
+    _, result, _, lines, _, _ = tracked_run
+    summary = result.summary
     assert any("--sampler balanced" in line for line in lines if line.startswith("plan: "))
     assert [c["sampled"] for c in summary["coverage"]] == [True, True]
     assert [c["as_expected"] for c in summary["coverage"]] == [True, True], summary["coverage"]

@@ -60,6 +60,8 @@ REFUSED = {
     "absolute": (["--name", "/tmp/x", "--fresh"], "a run name is one folder name"),
     "someone else's folder": (["--name", "foreign", "--fresh"], "holds files that jobs.train did not write"),
     "someone else's folder, no fresh": (["--name", "foreign"], "holds files that jobs.train did not write"),
+    "an earlier version's run": (["--name", "old", "--fresh"], "is a run of an earlier version of jobs.train"),
+    "an earlier version's run, no fresh": (["--name", "old"], "is a run of an earlier version of jobs.train"),
     "a symbolic link": (["--name", "link", "--fresh"], "is a symbolic link"),
     "a file": (["--name", "file.txt", "--fresh"], "is a file, not a run directory"),
 }
@@ -87,10 +89,10 @@ def test_a_name_from_a_config_file_is_checked_the_same(name, tree, tmp_path, no_
     assert _snapshot(tmp_path) == before | {"c.yaml": config.read_bytes()}
 
 
-@pytest.mark.parametrize("name", ["ours", "old", "new"])
+@pytest.mark.parametrize("name", ["ours", "new"])
 def test_fresh_removes_only_the_runs_own_directory(name, tree, tmp_path):
-    """A run directory with the marker, one of an older version (config.json only), and a name
-    not taken yet: only that folder goes; everything beside and above it stays."""
+    """A run directory with the marker and a name not taken yet: only that folder goes; everything
+    beside and above it stays (one of an earlier version, config.json only, is refused: REFUSED)."""
     top = tmp_path / "top"
     runs = _canary(top)
     before = _snapshot(tmp_path)

@@ -170,7 +170,7 @@ def _model_file(path: Path, tree_root: str) -> str:
 
     tree = scan_tree(tree_root, 0.2)
     state = resnet18(tree.num_classes, small_stem=True).state_dict()
-    path.write_bytes(results.model_bytes(state, tree, PRESETS["cifar"], TrainConfig()))
+    path.write_bytes(results.model_bytes(state, tree.class_names, PRESETS["cifar"], TrainConfig()))
     return str(path)
 
 

@@ -1,7 +1,8 @@
 """Live tracking (--log-to, training/driver/tracking.py) read back by each tracker's own library or files, no
 network: TensorBoard's events while the run goes, MLflow's local store (search_runs,
 get_metric_history, the artifacts), W&B's offline run file; a resumed run adds to the same MLflow
-and W&B runs; a tracker that cannot be reached costs one warning line."""
+and W&B runs; a tracker that cannot be reached costs one warning line. The tracked run
+(tests/conftest.py) carries the checks of tests/test_api.py and tests/test_recipe_on_ray.py too."""
 
 from __future__ import annotations
 
@@ -12,11 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TEST_STEM, event_scalars, write_tree
+from tests.conftest import an_epoch_record, event_scalars
 from training import fit
 from training.config import ConfigError, TrainConfig
 from training.driver.tracking import Tracking, parse_log_to
-from training.records import EpochRecord
 
 
 def _wandb_records(run_dir: Path) -> list[tuple[str, dict]]:
@@ -56,23 +56,11 @@ def _wandb_records(run_dir: Path) -> list[tuple[str, dict]]:
     return runs
 
 
-def test_a_run_logs_live_to_tensorboard_mlflow_and_wandb_and_its_resume_continues_them(ray_cluster, tmp_path):
+def test_a_run_logs_live_to_tensorboard_mlflow_and_wandb_and_its_resume_continues_them(tracked_run):
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    data = write_tree(tmp_path / "data", {"a": 12, "b": 12})
-    run_dir = tmp_path / "runs" / "tracked"
-    during = {}
-
-    def read_tensorboard_while_running(record):  # before the trackers see this epoch: the one before is there
-        if record.epoch == 2:
-            during.update(event_scalars(run_dir / "tensorboard"))
-
-    config = {"data": str(data), "epochs": 3, "batch_size": 8, "small_stem": TEST_STEM, "stop_after": 2}
-    config |= {"storage_path": str(tmp_path / "runs"), "name": "tracked"}
-    config |= {"log_to": "tensorboard,mlflow,wandb", "log_every": 1}
-    lines = []
-    first = fit(config, callbacks=[read_tensorboard_while_running], log=lines.append)
+    config, first, run_dir, lines, _, during = tracked_run  # tests/conftest.py
     assert first.epochs == 2 and not [line for line in lines if line.startswith("warning: --log-to")], lines
     assert [step for step, _ in during["val/acc"]] == [1], during.keys()  # epoch 1's, read during epoch 2
     assert any(tag.startswith("step/") for tag in during)  # --log-every: the steps' loss, lr, img/s
@@ -91,7 +79,7 @@ def test_a_run_logs_live_to_tensorboard_mlflow_and_wandb_and_its_resume_continue
     assert len(wandb_runs) == 1 and wandb_runs[0][1]["config"]["lr"] == first.config.lr
     assert [h["epoch"] for h in wandb_runs[0][1]["history"] if "epoch/val_acc" in h] == [1, 2]
 
-    fit(config | {"stop_after": 0}, log=lines.append)  # the same run resumed to its third epoch
+    fit(config, log=lines.append)  # the same call, less the stop rule: the run resumed to its third epoch
     runs = mlflow.search_runs(experiment_names=["ray-gpu-augment"])
     assert list(runs["run_id"]) == [run_id] and runs["status"][0] == "FINISHED"
     assert [m.step for m in client.get_metric_history(run_id, "val_acc")] == [1, 2, 3]
@@ -113,7 +101,7 @@ def test_a_tracker_that_cannot_be_reached_costs_one_warning_line(tmp_path, monke
     tracking = Tracking(cfg, ("mlflow",), lines.append)
     started = time.monotonic()
     tracking.start(cfg.to_dict())
-    tracking.on_epoch_end(EpochRecord(1, {"epoch": 1, "val_acc": 0.5}, {}, (), []))
+    tracking.on_epoch_end(an_epoch_record())
     tracking.finish([], ok=True)
     assert len(lines) == 1 and lines[0].startswith("warning: --log-to mlflow: start failed ("), lines
     assert lines[0].endswith("); the run goes on without it") and time.monotonic() - started < 60

@@ -224,7 +224,7 @@ def test_validation_scores_every_image_once(two_worker_run):
     """val is split across ranks without dropping rows: the confusion matrix counts each
     validation image once, in its own class's row."""
     run_dir, summary, tree, _ = two_worker_run
-    confusion = torch.tensor(_records(run_dir).epochs[-1].confusion)
+    confusion = torch.tensor(_records(run_dir).epochs[-1].val.confusion)
     per_class = torch.bincount(torch.as_tensor(np.asarray(tree.val.labels, dtype=np.int64)), minlength=tree.num_classes)
     assert int(confusion.sum()) == len(tree.val) and torch.equal(confusion.sum(1), per_class)
     assert summary["val_acc"] == pytest.approx(float(confusion.diag().sum()) / len(tree.val), abs=1e-6)

@@ -6,14 +6,16 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import TEST_STEM, write_tree
+from tests.conftest import write_tree
 from training.config import ConfigError, TrainConfig
+from training.storage import RUN_MARKER
 from training.sweep.space import check_space, parse_dimension, read_space
 
 
@@ -91,66 +93,207 @@ def test_the_cli_refuses_before_ray(tmp_path, capsys):
     assert not (tmp_path / "runs").exists()
 
 
-def test_a_sweep_of_four_trials_under_asha_interrupted_and_continued(ray_cluster, tmp_path):
-    """4 trials of up to 3 epochs, 2 at a time, ASHA with grace 1; Ctrl-C (Tune's SIGUSR1, the same
-    handler) once the first trial has ended; the same call again continues without running it again."""
+def test_trial_gpus_and_cpus_beyond_this_machine_are_refused_before_ray(tmp_path, capsys, monkeypatch):
+    from jobs import tune as tune_job
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # this machine shows no GPU, whatever it has
+    data = write_tree(tmp_path / "data", {"a": 4, "b": 4})
+    args = ["--data", str(data), "--storage-path", str(tmp_path / "runs"), "--name", "s", "--device", "cpu"]
+    args += ["--space", _space(tmp_path, "lr: choice([0.1, 0.01])\n")]
+    assert tune_job.main([*args, "--trial-gpus", "0.5"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --trial-gpus 0.5: a trial's train workers take whole GPUs; give 1, 2, ..., or lower --max-concurrent "
+        "so that each trial gets one"
+    )
+    assert tune_job.main([*args, "--trial-gpus", "1"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --trial-gpus 1: this machine has 0 GPU(s) that CUDA shows, and a sweep without RAY_ADDRESS starts "
+        "its cluster here; give 0 or less (0: an equal share), or set RAY_ADDRESS to join a bigger cluster"
+    )
+    assert tune_job.main([*args, "--trial-cpus", str(os.cpu_count() + 1)]) == 2
+    assert f"error: --trial-cpus {os.cpu_count() + 1}: this machine has " in capsys.readouterr().err
+    assert tune_job.main([*args, "--trial-cpus", "-1"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --trial-cpus and --trial-gpus must be 0 (an equal share) or more"
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_second_sweep_of_the_same_name_is_refused_while_the_first_holds_it(tmp_path, capsys):
+    import subprocess
+    import sys
+
+    from jobs import tune as tune_job
+
+    data = write_tree(tmp_path / "data", {"a": 4, "b": 4})
+    sweep_dir = tmp_path / "runs" / "s"
+    holder = subprocess.Popen(  # a first jobs.tune, as far as the lease goes
+        [
+            sys.executable,
+            "-c",
+            "import sys; from training.driver import lease; "
+            f"lease.acquire({str(sweep_dir)!r}, 's', job='jobs.tune'); print('held', flush=True); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        args = ["--data", str(data), "--storage-path", str(tmp_path / "runs"), "--name", "s"]
+        assert tune_job.main([*args, "--space", _space(tmp_path, "lr: choice([0.1, 0.01])\n")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: --name s: {sweep_dir} is in use by a running jobs.tune (pid {holder.pid} on ")
+        assert err.endswith("wait for it to end or stop it, or give another --name") and "\n" not in err
+        assert sorted(os.listdir(sweep_dir)) == sorted([".lease", RUN_MARKER]), "the refused sweep wrote there"
+    finally:
+        holder.communicate("")
+
+
+POOR, FAILS = 1e-6, 1e30  # a learning rate that learns nothing in 3 epochs; one whose loss turns inf at once
+
+
+def test_a_sweep_of_four_trials_under_asha_interrupted_and_continued(ray_cluster, tmp_path, capfd):
+    """4 trials of up to 3 epochs, 2 at a time, under ASHA (grace 1 epoch, reduction factor 2): lr 3
+    and 2 learn the two colours at once, 1e-6 cannot and starts third, once a trial has ended (and so
+    reported its first epoch): ASHA stops it at its first epoch, whatever the timing. 1e30 fails (its
+    loss turns non-finite): that costs the trial, not the sweep. Ctrl-C (Tune's SIGUSR1, the same
+    handler) once the poor trial is stopped; the same call again continues without running the
+    ended trials again, its event lines going where the first call's went."""
     import ray
 
     from training import JobError, tune
     from training.predict.inference import load_model_file
     from training.sweep.tuner import TRIAL_DRIVER_CPUS, SweepOptions
 
-    data = write_tree(tmp_path / "data", {"a": 8, "b": 8})
-    space = _space(tmp_path, "lr: grid([0.3, 0.03, 0.003, 0.0003])\n")  # 4 trials with known values
-    base = {"data": str(data), "epochs": 3, "batch_size": 8, "small_stem": TEST_STEM}
+    data = write_tree(tmp_path / "data", {"a": 16, "b": 16})
+    space = _space(tmp_path, f"lr: grid([3.0, 2.0, {POOR}, {FAILS}])\n")  # Tune starts them in this order
+    base = {"data": str(data), "epochs": 3, "batch_size": 8, "model": "tests.user_model:build", "warmup_epochs": 0}
     base |= {"storage_path": str(tmp_path / "runs"), "name": "sw"}
     options = SweepOptions(trials=1, max_concurrent=2, grace_epochs=1)
-    lines, ended = [], []
+    lines, lr_of = [], {}
+    began_ms = time.time() * 1000
 
     def log(line):
         lines.append(line)
-        if (" finished: " in line or " stopped early after epoch" in line) and not ended:
-            ended.append(line.split(" ")[0])
+        trial = line.split(" ")[0]
+        if " started: lr=" in line:
+            lr_of[trial] = float(line.split("lr=")[1])
+        if " stopped early after epoch" in line and lr_of.get(trial) == POOR:
             os.kill(os.getpid(), signal.SIGUSR1)  # Tune's interrupt, as Ctrl-C
 
-    with pytest.raises(JobError) as stopped:
+    try:
         tune(base, space, options, log=log)
-    assert stopped.value.exit_code == 130 and "the same command continues the sweep" in str(stopped.value)
+        pytest.fail("ASHA did not stop the poor trial:\n" + "\n".join(lines))
+    except JobError as stopped:
+        assert stopped.exit_code == 130 and "the same command continues the sweep" in str(stopped), str(stopped)
     sweep_dir = tmp_path / "runs" / "sw"
-    assert sum(" started: lr=" in line for line in lines) >= 2, lines
     with open(sweep_dir / "trials.csv") as f:
-        first = {r["trial"]: r for r in csv.DictReader(f)}
-    assert first[ended[0]]["status"] in ("finished", "stopped early") and "interrupted" in [
-        r["status"] for r in first.values()
-    ], first
-    kept = sweep_dir / ended[0] / "metrics.csv"
-    kept_before = (kept.read_bytes(), kept.stat().st_mtime_ns)
+        first = {float(r["lr"]): r for r in csv.DictReader(f)}
+    poor = first[POOR]
+    assert (poor["status"], poor["epochs"], poor["stopped_early"]) == ("stopped early", "1", "True"), first
+    ended = [r for r in first.values() if r["status"] in ("finished", "stopped early")]
+    kept = {r["trial"]: Path(r["run_dir"], "metrics.csv") for r in ended}
+    kept_before = {t: (p.read_bytes(), p.stat().st_mtime_ns) for t, p in kept.items()}
 
-    sweep = tune(base, space, options, log=lines.append)
-    assert "sweep sw: continuing from " + str(sweep_dir / "tune") + " (finished trials are kept)" in lines
-    assert (kept.read_bytes(), kept.stat().st_mtime_ns) == kept_before, "the ended trial ran again"
+    again = []
+
+    def log_again(line):
+        again.append(line)
+        if " started: lr=" in line:
+            lr_of[line.split(" ")[0]] = float(line.split("lr=")[1])
+
+    sweep = tune(base, space, options, log=log_again)
+    assert "sweep sw: continuing from " + str(sweep_dir / "tune") + " (finished trials are kept)" in again
+    assert {t: (p.read_bytes(), p.stat().st_mtime_ns) for t, p in kept.items()} == kept_before, "ran again"
+    events = lines + again  # the restored sweep's lines go to its log too
+    started = {float(line.split("lr=")[1]) for line in events if " started: lr=" in line}
+    assert started == {3.0, 2.0, POOR, FAILS}, events
+    # the failing trial's line (twice where it failed as the first call was interrupted, before Tune
+    # saved that: the continued sweep runs it again)
+    fails = {line for line in events if re.match(r"trial-\S+ failed: ", line)}  # not the end table's lines
+    assert len(fails) == 1 and lr_of.get(next(iter(fails)).split(" ")[0]) == FAILS, events
+    assert "failed: error: training failed: the training loss became non-finite" in next(iter(fails)), fails
+    console = capfd.readouterr()
+    assert "Configuration for experiment" not in console.out + console.err  # Tune's box, at neither start
     with open(sweep_dir / "trials.csv") as f:
-        rows = list(csv.DictReader(f))
-    assert sorted(float(r["lr"]) for r in rows) == [0.0003, 0.003, 0.03, 0.3], rows
-    for row in rows:
+        rows = {float(r["lr"]): r for r in csv.DictReader(f)}
+    assert sorted(rows) == [POOR, 2.0, 3.0, FAILS], rows
+    assert rows[FAILS]["status"] == "failed" and rows[FAILS]["error"].startswith(
+        "error: training failed: the training loss became non-finite"
+    ), rows[FAILS]
+    assert rows[POOR] == poor, "the stopped trial's row changed"
+    for lr in (3.0, 2.0, POOR):
+        row = rows[lr]
         assert row["status"] in ("finished", "stopped early"), row
         assert 1 <= int(row["epochs"]) <= 3 and (row["stopped_early"] == "True") == (int(row["epochs"]) < 3)
         assert 0 <= float(row["best_val_acc"]) <= 1 and Path(row["run_dir"], "metrics.csv").is_file()
+        assert load_model_file(str(Path(row["run_dir"], "model.pt"))).class_names == ("a", "b"), row
     assert (sweep_dir / "trials.png").stat().st_size > 0
-    share = ray.cluster_resources()["CPU"] / 2  # each trial's plan fits its half: two never crowd the cluster
-    for row in rows:
-        plan = json.loads(Path(row["run_dir"], "config.json").read_text())["plan"]
+    best = sweep.best
+    assert best is not None and float(best["best_val_acc"]) == max(float(r["best_val_acc"] or 0) for r in rows.values())
+    assert float(best["lr"]) in (3.0, 2.0) and sweep.best_command.startswith("python -m jobs.train ")
+    assert f"--lr {best['lr']}" in sweep.best_command and sweep.best_command.endswith("--name sw-best")
+
+    # no two trials held more CPUs than the cluster has: by their own plans, and by Ray's task records
+    share = ray.cluster_resources()["CPU"] / 2
+    for lr in (3.0, 2.0, POOR):
+        plan = json.loads(Path(rows[lr]["run_dir"], "config.json").read_text())["plan"]
         reserved = plan["num_workers"] * plan["cpus_per_worker"] + plan["augment_cpus"] + TRIAL_DRIVER_CPUS
         assert reserved <= share, plan
-    best = sweep.best
-    assert best is not None and float(best["best_val_acc"]) == max(float(r["best_val_acc"]) for r in rows)
-    assert load_model_file(str(Path(best["run_dir"]) / "model.pt")) is not None
-    assert sweep.best_command.startswith("python -m jobs.train ") and "--lr " in sweep.best_command
-    assert sweep.best_command.endswith("--name sw-best")
-    deadline = time.monotonic() + 20  # a stopped trial's actors go at once; Ray's tables lag a little
+    held, side_by_side = cpus_held_at_once(began_ms)
+    nodes = {n["NodeID"]: n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]}
+    assert side_by_side >= 2, "the trials never ran at the same time"
+    for node, most in held.items():
+        assert 0 < most <= nodes[node] + 1e-6, (node, most, nodes)
+    deadline = time.monotonic() + 60  # a stopped trial's actors go at once; Ray's tables lag a little
     while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"] - 0.01:
         assert time.monotonic() < deadline, "a trial still holds CPUs after the sweep"
         time.sleep(0.5)
+
+
+def cpus_held_at_once(since_ms: float) -> tuple[dict, int]:
+    """From Ray's task records since `since_ms`: per node, the most CPUs held at one moment (a task
+    holds its CPUs while it runs; an actor its own from its first task's start to its last's end),
+    and the most Tune trials (their ImplicitFunc actors) alive at one moment."""
+    from ray.util.state import list_actors, list_tasks
+
+    actors = {a.actor_id: a for a in list_actors(detail=True, limit=10_000, raise_on_missing_output=False)}
+    now, spans = time.time() * 1000, {}
+    for task in list_tasks(detail=True, limit=100_000, raise_on_missing_output=False):
+        if not task.start_time_ms or task.start_time_ms < since_ms:
+            continue
+        actor = actors.get(task.actor_id) if task.actor_id else None
+        key = task.actor_id or (task.task_id, task.attempt_number)
+        needs = (actor.required_resources if actor else None) or task.required_resources or {}
+        start, end = task.start_time_ms, task.end_time_ms or now
+        was = spans.get(key, (start, end, task.node_id, needs.get("CPU", 0), actor and actor.class_name))
+        spans[key] = (min(was[0], start), max(was[1], end), *was[2:])
+    held, trials = {}, 0
+    for start, _, node, _, _ in spans.values():
+        at_start = [s for s in spans.values() if s[0] <= start < s[1]]
+        held[node] = max(held.get(node, 0), sum(s[3] for s in at_start if s[2] == node))
+        trials = max(trials, sum(s[4] == "ImplicitFunc" for s in at_start))
+    return held, trials
+
+
+def test_a_restored_sweeps_event_lines_go_to_the_callers_log(tmp_path):
+    """Tune pickles its callbacks into the experiment and unpickles them on a restore: the restored
+    TrialEvents still writes to the log the sweep was called with, not to another stream."""
+    import pickle
+    import types
+
+    from training.sweep.report import EVENT_LOGS, TrialEvents
+
+    restored = pickle.loads(pickle.dumps(TrialEvents(str(tmp_path / "sw"), 3, "val_acc")))
+    lines = []
+    EVENT_LOGS[str(tmp_path / "sw")] = lines.append
+    try:
+        trial = types.SimpleNamespace(trial_id="t0", config={"lr": 0.1}, last_result={"epoch": 1})
+        restored.on_trial_start(0, [], trial)
+        restored.on_trial_complete(0, [], trial)
+    finally:
+        del EVENT_LOGS[str(tmp_path / "sw")]
+    assert lines == ["trial-t0 started: lr=0.1", "trial-t0 stopped early after epoch 1 (the scheduler's decision)"]
 
 
 def test_each_trials_row_says_how_it_ended(tmp_path):

@@ -252,7 +252,7 @@ def test_a_model_file_loads_and_predicts_with_torchvision_alone_as_the_guide_sho
     torch.manual_seed(0)
     model = resnet18(3, small_stem=True)
     cfg = TrainConfig(small_stem="on")
-    (tmp_path / "model.pt").write_bytes(model_bytes(model.state_dict(), tree, preset, cfg))
+    (tmp_path / "model.pt").write_bytes(model_bytes(model.state_dict(), tree.class_names, preset, cfg))
     (tmp_path / "snippet.py").write_text(code)
     run = (
         "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__'); "

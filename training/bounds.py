@@ -55,10 +55,6 @@ class DataSlots:
     on_gpu: bool = False
     trainer_cpus: float = 0.0  # the CPUs the plan gives each train worker (0: not recorded)
 
-    def to_state(self) -> dict:
-        """As a checkpoint's records keep it (training/records.py RunRecord.slots)."""
-        return dataclasses.asdict(self)
-
     @classmethod
     def of(cls, plan, cpus: float, *, decode_in_read: bool) -> "DataSlots":
         """From a ResourcePlan (training/driver/planning.py) and the cluster's CPUs: what the train
@@ -96,17 +92,17 @@ class Bound:
     wait: float = 0.0  # the trainer's share of the time waiting for input (not a timings.csv column of its own)
     gpu_shared: float = 0.0  # the augment calls' share of the trainer GPU's time, where the two contend (0: not)
 
-    @classmethod
-    def of_row(cls, row: dict) -> "Bound":
-        """From an epoch's timings row (to_row's fields)."""
-        fields = ("bound", "read_busy", "augment_busy", "tasks_busy")
-        used, wait, shared = (float(row.get(f) or 0.0) for f in ("trainer_cpus", "steady_wait_frac", "gpu_shared"))
-        return cls(
-            *(row[f] for f in fields),
-            input_bound=row["bound"] != "trainer",
-            trainer_cpus=used,
-            wait=wait,
-            gpu_shared=shared,
+    def rounded(self) -> "Bound":
+        """As timings.csv keeps it: the epoch line and summary.json's verdict read these."""
+        r = round
+        return dataclasses.replace(
+            self,
+            read_busy=r(self.read_busy, 4),
+            augment_busy=r(self.augment_busy, 4),
+            tasks_busy=r(self.tasks_busy, 4),
+            trainer_cpus=r(self.trainer_cpus, 2),
+            wait=r(self.wait, 4),
+            gpu_shared=r(self.gpu_shared, 4),
         )
 
     def to_row(self) -> dict:
@@ -232,24 +228,22 @@ def judge(
     return Bound(stage, read_busy, augment_busy, tasks_busy, input_bound, trainer_cpus, steady_wait, shared)
 
 
-def steady_bound(slots: DataSlots, timings: list[dict]) -> Bound | None:
-    """The bound of a run's steady epochs (all but the first, where there are more), from their
-    timings rows: the busy fractions and waits weighted by each epoch's steady seconds."""
-    rows = timings[1:] or timings
-    total = sum(t["steady_s"] for t in rows)
+def steady_bound(slots: DataSlots, epochs: list[tuple[float, Bound]]) -> Bound | None:
+    """The bound of a run's steady epochs (all but the first, where there are more), from each
+    epoch's steady seconds and bound: the busy fractions and waits weighted by those seconds."""
+    epochs = epochs[1:] or epochs
+    total = sum(s for s, _ in epochs)
     if not total:
         return None
 
     def mean(field):
-        return sum(float(t[field]) * t["steady_s"] for t in rows) / total
+        return sum(getattr(b, field) * s for s, b in epochs) / total
 
-    fields = ("read_busy", "augment_busy", "tasks_busy", "steady_wait_frac", "trainer_cpus", "gpu_shared")
+    fields = ("read_busy", "augment_busy", "tasks_busy", "wait", "trainer_cpus", "gpu_shared")
     return judge(slots, *(mean(f) for f in fields))
 
 
-def steady_verdict(slots: dict, timings: list[dict]) -> dict | None:
-    """summary.json's "bound": the steady epochs' (steady_bound), from the slots a run's records
-    keep (as a dict: training/records.py RunRecord.slots)."""
-    kept = DataSlots(**slots)
-    bound = steady_bound(kept, timings)
-    return bound.to_dict(kept) if bound else None
+def steady_verdict(slots: DataSlots, epochs: list[tuple[float, Bound]]) -> dict | None:
+    """summary.json's "bound": the steady epochs' (steady_bound)."""
+    bound = steady_bound(slots, epochs)
+    return bound.to_dict(slots) if bound else None

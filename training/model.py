@@ -7,13 +7,22 @@ with a head for the run's classes; at random init, or from --weights (training/w
 from __future__ import annotations
 
 import difflib
+import importlib
 import pickle
 import re
 
 import torch
 
 from training.config import ConfigError
-from training.weights import LoadReport, model_kind, read_state_dict, strip_prefix, timm_module, timm_pretrained_name
+from training.weights import (
+    LoadReport,
+    model_kind,
+    read_state_dict,
+    strip_prefix,
+    timm_module,
+    timm_pretrained_name,
+    torchvision_weights,
+)
 
 # --small-stem auto: the small stem at or below this side (docs/design.md, "Choices and where they were measured")
 SMALL_IMAGE_MAX_SIDE = 32
@@ -87,8 +96,6 @@ def user_callable(name: str):
     """The function `name` (module.path:function) names, imported as the workers import it (from
     the job's working directory, PYTHONPATH or a runtime_env's working_dir or py_modules);
     ConfigError, one line, where it does not import or is not callable."""
-    import importlib
-
     module, _, attr = name.partition(":")
     if not re.fullmatch(r"[A-Za-z_][\w.]*", module) or not re.fullmatch(r"[A-Za-z_][\w.]*", attr):
         raise ConfigError(f"--model {name}: a model of your own is module.path:function, like my_pkg.models:build")
@@ -222,8 +229,6 @@ def load_torchvision_weights(model: torch.nn.Module, name: str, weights: str, nu
     """torchvision's pretrained `weights` of `name` into `model` (read from torchvision's cache, or
     fetched there): every tensor whose name and shape match; the head is new where the class count
     differs, and so is a small stem."""
-    from training.weights import torchvision_weights
-
     w = torchvision_weights(name, weights)
     state = w.get_state_dict(progress=False)
     own = model.state_dict()

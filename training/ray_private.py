@@ -12,7 +12,10 @@ point's process. Each function imports what it needs.
 from __future__ import annotations
 
 import functools
+import importlib
+import inspect
 import json
+import os
 import time
 
 
@@ -56,22 +59,47 @@ def pending_demands() -> list[tuple[dict, int]]:
     ]
 
 
-def trainer_without_placement_group_cleaner():
-    """TorchTrainer less Ray Train's placement-group cleaner: a detached actor that frees the
+def trainer_class(*, one_worker: bool, own_cluster: bool):
+    """The trainer class job.py runs, called as TorchTrainer is (less `torch_config`).
+
+    `one_worker`: Ray Train's DataParallelTrainer with its plain `BackendConfig` instead of
+    TorchTrainer. TorchTrainer's `TorchConfig` lives in a module that imports torch, and Ray
+    Train's controller unpickles it before it starts the workers: 1-3 s of imports on the way to
+    the first step; its backend then sets up a gloo (or NCCL) process group, which one worker
+    never uses. The worker sets its CUDA device itself (training/worker/loop.py setup_worker), as
+    TorchConfig's context would. Several workers train with TorchTrainer (DDP).
+
+    `own_cluster`: less Ray Train's placement-group cleaner, a detached actor that frees the
     run's placement group should the controller die. A cluster this process started ends
     with it, so the cleaner has nothing to outlive; it would cost one more process at
     start-up, and without the dashboard it polls a state API that is not there, warning
     every few seconds. Ray Train has no switch for it (the preemption watcher has an
     environment variable; the cleaner has none), so this overrides the private hook that
-    builds the default callbacks. Used by training/driver/job.py, _fit."""
-    from ray.train.torch import TorchTrainer
+    builds the default callbacks.
 
-    class OwnClusterTorchTrainer(TorchTrainer):
+    Used by training/driver/job.py, Attempt.trainer (docs/design.md, "Choices and where they
+    were measured")."""
+    from ray.train import BackendConfig
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    base = TorchTrainer
+    if one_worker:
+
+        class OneWorkerTrainer(DataParallelTrainer):
+            def __init__(self, train_loop_per_worker, **kwargs):
+                super().__init__(train_loop_per_worker, backend_config=BackendConfig(), **kwargs)
+
+        base = OneWorkerTrainer
+    if not own_cluster:
+        return base
+
+    class OwnClusterTrainer(base):
         def _create_default_callbacks(self):
             callbacks = super()._create_default_callbacks()
             return [c for c in callbacks if type(c).__name__ != "PlacementGroupCleanerCallback"]
 
-    return OwnClusterTorchTrainer
+    return OwnClusterTrainer
 
 
 def worker_exception(failure: BaseException) -> BaseException:
@@ -100,9 +128,6 @@ def job_runtime_env() -> dict:
     """The runtime env that `ray job submit` gave this driver ({} when it was started otherwise):
     ray.init refuses a runtime env of its own that sets the same fields. Used by
     training/driver/session.py connect."""
-    import json
-    import os
-
     from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
 
     raw = os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR)
@@ -148,8 +173,6 @@ def data_limits_from_the_start() -> None:
 
 
 def _has(module: str, *names: str) -> str | None:
-    import importlib
-
     try:
         obj = importlib.import_module(module)
     except ImportError as e:
@@ -193,6 +216,9 @@ def _check_demands():
 def _check_trainer_hook():
     from ray.train.torch import TorchTrainer
 
+    problem = _has("ray.train.v2.api.data_parallel_trainer", "DataParallelTrainer")
+    if problem:
+        return problem
     if not hasattr(TorchTrainer, "_create_default_callbacks"):
         return "ray.train.torch.TorchTrainer._create_default_callbacks is gone"
     return _has("ray.train.v2._internal.callbacks.placement_group_callback", "PlacementGroupCleanerCallback")
@@ -223,8 +249,6 @@ def _check_data_limits():
     problem = _has("ray.data._internal.execution.resource_manager", "ResourceManager", "get_global_limits")
     if problem:
         return problem
-    import inspect
-
     from ray.data._internal.execution.resource_manager import ResourceManager
 
     source = inspect.getsource(ResourceManager)
@@ -239,7 +263,7 @@ CHECKS = [
     ("autoscaler_ceiling", "training/driver/planning.py cluster_capacity", _check_ceiling),
     ("v1_autoscaler_runs", "training/driver/planning.py cluster_capacity", _check_v1_status),
     ("pending_demands", "training/worker/feed.py IngestWatch", _check_demands),
-    ("trainer_without_placement_group_cleaner", "training/driver/job.py _fit", _check_trainer_hook),
+    ("trainer_class", "training/driver/job.py Attempt.trainer", _check_trainer_hook),
     ("worker_exception", "training/driver/job.py worker_error", _check_worker_exception),
     ("worker_traceback", "training/driver/faults.py error_detail", _check_worker_traceback),
     (

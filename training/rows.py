@@ -1,30 +1,27 @@
 """The columns of the rows Ray Data carries, named once (docs/design.md, "Contracts").
 
     a split's units       PATH, LABEL, KEY                 (training/stream/ingest.py, one row a file)
-    a read task's rows    BYTES, PATH, LABEL, KEY          (every form's read_units; IMAGE for BYTES
+    a read task's rows    BYTES, PATH, LABEL, KEY, EPOCH   (every form's read_units; IMAGE for BYTES
                                                             where the read task decodes)
     the augment stage's   IMAGE, LABEL, KEY, EPOCH         (training/stream/stage.py: what the trainer gets)
     a bad file's row      PATH, REASON                     (the read task's second output)
     a prepared shard's    BYTES, PATH, LABEL, KEY, WIDTH, HEIGHT   (jobs.prepare)
 
     the stages' costs     READ_COST, AUGMENT_COST, AUGMENT_GPU_COST, DECODED_ON  (each stage stamps the
-                                                            rows it makes; judged in training/bounds.py)
+                                                            rows it makes, training/stream/stage.py
+                                                            seconds_per_row; judged in training/bounds.py)
 
 Light (no pyarrow, no Ray): the worker's side reads it too.
 """
 
 from __future__ import annotations
 
-import time
-
-import numpy as np
-
 PATH = "path"  # the file, as the user's data names it (relative below a split's root in units)
 LABEL = "label"  # int64 class index
 KEY = "key"  # int64 stable hash of the relative path: keys each image's augmentation
 BYTES = "bytes"  # the encoded file
 IMAGE = "image"  # decoded or augmented pixels, (B, H, W, C) uint8
-EPOCH = "epoch"  # the epoch the augment stage drew the row's parameters for (training/stream/stamp.py)
+EPOCH = "epoch"  # the epoch the read read the row for, and the augment stage drew for (training/stream/stamp.py)
 REASON = "reason"  # why a file is bad
 WIDTH, HEIGHT = "width", "height"  # a prepared shard's image size, read before any decode
 
@@ -44,9 +41,3 @@ READ_COST, AUGMENT_COST = "read_s", "augment_s"  # the row columns: seconds of t
 AUGMENT_GPU_COST = "augment_gpu_s"
 COSTS = (READ_COST, AUGMENT_COST, AUGMENT_GPU_COST)
 DECODED_ON = "decoded_on"  # the row column: where its image was decoded (its index in augment.decode.DECODE_PLACES)
-
-
-def seconds_per_row(started: float, rows: int) -> np.ndarray:
-    """A stage's stamp for the `rows` rows it made: each one's share of the seconds since
-    `started` (time.perf_counter())."""
-    return np.full(rows, (time.perf_counter() - started) / max(rows, 1), dtype=np.float32)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import time
 
+from training.records import StepFigures
+
 PROGRESS_INTERVAL_S = 0.5  # how often a rank posts its progress, and the driver redraws
 STOP = "stop"  # an epoch callback's verdict (training/driver/epochs.py): end the run after this epoch
 VERDICT_POLL_S = 0.05  # how often the ranks ask for the driver's verdict on an epoch
@@ -40,7 +42,7 @@ class RunStatus:
     def records_since(self, seen: int) -> list:
         return self.records[seen:]
 
-    def step(self, point: dict) -> None:
+    def step(self, point: StepFigures) -> None:
         self.steps.append(point)
 
     def steps_since(self, seen: int) -> list:
@@ -124,13 +126,13 @@ class StepLog:
         loss_sum, now = float(sums[0]), time.monotonic()  # the host sync, once every `every` steps
         window = max(self.images, 1)
         self.post(
-            {
-                "step": self.epoch * self.steps_per_epoch + self.in_epoch,
-                "epoch": self.epoch + 1,
-                "loss": (loss_sum - self.loss_sum) / window,
-                "lr": float(self.lr()),
-                "images_per_s": self.images / max(now - self.at, 1e-9),
-            }
+            StepFigures(
+                step=self.epoch * self.steps_per_epoch + self.in_epoch,
+                epoch=self.epoch + 1,
+                loss=(loss_sum - self.loss_sum) / window,
+                lr=float(self.lr()),
+                images_per_s=self.images / max(now - self.at, 1e-9),
+            )
         )
         self.images, self.loss_sum, self.at = 0, loss_sum, now
 

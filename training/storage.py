@@ -334,7 +334,7 @@ def clear_dir(uri: str, keep: tuple[str, ...] = ()) -> None:
 
 
 # Written into every run directory this job creates, before anything else: `--fresh` removes only
-# a directory that holds it (or the config.json of a run written before the marker existed).
+# a directory that holds it.
 RUN_MARKER = ".ray-gpu-augment-run"
 
 
@@ -345,10 +345,16 @@ def mark_run_dir(run_dir: str, name: str) -> None:
 
 
 def is_run_dir(run_dir: str) -> bool:
-    """Whether `run_dir` was written by this job as a run directory: its marker, or a config.json
-    of this job's shape ({"config": {..., "name": ...}}), which older runs have without a marker."""
-    if exists(join(run_dir, RUN_MARKER)):
-        return True
+    """Whether `run_dir` was written by this job as a run directory: it holds the marker."""
+    return exists(join(run_dir, RUN_MARKER))
+
+
+def is_earlier_run_dir(run_dir: str) -> bool:
+    """Whether `run_dir` looks like a run directory of an earlier version of this job, written
+    before the marker: a config.json of this job's shape ({"config": {..., "name": ...}}) and no
+    marker. Such a folder is refused with its own line, never resumed or removed."""
+    if is_run_dir(run_dir):
+        return False
     try:
         config = json.loads(read_bytes(join(run_dir, "config.json")))
     except (OSError, ValueError):
@@ -370,8 +376,7 @@ def write_json(uri: str, obj) -> None:
 def write_csv(uri: str, rows: list[dict]) -> None:
     buf = io.StringIO()
     if rows:
-        # every row's columns, in order of appearance: a run resumed from an older version's
-        # checkpoint has rows without the columns added since (left empty there)
+        # every row's columns, in order of appearance: a row may lack one (left empty there)
         writer = csv.DictWriter(buf, fieldnames=list(dict.fromkeys(k for row in rows for k in row)))
         writer.writeheader()
         writer.writerows(rows)

@@ -11,6 +11,7 @@ Light at import (no torch): training/driver/inputs.py checks a --weights name be
 from __future__ import annotations
 
 import dataclasses
+import dataclasses as dc
 import os
 
 from training.config import ConfigError
@@ -178,8 +179,6 @@ def weights_preset(preset, transform: dict, image_size: int = 0):
     """A built-in preset with the weights' normalisation, and where it evaluates photos (a
     resize_center_crop first eval op) their crop (`image_size` where the user set one) and their
     resize-to-crop ratio. A thumbnail preset keeps its side: a 32 px image is not made 224."""
-    import dataclasses as dc
-
     preset = dc.replace(preset, mean=tuple(transform["mean"]), std=tuple(transform["std"]))
     ((op, _),) = preset.eval[0].items()
     if op != "resize_center_crop":

@@ -4,7 +4,7 @@ a typed result back, with the checks, the run folder and the figures of `python 
     from training import fit
 
     result = fit({"data": "~/photos", "epochs": 10, "name": "photos-r18"},
-                 callbacks=[lambda record: print(record.epoch, record.metrics["val_acc"])])
+                 callbacks=[lambda record: print(record.epoch, record.val.acc)])
     print(result.best_val_acc, result.model_path)
 
 `config`: a TrainConfig, a dict of its fields (as a --config file has them), or the path of a YAML
@@ -20,10 +20,15 @@ import dataclasses
 import os
 import time
 
+from augment.errors import PresetError
+from augment.presets import load_preset
+from training import storage
 from training.config import ConfigError, TrainConfig, error_line
+from training.driver import lease
 from training.driver.epochs import EpochCallback
 from training.driver.flags import FlagParser, add_arguments, parse_config
 from training.status import STOP
+from training.storage import StorageError
 
 __all__ = ["fit", "RunResult", "JobError", "STOP", "EpochCallback"]
 
@@ -95,12 +100,9 @@ def as_config(config) -> TrainConfig:
 def fit(config, callbacks: list[EpochCallback] | tuple = (), *, log=None, share=None) -> RunResult:
     """Train as `python -m jobs.train` does with `config`; the run's lines go to `log` (default: print).
     `share`: the part of the cluster to plan for (training/driver/planning.py share_of; a sweep's trial)."""
-    from augment.errors import PresetError
-    from training.driver import lease
     from training.driver.inputs import prepare
-    from training.driver.session import connect
+    from training.driver.session import connect  # looked up at the call: the tests replace it
     from training.forms.data import DataError
-    from training.storage import StorageError
 
     log = log or (lambda *a: print(*a, flush=True))
     try:
@@ -114,11 +116,8 @@ def fit(config, callbacks: list[EpochCallback] | tuple = (), *, log=None, share=
 
 
 def _train(cfg, tree, name, preset, callbacks, log, connect, share=None) -> RunResult:
-    from augment.presets import load_preset
-    from training import storage
     from training.driver import job
     from training.forms.data import DataError
-    from training.storage import StorageError
 
     started = time.time()
     try:

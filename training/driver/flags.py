@@ -9,7 +9,9 @@ import dataclasses
 import difflib
 import re
 
+from training import userfiles
 from training.config import ConfigError, TrainConfig
+from training.storage import decode_text
 
 
 class FlagParser(argparse.ArgumentParser):
@@ -66,9 +68,6 @@ def load_config_file(path: str) -> dict:
     no aliases, anchors or tags. Anything else is a ConfigError naming the file and the rule.
     `path` may be a pipe (`--config <(...)`), read once.
     """
-    from training import userfiles
-    from training.storage import decode_text
-
     if "://" in path:
         raise ConfigError(
             f"--config {path}: read from local disk only, not object storage; copy the file to this machine and "
@@ -109,8 +108,6 @@ def load_config_file(path: str) -> dict:
 
 def setting_value(field, raw_key: str, value, where: str):
     """A settings file's `value` (training.userfiles.Scalar, or what else it was) of `field`."""
-    from training import userfiles
-
     if isinstance(value, str):  # a list or a mapping
         raise ConfigError(f"{where}: {raw_key} must be one value, got {value}")
     if userfiles.is_null(value) and field.default is None:

@@ -12,8 +12,12 @@ it) and `start_fresh` clears a --fresh run's old files under it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
+import numpy as np
+
+from augment import engines
 from augment.errors import PresetError
 from augment.presets import PRESETS, check_preset_name
 from augment.schedule import parse_resize, parse_schedule
@@ -38,8 +42,6 @@ def typical_size(split) -> tuple[int, int] | None:
     its shards (training.forms.formats.sample_sizes: the first images of evenly spaced units); None for
     an empty split, or headers no decoder reads (those files fail later, in their own batch)."""
     from concurrent.futures import ThreadPoolExecutor
-
-    import numpy as np
 
     if not len(split):
         return None
@@ -180,8 +182,6 @@ def check_gpu_decoder(setting: str, device: str = "auto") -> None:
     """--gpu-decoder nvimgcodec where this machine has no nvImageCodec, unless the run is on CPUs
     (the nodes' environment is taken to be the driver's, as the project's venv or a runtime
     environment makes it)."""
-    from augment import engines
-
     if setting == "nvimgcodec" and device != "cpu" and not engines.available():
         raise ConfigError(
             "--gpu-decoder nvimgcodec: nvImageCodec is not installed here; install it with "
@@ -346,8 +346,6 @@ def check_same_run(cfg: TrainConfig, tree: ImageTree) -> None:
     """ConfigError where NAME already holds a run (one epoch at least: metrics.csv) of other data,
     classes, preset or SAME_RUN_SETTINGS than `cfg` would resume: one line naming what differs and
     the two ways out. Nothing is written."""
-    import json
-
     run_dir = cfg.run_dir
     with storage.errors(run_dir, "reading"):
         if not storage.exists(storage.join(run_dir, "metrics.csv")):
@@ -425,9 +423,15 @@ def check_run_dir(cfg: TrainConfig) -> None:
     with storage.errors(run_dir, "reading"):
         if not storage.exists(run_dir) or storage.is_empty_dir(run_dir) or storage.is_run_dir(run_dir):
             return
+        earlier = storage.is_earlier_run_dir(run_dir)
+    if earlier:
+        raise ConfigError(
+            f"{flag}: {run_dir} is a run of an earlier version of jobs.train (no {storage.RUN_MARKER}); "
+            "nothing there was touched; resume it with the version that wrote it, or give another --name"
+        )
     raise ConfigError(
-        f"{flag}: {run_dir} holds files that jobs.train did not write (no {storage.RUN_MARKER} or config.json "
-        "of a run); nothing there was touched; give another --name or --storage-path"
+        f"{flag}: {run_dir} holds files that jobs.train did not write (no {storage.RUN_MARKER}); nothing there "
+        "was touched; give another --name or --storage-path"
     )
 
 

@@ -20,7 +20,6 @@ import time
 import psutil
 import ray
 import ray.train
-from ray.train.torch import TorchTrainer
 
 from augment.presets import Preset
 from augment.schedule import parse_resize
@@ -50,7 +49,7 @@ from training.driver.planning import (
     plan_resources,
     wait_for_a_plan,
 )
-from training.driver.results import report_bad_files, write_bad_files, write_results
+from training.driver.results import BestEpoch, report_bad_files, write_bad_files, write_results
 from training.driver.tracking import Tracking, parse_log_to
 from training.forms.data import DataError, ImageTree
 from training.records import RunRecord
@@ -287,8 +286,9 @@ class Attempt:
         )
 
     def trainer(self, plan: ResourcePlan, datasets: dict):
-        """The TorchTrainer for the plan: workers and their resources, the run directory with one
-        checkpoint kept (the best val_acc), and the datasets split as SplitValUnequally says.
+        """The Ray Train trainer for the plan (TorchTrainer for several workers; one worker needs no
+        process group: ray_private.trainer_class): workers and their resources, the run directory
+        with one checkpoint kept (the best val_acc), and the datasets split as SplitValUnequally says.
         Ray Train restarts nothing itself (max_failures=0): _fit does, with a plan made again."""
         cfg = self.cfg
         # how often Ray Train's controller polls the workers, which it reads from the driver's
@@ -296,7 +296,8 @@ class Attempt:
         # at its next poll (docs/design.md, "Choices and where they were measured"); a value the
         # user set is kept
         os.environ.setdefault(HEALTH_CHECK_ENV, str(HEALTH_CHECK_S))
-        return (ray_private.trainer_without_placement_group_cleaner() if self.own_cluster else TorchTrainer)(
+        trainer = ray_private.trainer_class(one_worker=plan.num_workers == 1, own_cluster=self.own_cluster)
+        return trainer(
             train_loop,
             train_loop_config={"spec": self.worker_spec(plan)},
             scaling_config=ray.train.ScalingConfig(
@@ -357,8 +358,8 @@ def _fit(
     """Run the TorchTrainer on `datasets` (the first plan's) while the console follows its progress;
     after a fault, say so in one line and run it again from the last checkpoint, on a plan made
     again, with datasets built for it where it changed (training/driver/faults.py). Returns the last
-    checkpoint's records (training/records.py) and model weights, the best epoch's ({"model",
-    "epoch", "val_acc"}, and "ema": the last checkpoint's EMA weights, None without --model-ema),
+    checkpoint's records (training/records.py) and model weights, the best epoch's (BestEpoch, with
+    the last checkpoint's EMA weights, None without --model-ema),
     the files that failed to decode, and the faults survived."""
     cfg, status = attempt.cfg, attempt.actors["status"]
     run_dir = cfg.run_dir
@@ -396,19 +397,16 @@ def _fit(
         raise TrainingFailed("training ended without a checkpoint")
     run, last = _load(result.checkpoint)
     model = last["model"]
-    damaged = set(run.passed_over)
-    complete = [
-        (c, m) for c, m in result.best_checkpoints or [] if c.path.rstrip("/").rsplit("/", 1)[-1] not in damaged
+    damaged, by_epoch = set(run.passed_over), {e.epoch: e for e in run.epochs}
+    complete = [  # each kept checkpoint with its epoch's record (Ray Train lists them with the epoch reported)
+        (c, by_epoch[m.get("epoch")])
+        for c, m in result.best_checkpoints or []
+        if c.path.rstrip("/").rsplit("/", 1)[-1] not in damaged and m.get("epoch") in by_epoch
     ]
-    best_checkpoint, best = max(complete or [(result.checkpoint, {})], key=_val_acc)
+    best_checkpoint, record = max(complete or [(result.checkpoint, run.epochs[-1])], key=lambda k: k[1].val.acc)
     best_model = model if best_checkpoint.path == result.checkpoint.path else _load(best_checkpoint)[1]["model"]
-    best = {"model": best_model, "epoch": best.get("epoch", run.last_epoch + 1), "val_acc": best.get("val_acc")}
-    best["ema"] = last.get("ema")  # --model-ema: the last epoch's average (model_ema.pt)
+    best = BestEpoch(best_model, record.epoch, last.get("ema"))  # the EMA: the last epoch's average (model_ema.pt)
     return run, model, best, ray.get(attempt.actors["bad_log"].get.remote()), faults.records()
-
-
-def _val_acc(checkpoint_and_metrics) -> float:
-    return checkpoint_and_metrics[1].get("val_acc", float("-inf"))
 
 
 def _load(checkpoint) -> tuple[RunRecord, dict]:

@@ -1,6 +1,7 @@
 """One owner for a run folder: a live jobs.train holds a lease on STORAGE_PATH/NAME for its whole
 life, so a second run with the same name (a colleague's, a retried `ray job submit`, a second
-terminal), `--fresh` included, stops before Ray with one line naming the owner.
+terminal), `--fresh` included, stops before Ray with one line naming the owner. A live jobs.tune
+holds one on its sweep's folder the same way (each trial's run holds its own, in its folder).
 
 - A local or shared disk (NFS): an exclusive `flock` on `NAME/.lease`, which the kernel drops when
   the owner's process ends, however it ends (`kill -9` too). The file says who holds it.
@@ -52,17 +53,19 @@ class Owner:
     user: str
     since: str  # UTC, ISO 8601
     command: str
+    job: str = "jobs.train"  # what holds it: a run (jobs.train) or a sweep (jobs.tune)
 
     @classmethod
-    def me(cls) -> "Owner":
+    def me(cls, job: str = "jobs.train") -> "Owner":
         now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-        return cls(socket.gethostname(), os.getpid(), _user(), now, " ".join(sys.argv)[:300])
+        return cls(socket.gethostname(), os.getpid(), _user(), now, " ".join(sys.argv)[:300], job)
 
     @classmethod
     def parse(cls, raw: bytes) -> "Owner | None":
         try:
             d = json.loads(raw)
-            return cls(str(d["host"]), int(d["pid"]), str(d["user"]), str(d["since"]), str(d.get("command", "")))
+            fields = (str(d["host"]), int(d["pid"]), str(d["user"]), str(d["since"]), str(d.get("command", "")))
+            return cls(*fields, str(d.get("job", "jobs.train")))
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -91,8 +94,9 @@ _LOCK = threading.Lock()
 
 def held_message(run_dir: str, name: str, owner: Owner | None) -> str:
     who = owner.describe() if owner else "another process"
+    job = owner.job if owner else "jobs.train"
     return (
-        f"--name {name}: {run_dir} is in use by a running jobs.train ({who}); wait for it to end or stop it, "
+        f"--name {name}: {run_dir} is in use by a running {job} ({who}); wait for it to end or stop it, "
         "or give another --name"
     )
 
@@ -100,18 +104,18 @@ def held_message(run_dir: str, name: str, owner: Owner | None) -> str:
 class RunLease:
     """This process's lease on one run folder; `took_over`: the owner it replaced, who was gone."""
 
-    def __init__(self, run_dir: str, name: str):
-        self.run_dir, self.name, self.took_over = run_dir, name, None
+    def __init__(self, run_dir: str, name: str, job: str = "jobs.train"):
+        self.run_dir, self.name, self.job, self.took_over = run_dir, name, job, None
         self.created = not storage.exists(run_dir)
         self._fd: int | None = None
         self._store: _ObjectLease | None = None
 
     def _acquire(self) -> None:
         if storage.is_uri(self.run_dir):
-            self._store = _ObjectLease(self.run_dir, self.name)
+            self._store = _ObjectLease(self.run_dir, self.name, self.job)
             self.took_over = self._store.acquire()
         else:
-            self._fd, self.took_over = _lock_local(self.run_dir, self.name)
+            self._fd, self.took_over = _lock_local(self.run_dir, self.name, self.job)
         storage.mark_run_dir(self.run_dir, self.name)  # --fresh removes only a folder that holds it
 
     def release(self) -> None:
@@ -133,15 +137,15 @@ class RunLease:
             self._fd = None
 
 
-def acquire(run_dir: str, name: str, log=print) -> RunLease:
+def acquire(run_dir: str, name: str, log=print, job: str = "jobs.train") -> RunLease:
     """This process's lease on `run_dir` (the one it holds already, if any); LeaseHeld naming the
     owner where another live process holds it. Says in one line when it takes over a lease whose
-    owner is gone."""
+    owner is gone. `job`: what the lease says holds the folder (a sweep's is jobs.tune)."""
     with _LOCK:
         lease = _HELD.get(run_dir)
         if lease is not None:
             return lease
-        lease = RunLease(run_dir, name)
+        lease = RunLease(run_dir, name, job)
         with storage.errors(run_dir, "writing"):
             lease._acquire()
         _HELD[run_dir] = lease
@@ -192,7 +196,7 @@ def _only_marker(run_dir: str) -> bool:
     return names <= {storage.RUN_MARKER}
 
 
-def _lock_local(run_dir: str, name: str) -> tuple[int, Owner | None]:
+def _lock_local(run_dir: str, name: str, job: str) -> tuple[int, Owner | None]:
     """(the locked lease file's descriptor, the gone owner it names); LeaseHeld where it is locked."""
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, LEASE_FILE)
@@ -213,7 +217,7 @@ def _lock_local(run_dir: str, name: str) -> tuple[int, Owner | None]:
         os.close(fd)
     before = Owner.parse(os.pread(fd, 4096, 0))  # a file left by an owner that died holding it
     os.ftruncate(fd, 0)
-    os.pwrite(fd, Owner.me().to_bytes(), 0)
+    os.pwrite(fd, Owner.me(job).to_bytes(), 0)
     os.fsync(fd)
     return fd, before
 
@@ -221,8 +225,8 @@ def _lock_local(run_dir: str, name: str) -> tuple[int, Owner | None]:
 class _ObjectLease:
     """The lease object on s3:// (conditional writes through boto3) or gs:// (pyarrow, unconditional)."""
 
-    def __init__(self, run_dir: str, name: str):
-        self.run_dir, self.name = run_dir, name
+    def __init__(self, run_dir: str, name: str, job: str = "jobs.train"):
+        self.run_dir, self.name, self.job = run_dir, name, job
         self.uri = storage.join(run_dir, LEASE_FILE)
         self.scheme, rest = self.uri.split("://", 1)
         self.bucket, self.key = rest.split("/", 1)
@@ -266,7 +270,7 @@ class _ObjectLease:
     def _put_s3(self) -> Owner | None:
         from botocore.exceptions import ClientError
 
-        client, body = _s3(), Owner.me().to_bytes()
+        client, body = _s3(), Owner.me(self.job).to_bytes()
         try:
             self.etag = client.put_object(Bucket=self.bucket, Key=self.key, Body=body, IfNoneMatch="*")["ETag"]
             return None
@@ -288,7 +292,7 @@ class _ObjectLease:
     # -- gs: no conditional write through pyarrow
     def _put_gs(self) -> Owner | None:
         found, owner = self._judge_gs()
-        storage.write_bytes(self.uri, Owner.me().to_bytes())
+        storage.write_bytes(self.uri, Owner.me(self.job).to_bytes())
         return (owner or Owner("?", 0, "?", "?", "")) if found else None
 
     def _judge_gs(self) -> tuple[bool, Owner | None]:
@@ -312,10 +316,10 @@ class _ObjectLease:
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 if self.scheme == "s3":
-                    body = Owner.me().to_bytes()
+                    body = Owner.me(self.job).to_bytes()
                     self.etag = _s3().put_object(Bucket=self.bucket, Key=self.key, Body=body, IfMatch=self.etag)["ETag"]
                 else:
-                    storage.write_bytes(self.uri, Owner.me().to_bytes())
+                    storage.write_bytes(self.uri, Owner.me(self.job).to_bytes())
             except Exception as e:  # a lost lease or an unreachable store: never the training's end
                 if getattr(e, "response", {}).get("Error", {}).get("Code") in ("PreconditionFailed", "412"):
                     print(f"warning: {self.run_dir}: another run took over this run's lease", file=sys.stderr)

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import io
+import os
+import tempfile
+
+from training import storage
+from training.records import EpochRecord
 
 
 def _figure_bytes(fig) -> bytes:
@@ -14,22 +19,22 @@ def _figure_bytes(fig) -> bytes:
     return buf.getvalue()
 
 
-def curves_png(history: list[dict]) -> bytes:
+def curves_png(epochs: list[EpochRecord]) -> bytes:
     """Loss and accuracy per epoch, train beside validation."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    epochs = [r["epoch"] for r in history]
+    x = [e.epoch for e in epochs]
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.8))
-    ax_loss.plot(epochs, [r["train_loss"] for r in history], "o-", label="train")
-    ax_loss.plot(epochs, [r["val_loss"] for r in history], "o-", label="validation")
+    ax_loss.plot(x, [e.train.loss for e in epochs], "o-", label="train")
+    ax_loss.plot(x, [e.val.loss for e in epochs], "o-", label="validation")
     ax_loss.set(xlabel="epoch", ylabel="cross-entropy", title="loss")
-    ax_acc.plot(epochs, [r["train_acc"] for r in history], "o-", label="train (augmented)")
-    ax_acc.plot(epochs, [r["val_acc"] for r in history], "o-", label="validation top-1")
-    if "val_top5" in history[0]:
-        ax_acc.plot(epochs, [r["val_top5"] for r in history], "o--", label="validation top-5")
+    ax_acc.plot(x, [e.train.acc for e in epochs], "o-", label="train (augmented)")
+    ax_acc.plot(x, [e.val.acc for e in epochs], "o-", label="validation top-1")
+    if epochs[0].val.top5 is not None:
+        ax_acc.plot(x, [e.val.top5 for e in epochs], "o--", label="validation top-5")
     ax_acc.set(xlabel="epoch", ylabel="accuracy", title="accuracy", ylim=(0, 1.02))
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
@@ -77,9 +82,9 @@ def scalar_tag(key: str) -> str:
     return groups[prefix] + key[len(prefix) :] if prefix else f"run/{key}"
 
 
-def write_tensorboard(run_dir: str, history: list[dict], timings: list[dict] | None = None) -> str | None:
-    """TensorBoard event files under RUN_DIR/tensorboard, one scalar per metrics.csv column
-    per epoch, when torch's SummaryWriter (needs `tensorboard`) or `tensorboardX` imports.
+def write_tensorboard(run_dir: str, epochs: list[EpochRecord]) -> str | None:
+    """TensorBoard event files under RUN_DIR/tensorboard, one scalar per metrics.csv and timings.csv
+    column per epoch, when torch's SummaryWriter (needs `tensorboard`) or `tensorboardX` imports.
 
     Written once, by the driver, after training: the workers' hot loop stays free of it.
     The events go to a local temporary directory first and are then copied, so RUN_DIR may
@@ -92,18 +97,11 @@ def write_tensorboard(run_dir: str, history: list[dict], timings: list[dict] | N
             from tensorboardX import SummaryWriter
         except ImportError:
             return None
-    import os
-    import tempfile
-
-    from training import storage
-
-    by_epoch = {r["epoch"]: dict(r) for r in history}
-    for t in timings or []:
-        by_epoch.setdefault(t["epoch"], {}).update(t)
     with tempfile.TemporaryDirectory() as tmp:
         writer = SummaryWriter(log_dir=tmp)
-        for epoch, row in sorted(by_epoch.items()):
-            for key, value in row.items():
+        for record in sorted(epochs, key=lambda e: e.epoch):
+            epoch = record.epoch
+            for key, value in (record.metrics_row() | record.timings_row()).items():
                 if key == "epoch" or not isinstance(value, (int, float)):
                     continue
                 writer.add_scalar(scalar_tag(key), value, global_step=epoch)

@@ -3,6 +3,8 @@ inference needs), the plots, TensorBoard files, bad_files.csv and summary.json."
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import shutil
 import time
@@ -26,6 +28,16 @@ from training.records import RunRecord
 from training.weights import model_kind, weights_record
 
 
+@dataclasses.dataclass(frozen=True)
+class BestEpoch:
+    """model_best.pt's weights and their epoch (1-based: the best validation accuracy among the
+    checkpoints kept), and model_ema.pt's (the last checkpoint's EMA; None without --model-ema)."""
+
+    model: dict
+    epoch: int
+    ema: dict | None = None
+
+
 def report_bad_files(bad_log, run_dir: str, log) -> None:
     bad = ray.get(bad_log.get.remote())
     if bad:
@@ -38,27 +50,28 @@ def write_results(
     cfg, tree, preset, plan, run: RunRecord, model: dict, bad: dict, *, start: float, log, faults=(), best=None
 ) -> dict:
     """model.pt (`model`: the last epoch's weights), model_best.pt (the best validation accuracy's:
-    `best`, from _fit; the last epoch's where None), model_ema.pt (best["ema"], with --model-ema),
+    `best`, a BestEpoch from _fit; the last epoch's where None), model_ema.pt (best.ema, with --model-ema),
     the plots, TensorBoard files and summary.json
     from the last checkpoint's records; `faults`: FaultLog.records() of the faults this invocation
     survived."""
     run_dir = cfg.run_dir
-    best = best or {"model": model, "epoch": run.last_epoch + 1, "val_acc": run.history[-1]["val_acc"]}
-    storage.write_bytes(storage.join(run_dir, "model.pt"), model_bytes(model, tree, preset, cfg))
-    storage.write_bytes(storage.join(run_dir, "model_best.pt"), model_bytes(best["model"], tree, preset, cfg))
-    if best.get("ema") is not None:  # --model-ema: the weights' average, in model.pt's format
-        storage.write_bytes(storage.join(run_dir, "model_ema.pt"), model_bytes(best["ema"], tree, preset, cfg))
-    storage.write_bytes(storage.join(run_dir, "curves.png"), plots.curves_png(run.history))
-    confusion = plots.confusion_png(run.epochs[-1].confusion, list(tree.class_names))
+    best = best or BestEpoch(model, run.last_epoch + 1)
+    names = tree.class_names
+    storage.write_bytes(storage.join(run_dir, "model.pt"), model_bytes(model, names, preset, cfg))
+    storage.write_bytes(storage.join(run_dir, "model_best.pt"), model_bytes(best.model, names, preset, cfg))
+    if best.ema is not None:  # --model-ema: the weights' average, in model.pt's format
+        storage.write_bytes(storage.join(run_dir, "model_ema.pt"), model_bytes(best.ema, names, preset, cfg))
+    storage.write_bytes(storage.join(run_dir, "curves.png"), plots.curves_png(run.epochs))
+    confusion = plots.confusion_png(run.epochs[-1].val.confusion, list(tree.class_names))
     storage.write_bytes(storage.join(run_dir, "confusion.png"), confusion)
     live = "tensorboard" in parse_log_to(cfg.log_to)  # the run wrote its event files as it went
-    if live or plots.write_tensorboard(run_dir, run.history, run.timings):
+    if live or plots.write_tensorboard(run_dir, run.epochs):
         logdir = storage.join(run_dir, "tensorboard")
         # tensorboardX writes the files without TensorBoard itself, which has the viewer
         viewer = "" if shutil.which("tensorboard") else "pip install tensorboard, then "
         log(f"tensorboard: {viewer}tensorboard --logdir {logdir}")
     sampled = cfg.seed if cfg.sampler == "balanced" else None
-    summary = summarize(run, start, plan, tree, bad, sampled) | {"faults": list(faults), "best_epoch": best["epoch"]}
+    summary = summarize(run, start, plan, tree, bad, sampled) | {"faults": list(faults), "best_epoch": best.epoch}
     for c in summary["coverage"]:
         if c["as_expected"] is False and c.get("sampled"):
             log(f"warning: epoch {c['epoch']} trained on {c['seen']} rows, its balanced draw held {c['drawn']}")
@@ -71,28 +84,26 @@ def write_results(
     return summary
 
 
-def model_bytes(state_dict, tree: ImageTree, preset: Preset, cfg: TrainConfig) -> bytes:
+def model_bytes(state_dict, class_names, preset: Preset, cfg: TrainConfig) -> bytes:
     """model.pt: everything inference needs, loadable with torch.load(weights_only=True)."""
-    import io
-
     buf = io.BytesIO()
     small_stem = uses_small_stem(cfg.small_stem, preset.image_size, cfg.model)
     width = state_dict["conv1.weight"].shape[0] if small_stem else 64
     model = ModelFile(
         arch=cfg.model,
         state_dict=state_dict,
-        class_names=tuple(tree.class_names),
+        class_names=tuple(class_names),
         image_size=preset.image_size,
         small_stem=small_stem,
         eval_transform={"ops": json.loads(json.dumps(preset.eval)), "mean": list(preset.mean), "std": list(preset.std)},
         # the same model and eval steps for torchvision alone (docs/guide.md, "Prediction and evaluation")
         torchvision_model=torchvision_model(
-            cfg.model, len(tree.class_names), small_stem=small_stem, image_size=preset.image_size, width=width
+            cfg.model, len(class_names), small_stem=small_stem, image_size=preset.image_size, width=width
         )
         if model_kind(cfg.model) == "torchvision"
         else None,
         model_source=model_source(
-            cfg.model, len(tree.class_names), small_stem=small_stem, image_size=preset.image_size, width=width
+            cfg.model, len(class_names), small_stem=small_stem, image_size=preset.image_size, width=width
         ),
         weights=weights_record(cfg),
         torchvision_eval=torchvision_eval(preset),
@@ -100,6 +111,35 @@ def model_bytes(state_dict, tree: ImageTree, preset: Preset, cfg: TrainConfig) -
     )
     torch.save(model.to_state(), buf)
     return buf.getvalue()
+
+
+def models_of_a_stopped_run(run_dir: str, checkpoints: list[str]) -> int | None:
+    """model.pt (the last checkpoint's weights) and model_best.pt (the kept checkpoint of the best
+    val_acc) of a run that was ended between epochs without writing them (a sweep's trial that the
+    scheduler stopped), from its `checkpoints` (their folders, the job's and Ray Train's own format)
+    and its config.json, as a finished run writes them; the last epoch, None where none is complete."""
+    from augment.presets import preset_from_dict
+    from training.worker.report import DamagedCheckpoint, load_checkpoint
+
+    saved = json.loads(storage.read_bytes(storage.join(run_dir, "config.json")))
+    cfg = TrainConfig(**saved["config"])
+    preset = preset_from_dict(saved["preset"])
+    kept = []  # (epoch, val_acc, weights)
+    for folder in checkpoints:
+        with ray.train.Checkpoint(folder).as_directory() as d:
+            try:
+                state = load_checkpoint(d, map_location="cpu")
+            except DamagedCheckpoint:
+                continue
+        run = RunRecord.from_state(state["records"])
+        kept.append((run.last_epoch + 1, run.epochs[-1].val.acc, state["learner"]["model"]))
+    if not kept:
+        return None
+    last, best = max(kept, key=lambda k: k[0]), max(kept, key=lambda k: (k[1], k[0]))
+    names = saved["class_names"]
+    storage.write_bytes(storage.join(run_dir, "model.pt"), model_bytes(last[2], names, preset, cfg))
+    storage.write_bytes(storage.join(run_dir, "model_best.pt"), model_bytes(best[2], names, preset, cfg))
+    return last[0]
 
 
 def torchvision_eval(preset: Preset) -> list | None:
@@ -130,30 +170,29 @@ def summarize(
 ) -> dict:
     """summary.json's figures; `sampled`: the seed of a --sampler balanced run (its coverage is
     checked against each epoch's draw)."""
-    history, timings = run.history, run.timings
-    last = history[-1]
-    steady = timings[1:] or timings  # skip the first epoch (actor start-up) when there is more than one
+    epochs, last = run.epochs, run.epochs[-1]
+    steady = epochs[1:] or epochs  # skip the first epoch (actor start-up) when there is more than one
     this_run = [t for t in run.first_steps if t >= start]  # first steps of this invocation's attempts
-    confusion = run.epochs[-1].confusion
+    confusion = last.val.confusion
+    seconds = sum(e.train.epoch_s for e in steady)
+
+    def steady_mean(figure) -> float:  # over the steady epochs, weighed by their seconds
+        return sum(figure(e.train) * e.train.epoch_s for e in steady) / seconds
+
     summary = {
-        "epochs": last["epoch"],
-        "val_acc": last["val_acc"],
-        "val_loss": last["val_loss"],
-        "best_val_acc": max(r["val_acc"] for r in history),
-        "train_loss": last["train_loss"],
-        "train_acc": last["train_acc"],
-        "train_images_per_s": round(
-            sum(t["images_per_s"] * t["epoch_s"] for t in steady) / sum(t["epoch_s"] for t in steady), 1
-        ),
-        "data_wait_frac": round(
-            sum(t["data_wait_frac"] * t["epoch_s"] for t in steady) / sum(t["epoch_s"] for t in steady), 4
-        ),
-        "train_images_per_s_inner": round(  # within epochs, their start and tail left out (timings.csv)
-            sum(t["inner_images_per_s"] * t["epoch_s"] for t in steady) / sum(t["epoch_s"] for t in steady), 1
-        ),
-        "decoded_on": {p: sum(int(t[f"decoded_{p}"]) for t in timings) for p in DECODE_PLACES},
+        "epochs": last.epoch,
+        "val_acc": last.val.acc,
+        "val_loss": last.val.loss,
+        "best_val_acc": max(e.val.acc for e in epochs),
+        "train_loss": last.train.loss,
+        "train_acc": last.train.acc,
+        "train_images_per_s": round(steady_mean(lambda t: t.images_per_s), 1),
+        "data_wait_frac": round(steady_mean(lambda t: t.data_wait_frac), 4),
+        # within epochs, their start and tail left out (timings.csv)
+        "train_images_per_s_inner": round(steady_mean(lambda t: t.inner_images_per_s), 1),
+        "decoded_on": {p: sum(e.train.decoded_on(p) for e in epochs) for p in DECODE_PLACES},
         "wall_s": round(time.time() - start, 1),
-        "bound": steady_verdict(run.slots, timings),  # what bounded the steady epochs
+        "bound": steady_verdict(run.slots, [(e.train.steady_s, e.bound) for e in epochs]),  # the steady epochs'
         # launch to the end of this invocation's first training step: imports, Ray, the trainer
         # and the data pipeline starting (a rerun that resumes counts its own)
         "startup_s": round(min(this_run) - start, 1) if this_run else None,
@@ -175,6 +214,6 @@ def summarize(
         "resumed_at_epochs": run.resumed_at_epochs,
         "ranks": run.ranks,
     }
-    if "val_top5" in last:
-        summary["val_top5"] = last["val_top5"]
+    if last.val.top5 is not None:
+        summary["val_top5"] = last.val.top5
     return summary

@@ -7,6 +7,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
+
+from training import ray_private
 
 # Ray's own notices about what this job does by design, which a user cannot act on (docs/design.md,
 # "Console"), matched on what the driver prints of other processes' output:
@@ -68,13 +71,6 @@ def quiet_ray_data(verbose: bool = False) -> None:
     logging.getLogger("ray.data").setLevel(logging.WARNING)
 
 
-def quiet_ray(verbose: bool = False) -> dict:
-    """Both of the above, for a caller that starts its own cluster (the tests)."""
-    kwargs = quiet_ray_env(verbose)
-    quiet_ray_data(verbose)
-    return kwargs
-
-
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 
 
@@ -120,8 +116,6 @@ def joined_runtime_env(verbose: bool = False) -> dict:
     without this job's environment, so quiet_ray_env's settings reach them through Ray's worker
     setup hook (quiet_worker_process, below). A hook of the user's own, in the
     runtime env of `ray job submit`, is kept, and then Ray's notices print as Ray has them."""
-    from training import ray_private
-
     if verbose or "worker_process_setup_hook" in ray_private.job_runtime_env():
         return {}
     return {"runtime_env": {"worker_process_setup_hook": "training.driver.session.quiet_worker_process"}}
@@ -133,9 +127,6 @@ def quiet_worker_process() -> None:
     job starts itself. No deprecation notices from Ray's own code, and Ray Data's console
     gets warnings only, without its per-execution notices (ray_data_logging.yaml, found in
     this process's copy of the package: a working_dir lies elsewhere on every node)."""
-    import sys
-    import warnings
-
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     os.environ.setdefault("RAY_DATA_LOGGING_CONFIG", RAY_DATA_LOGGING)
     if "ray.data" in sys.modules:  # imported already: its logging was configured without the file

@@ -19,13 +19,18 @@ be reached, or fails mid-run, costs one warning line and is left out, never the 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
+import netrc
 import os
 import secrets
+import time
 
 from training import storage
 from training.config import ConfigError
+from training.driver.plots import scalar_tag
+from training.records import StepFigures
 
 TRACKERS = ("tensorboard", "mlflow", "wandb")
 IDS_FILE = "trackers.json"
@@ -34,8 +39,6 @@ IDS_FILE = "trackers.json"
 def parse_log_to(value: str) -> tuple[str, ...]:
     """--log-to's names (comma-separated, any order); ConfigError for an unknown one or a library that
     is not installed. Light: the libraries are looked for, not imported."""
-    import importlib.util
-
     names = tuple(dict.fromkeys(n.strip().lower() for n in (value or "").split(",") if n.strip()))
     for name in names:
         if name not in TRACKERS:
@@ -89,10 +92,11 @@ class Tracking:
             storage.write_json(storage.join(self.cfg.run_dir, IDS_FILE), self.ids | with_ids)
 
     def on_epoch_end(self, record) -> None:
-        figures = {k: float(v) for k, v in (record.metrics | record.timings).items() if _number(v) and k != "epoch"}
+        row = record.metrics_row() | record.timings_row()  # made from the record's fields, named as the files name them
+        figures = {k: float(v) for k, v in row.items() if _number(v) and k != "epoch"}
         self._each("epoch", record.epoch, figures)
 
-    def on_step(self, point: dict) -> None:
+    def on_step(self, point: StepFigures) -> None:
         self._each("step", point)
 
     def finish(self, files: list[str], ok: bool = True) -> None:
@@ -125,15 +129,13 @@ class TensorBoardSink:
         self.writer.add_text("config", json.dumps(config, indent=1, default=str))
 
     def epoch(self, epoch: int, figures: dict) -> None:
-        from training.driver.plots import scalar_tag
-
         for key, value in figures.items():
             self.writer.add_scalar(scalar_tag(key), value, epoch)  # the tags the run's end writes otherwise
         self.writer.flush()  # readable while the run goes
 
-    def step(self, point: dict) -> None:
-        for key in ("loss", "lr", "images_per_s"):
-            self.writer.add_scalar(f"step/{key}", point[key], point["step"])
+    def step(self, point: StepFigures) -> None:
+        for key, value in point.scalars().items():
+            self.writer.add_scalar(f"step/{key}", value, point.step)
 
     def finish(self, files: list[str], ok: bool) -> None:
         self.writer.close()
@@ -175,20 +177,16 @@ class MlflowSink:
             self.client.update_run(self.run_id, status="RUNNING")
 
     def epoch(self, epoch: int, figures: dict) -> None:
-        import time
-
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, epoch) for k, v in figures.items()])
 
-    def step(self, point: dict) -> None:
-        import time
-
+    def step(self, point: StepFigures) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(f"step_{k}", point[k], now, point["step"]) for k in ("loss", "lr", "images_per_s")]
+        metrics = [Metric(f"step_{k}", v, now, point.step) for k, v in point.scalars().items()]
         self.client.log_batch(self.run_id, metrics=metrics)
 
     def finish(self, files: list[str], ok: bool) -> None:
@@ -226,8 +224,8 @@ class WandbSink:
     def epoch(self, epoch: int, figures: dict) -> None:
         self.run.log({"epoch": epoch, **{f"epoch/{k}": v for k, v in figures.items()}})
 
-    def step(self, point: dict) -> None:
-        self.run.log({"train_step": point["step"], **{f"step/{k}": point[k] for k in ("loss", "lr", "images_per_s")}})
+    def step(self, point: StepFigures) -> None:
+        self.run.log({"train_step": point.step, **{f"step/{k}": v for k, v in point.scalars().items()}})
 
     def finish(self, files: list[str], ok: bool) -> None:
         import wandb
@@ -242,8 +240,6 @@ class WandbSink:
 
 
 def _netrc_has_wandb() -> bool:
-    import netrc
-
     try:
         return netrc.netrc().authenticators("api.wandb.ai") is not None
     except (OSError, netrc.NetrcParseError):

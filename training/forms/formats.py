@@ -18,10 +18,13 @@ its folder).
 
 from __future__ import annotations
 
+import tarfile
 from pathlib import PurePosixPath
 
+import numpy as np
 import pyarrow.fs as pafs
 
+from augment.decode import BadImage, decode_image, read_header
 from training import storage
 from training.forms import huggingface, webdataset
 from training.forms.data import DataError, ImageTree, check_root_name, on_side
@@ -88,10 +91,7 @@ def sample_sizes(split, count: int) -> list[tuple[int, int]]:
     pages; prepared shards: their width and height columns), so that it stays cheap on object
     storage. A unit that cannot be read, or a header that does not, gives none: those images fail,
     and are listed, when training meets them."""
-    import tarfile
     from concurrent.futures import ThreadPoolExecutor
-
-    import numpy as np
 
     units = split.units
     picks = np.unique(np.linspace(0, len(units) - 1, min(count, len(units))).round().astype(int))
@@ -112,8 +112,6 @@ def sample_sizes(split, count: int) -> list[tuple[int, int]]:
 
 def header_size(data: bytes) -> tuple[int, int] | None:
     """(width, height) from an image's first bytes, read as decoding reads headers; None for a bad one."""
-    from augment.decode import BadImage, read_header
-
     try:
         height, width, _ = read_header(data)
     except BadImage:
@@ -189,8 +187,6 @@ def shard_examples(split, *, classes: int, per_class: int, skipped: list | None 
     """augment.preview.read_examples for a sharded split: the first `per_class` images of each of
     the first `classes` labels, in the order of its units, decoded; what fails to read or decode
     is passed over, and added to `skipped` as (path, reason)."""
-    from augment.decode import BadImage, decode_image
-
     chosen: dict[int, list] = {}
     skipped = [] if skipped is None else skipped
     for unit in split.units:

@@ -18,6 +18,7 @@ of 256 images: the unit that training reads in a new order every epoch (training
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,7 @@ from pathlib import PurePosixPath
 
 import numpy as np
 
+from augment.decode import BadImage, read_header
 from augment.streams import stream_rng
 from training import storage
 from training.forms.data import DataError, ImageTree, ShardFormat, check_classes, concat, make_split, sharded
@@ -54,8 +56,6 @@ def _image_size(data: bytes) -> tuple[int | None, int | None]:
     """(height, width) from the image header, read as decoding reads it (augment/decode.py
     read_header); (None, None) for a bad header (training then drops and reports the file, as it
     does for a bad file in a tree)."""
-    from augment.decode import BadImage, read_header
-
     try:
         return read_header(data)[:2]
     except BadImage:
@@ -253,8 +253,6 @@ def read_row_groups(units, shards, columns: list[str], failed=None):
     that cannot be read (its shard, its footer or its pages) goes to `failed(unit, path, pf,
     error)`, pf the ParquetFile where the footer was read (else None); without `failed`, the
     error is raised."""
-    import itertools
-
     import pyarrow.parquet as pq
 
     order = sorted(range(len(units)), key=lambda i: (int(units[i][0]), int(units[i][1])))

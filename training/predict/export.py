@@ -15,6 +15,7 @@ torchvision's state_dict: that model takes float NCHW, normalised by the caller.
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import warnings
@@ -22,7 +23,9 @@ import warnings
 import numpy as np
 import torch
 
+from training.model import torchvision_model as spec
 from training.modelfile import ModelFile
+from training.predict.inference import Predictor
 
 FORMATS = ("onnx", "torchscript", "safetensors")
 NEEDS = {"onnx": ("onnx", "onnxruntime"), "torchscript": (), "safetensors": ("safetensors",)}
@@ -40,8 +43,6 @@ class MissingLibrary(ImportError):
 
 def check_libraries(fmt: str) -> None:
     """MissingLibrary, one line naming the extra, when `fmt` needs a package that does not import."""
-    import importlib
-
     for name in NEEDS[fmt]:
         try:
             importlib.import_module(name)
@@ -69,8 +70,6 @@ class NormalizedModel(torch.nn.Module):
 
 def reference_model(info: ModelFile) -> NormalizedModel:
     """The model and normalisation of training/predict/inference.py's Predictor, which jobs.predict runs."""
-    from training.predict.inference import Predictor
-
     predictor = Predictor(info)
     return NormalizedModel(predictor.normalize, predictor.model).eval()
 
@@ -177,8 +176,6 @@ def sidecar(info: ModelFile, fmt: str) -> dict:
 
 def model_spec(info: ModelFile) -> dict:
     """model.pt's `torchvision_model`; for an older file without one, the same made from its values."""
-    from training.model import torchvision_model as spec
-
     if info.torchvision_model:
         return info.torchvision_model
     width = info.state_dict["conv1.weight"].shape[0] if info.small_stem else 64

@@ -21,11 +21,18 @@ from pathlib import PurePosixPath
 import numpy as np
 import torch
 
+from augment.batch import augment_batch
+from augment.ops import Normalize
+from augment.pipeline import Pipeline
 from training import storage
+from training.config import ConfigError
+from training.forms import huggingface, webdataset
 from training.forms.data import DataError, Split, label_of, make_split
 from training.forms.tree import list_images, scan_tree
-from training.modelfile import REQUIRED, ModelFile
+from training.model import build_model, check_model, model_names
+from training.modelfile import REQUIRED, ModelFile, StaleModelFile, check_version
 from training.rows import IMAGE, LABEL, PATH
+from training.weights import model_kind
 
 
 class ModelFileError(ValueError):
@@ -55,6 +62,11 @@ def load_model_file(path: str) -> ModelFile:
         info = torch.load(source, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - pickle, zip and torch errors alike mean "not a model.pt"
         raise ModelFileError(f"--model {path}: not a model.pt written by jobs.train ({type(e).__name__})") from None
+    if isinstance(info, dict) and "eval_transform" in info:  # jobs.train's, of whichever version
+        try:
+            check_version(info)
+        except StaleModelFile as e:
+            raise ModelFileError(f"--model {path}: {e}") from None
     missing = [k for k in REQUIRED if not isinstance(info, dict) or k not in info]
     if missing:
         raise ModelFileError(
@@ -69,10 +81,6 @@ def check_arch(arch, path: str) -> None:
     """ModelFileError where this process cannot build the model.pt's model: a torchvision name this
     torchvision does not have, a timm model without timm or unknown to it, a function of the
     user's that does not import (run from the folder that trained it, or put it on PYTHONPATH)."""
-    from training.config import ConfigError
-    from training.model import check_model, model_names
-    from training.weights import model_kind
-
     if not isinstance(arch, str) or arch == "resnet18":  # a bad value: check_model_values says so
         return
     if model_kind(arch) == "torchvision":
@@ -106,6 +114,7 @@ def check_model_values(info: dict, path: str) -> None:
         or not all(isinstance(v, torch.Tensor) for v in info["state_dict"].values())
         else "",
         "eval_transform has no ops, mean and std" if not isinstance(t, dict) or {"ops", "mean", "std"} - set(t) else "",
+        "config is not the run's flags" if not isinstance(info["config"], dict) else "",
     ]
     problems = [p for p in problems if p]
     if not problems:
@@ -151,7 +160,6 @@ def input_splits(root: str, info: ModelFile, split: str = "all", val_fraction: f
     or row of an export (split="all": test and unlabelled ones too, label -1); else the splits
     of data in another form as training scans them (DataError if its classes are not the
     model's)."""
-    from training.forms import huggingface, webdataset
     from training.forms.formats import data_kind, scan_data
 
     kind, files = data_kind(root)
@@ -175,10 +183,6 @@ class Predictor:
     def __init__(self, info: ModelFile | str, device: str = "cpu", tally=None):
         """`info`: load_model_file's ModelFile, or the model file's path, which each actor reads itself;
         `tally`: training/predict/scoring.py's Tally actor, told each batch's counts (None: not told)."""
-        from augment.ops import Normalize
-        from augment.pipeline import Pipeline
-        from training.model import build_model
-
         info = load_model_file(info) if isinstance(info, str) else info
         self.device = torch.device(device)
         t = info.eval_transform
@@ -191,8 +195,6 @@ class Predictor:
 
     @torch.no_grad()
     def __call__(self, batch: dict) -> dict:
-        from augment.batch import augment_batch
-
         n = len(batch[LABEL])
         if n == 0:
             return {

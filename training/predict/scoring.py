@@ -16,8 +16,10 @@ per-batch counts, so no process holds every row, whatever the number of images.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
+import ray
 
 from training import storage
 from training.driver.faults import driver_actor
@@ -33,8 +35,6 @@ PARTS_RECORD = ".predictions.json"  # in a --out folder: the Parquet files this 
 def earlier_parts(folder: str) -> list[str] | None:
     """The Parquet files an earlier jobs.predict wrote into `folder` (PARTS_RECORD), those still there;
     None where no record says so: then the folder's Parquet files are someone else's."""
-    import json
-
     record = storage.join(folder, PARTS_RECORD)
     if not storage.exists(record):
         return None
@@ -112,8 +112,6 @@ def score_to(
     gpus_per_actor: float = 1.0,
 ) -> ScoreReport:
     """Score every image of `splits` into `out` (see the module's docstring)."""
-    import ray
-
     from training.predict.inference import scoring_dataset
 
     ray.data.DataContext.get_current().execution_options.preserve_order = True

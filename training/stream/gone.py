@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 
 
 class DataGone(RuntimeError):
@@ -27,7 +28,5 @@ class QuietDataGone(logging.Filter):
     worker_error); Ray Data's log file keeps them. ray_data_logging.yaml names it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        import sys
-
         error = record.exc_info[1] if record.exc_info else sys.exc_info()[1]
         return error is None or data_gone(f"{record.getMessage()}\n{error}") is None

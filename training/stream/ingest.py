@@ -1,8 +1,8 @@
 """The trainer's input: Ray Datasets that read, decode and augment each split, and how
 they are split between the ranks.
 
-    files or shards --(read task: a new order every epoch)--> {bytes, path, label, key}
-        --(augment stage: decode + augment in one call)--> {image uint8 (B, S, S, 3), label, key}
+    files or shards --(read task: a new order every epoch)--> {bytes, path, label, key, epoch}
+        --(augment stage: decode + augment in one call)--> {image uint8 (B, S, S, 3), label, key, epoch}
 
 Where decoding happens (`choose_decode`, printed in the plan line; docs/design.md,
 "Decoding"): on a GPU, in the augment task (nvjpeg); on CPUs, in the augment call too,
@@ -14,7 +14,8 @@ The file order is drawn from (seed, epoch) when each epoch's execution starts, i
 process that runs it: the same on every machine and for a run resumed at epoch k as for
 one that ran straight through. (Ray Data's own per-execution reshuffling keys its seed on
 a counter of executions, which restarts when a run resumes.) The local shuffle buffer of
-the train loop mixes rows across read tasks on top.
+the train loop mixes rows across read tasks on top. Every row carries the epoch it was read
+for to the augment stage (EPOCH), which draws its augmentation for that epoch.
 
 Constant per-task cost: the split's file table goes to the object store once; a read
 task carries only its own rows of it (or its own units of a sharded split, whose rows get
@@ -34,21 +35,23 @@ import math
 import time
 
 import numpy as np
+import pyarrow.fs as pafs
 import ray
 import ray.data
 import ray.train
 from ray.data.block import BlockAccessor, BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
+from augment import engines
 from augment.decode import BadImage, decode_image, stack_images
 from augment.streams import stream_rng
 from training import ray_private, storage
 from training.forms.data import DataError, Split, below, on_side
 from training.forms.formats import read_units
-from training.rows import BYTES, IMAGE, KEY, LABEL, PATH, READ_COST, REASON, seconds_per_row
+from training.rows import BYTES, EPOCH, IMAGE, KEY, LABEL, PATH, READ_COST, REASON
 from training.storage import filesystem
 from training.stream.gone import DataGone, data_gone
-from training.stream.stage import StageArgs, add_augment
+from training.stream.stage import StageArgs, add_augment, seconds_per_row
 from training.stream.stamp import current_epoch
 
 ROWS_PER_TASK = 256  # at most this many files per read task (one augment call per block on CPUs)
@@ -88,8 +91,6 @@ class DecodePlan:
 def gpu_decoder(setting: str = "auto") -> str:
     """What decodes on a GPU for --gpu-decoder `setting` (augment/batch.py default_decoder), as
     the plan line names it."""
-    from augment import engines
-
     if setting == "nvjpeg":
         return "torchvision's nvjpeg (--gpu-decoder nvjpeg)"
     if setting == "nvimgcodec" or engines.available():
@@ -157,8 +158,8 @@ class SplitSource(Datasource):
     the read task decodes.
 
     The epoch comes from the run's EpochClock when each execution starts (rank 0 advances it
-    before asking for the epoch's data); without a clock, or with shuffle off, the order is
-    epoch 0's / the split's own.
+    before asking for the epoch's data), and every row carries it (EPOCH: the epoch the augment
+    stage draws for); without a clock it is 0, and with shuffle off the order is the split's own.
     """
 
     def __init__(
@@ -206,7 +207,7 @@ class SplitSource(Datasource):
 
     def get_read_tasks(self, parallelism: int, per_task_row_limit=None, data_context=None) -> list[ReadTask]:
         ray_private.data_limits_from_the_start()  # this process is about to execute the dataset
-        epoch = current_epoch(self._clock) if self._shuffle else 0
+        epoch = current_epoch(self._clock)  # once an execution: its rows carry it (EPOCH)
         units, shards = ray.get(self._units)
         order = epoch_order(self._n, self._seed, epoch, self._labels) if self._shuffle else np.arange(self._n)
         mean_bytes, per_task = self._bytes / max(1, self._rows), self._units_per_task
@@ -218,11 +219,12 @@ class SplitSource(Datasource):
                 task_units = np.column_stack([local, units[chosen, 1:]])
                 order_seed = (self._seed, epoch, start)
                 fn = functools.partial(
-                    _read_units, task_units, self._shuffle, order_seed, shards=[shards[i] for i in mine], **self._read
+                    _read_units, task_units, self._shuffle, order_seed, epoch, shards=[shards[i] for i in mine]
                 )
+                fn = functools.partial(fn, **self._read)
                 n_rows = int(units[chosen, -1].sum())
             else:
-                fn = functools.partial(_read_files, units.take(chosen), **self._read)
+                fn = functools.partial(_read_files, units.take(chosen), epoch, **self._read)
                 n_rows = len(chosen)
             meta = BlockMetadata(
                 num_rows=n_rows, size_bytes=int(n_rows * mean_bytes), input_files=None, exec_stats=None
@@ -245,8 +247,6 @@ def read_plan(split: Split, rows_per_task: int) -> tuple[int, int]:
 def _check_there(where: str, failed: str, reason: str) -> None:
     """DataGone where `where` (a split's root, a shard's folder) cannot be listed any more: then
     reading `failed` went wrong for a reason that is not the file's, and so would every read."""
-    import pyarrow.fs as pafs
-
     try:
         fs, base, prefix = filesystem(where)
         missing = fs.get_file_info(base).type == pafs.FileType.NotFound
@@ -284,14 +284,15 @@ def _read_all(fs, paths: list[str], *, threads: bool) -> list:
         return list(pool.map(read, paths))
 
 
-def _read_files(rows, *, root, decode, bad_log, relative_paths):
-    """A read task: its files' bytes, path, label and key (`rows`: their Arrow table). A file whose
-    read fails is left out and reported as a bad file with the error; DataGone where the split's
-    root itself went (_check_there)."""
+def _read_files(rows, epoch: int = 0, *, root, decode, bad_log, relative_paths):
+    """A read task: its files' bytes, path, label and key (`rows`: their Arrow table), read for
+    `epoch`. A file whose read fails is left out and reported as a bad file with the error;
+    DataGone where the split's root itself went (_check_there)."""
     started = time.perf_counter()
     rel = rows.column(PATH).to_pylist()
     fs, base, prefix = filesystem(root)
-    full = [below(base, r) for r in rel]
+    top = base.rstrip("/")
+    full = [f"{top}/{r}" for r in rel]  # forms/data.py below(base, r), joined here for a task's files at once
     datas = _read_all(fs, full, threads=bool(prefix))
     shown = rel if relative_paths else [prefix + p for p in full]
     failed = [i for i, d in enumerate(datas) if isinstance(d, OSError)]
@@ -306,10 +307,10 @@ def _read_files(rows, *, root, decode, bad_log, relative_paths):
         LABEL: rows.column(LABEL).to_numpy().astype(np.int64),
         KEY: rows.column(KEY).to_numpy(),
     }
-    yield from _blocks(columns, decode, bad_log, started, unread)
+    yield from _blocks(columns, epoch, decode, bad_log, started, unread)
 
 
-def _read_units(units, shuffle, order_seed, *, root, shards, form, side, decode, bad_log, relative_paths):
+def _read_units(units, shuffle, order_seed, epoch, *, root, shards, form, side, decode, bad_log, relative_paths):
     """A read task of a sharded split: its units (row groups, runs of tar members), their rows
     (those of its side of a hash split) in an order drawn from (seed, epoch, task) so that
     consecutive epochs pair different neighbours."""
@@ -329,11 +330,11 @@ def _read_units(units, shuffle, order_seed, *, root, shards, form, side, decode,
         LABEL: table.column(LABEL).to_numpy(),
         KEY: table.column(KEY).to_numpy(),
     }
-    yield from _blocks(columns, decode, bad_log, started, unread)
+    yield from _blocks(columns, epoch, decode, bad_log, started, unread)
 
 
-def _blocks(columns: dict, decode: bool | str, bad_log, started: float, unread=()):
-    """The Arrow blocks of a read task: the encoded files, or (decode) the decoded images of
+def _blocks(columns: dict, epoch: int, decode: bool | str, bad_log, started: float, unread=()):
+    """The Arrow blocks of a read task for `epoch` (EPOCH): the encoded files, or (decode) the decoded images of
     those that decode, a block per DECODED_BLOCK_BYTES of pixels at most, the rest reported to
     the bad-file log with `unread` (path, reason: what the task could not read); decode="check"
     yields only the bad files, {path, reason}, for the caller to record. Each block's rows carry
@@ -348,7 +349,8 @@ def _blocks(columns: dict, decode: bool | str, bad_log, started: float, unread=(
         if unread and bad_log is not None:
             bad_log.add.remote(list(unread))  # fire and forget, as below
         cost = seconds_per_row(started, len(datas))
-        yield pa.table({BYTES: datas} | {k: columns[k] for k in (PATH, LABEL, KEY)} | {READ_COST: cost})
+        rows = {BYTES: datas} | {k: columns[k] for k in (PATH, LABEL, KEY)} | {READ_COST: cost}
+        yield pa.table(rows | {EPOCH: np.full(len(datas), epoch, dtype=np.int64)})
         return
     images, keep, bad, held, blocks = [], [], list(unread), 0, 0
     for i, data in enumerate(datas.to_pylist() if isinstance(datas, pa.ChunkedArray) else datas):
@@ -362,7 +364,7 @@ def _blocks(columns: dict, decode: bool | str, bad_log, started: float, unread=(
             keep.append(i)
             held += image.nbytes
         if held >= DECODED_BLOCK_BYTES:
-            yield _decoded_block(columns, images, keep, started)
+            yield _decoded_block(columns, images, keep, started, epoch)
             images, keep, held, blocks, started = [], [], 0, blocks + 1, time.perf_counter()
     if decode == "check":
         yield pa.table({PATH: [p for p, _ in bad], REASON: [r for _, r in bad]}, schema=_bad_schema())
@@ -370,10 +372,10 @@ def _blocks(columns: dict, decode: bool | str, bad_log, started: float, unread=(
     if bad and bad_log is not None:
         bad_log.add.remote(bad)  # fire and forget: the driver reads the log after training
     if images or not blocks:
-        yield _decoded_block(columns, images, keep, started)
+        yield _decoded_block(columns, images, keep, started, epoch)
 
 
-def _decoded_block(columns: dict, images: list, keep: list[int], started: float):
+def _decoded_block(columns: dict, images: list, keep: list[int], started: float, epoch: int):
     out = {
         IMAGE: stack_images(images),
         LABEL: np.asarray(columns[LABEL])[keep],
@@ -381,6 +383,7 @@ def _decoded_block(columns: dict, images: list, keep: list[int], started: float)
     }
     out[PATH] = np.asarray(columns[PATH], dtype=object)[keep]
     out[READ_COST] = seconds_per_row(started, len(keep))
+    out[EPOCH] = np.full(len(keep), epoch, dtype=np.int64)
     return BlockAccessor.batch_to_block(out)
 
 
@@ -468,9 +471,8 @@ def build_datasets(cfg, tree, preset, plan, clock, bad_log=None, decode: DecodeP
             shrink=decode.shrink and train,
             gpu_decoder=cfg.gpu_decoder,
         )
-        clock_or_none = clock if train else None
         inputs = read_plan(split, rows)[1] if len(split) else 0
-        out[split_name] = add_augment(ds, plan, args, clock=clock_or_none, bad_log=bad_log, rows=rows, inputs=inputs)
+        out[split_name] = add_augment(ds, plan, args, bad_log=bad_log, rows=rows, inputs=inputs)
     return out
 
 

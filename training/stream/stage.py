@@ -7,15 +7,18 @@ knows nothing of Ray.
 Each builds its pipeline once per process, on `cuda` when Ray gave it a GPU and on the
 CPU otherwise, and then augments whole batches, decoded or still encoded:
 
-    {image: uint8 (B, H, W, 3) or ragged, label, key}  ->  {image: uint8 (B, S, S, 3), label, key, epoch}
-    {bytes, path, label, key}                          ->  the same, decoded in the same call
+    {image: uint8 (B, H, W, 3) or ragged, label, key, epoch}  ->  {image: uint8 (B, S, S, 3), label, key, epoch}
+    {bytes, path, label, key, epoch}                          ->  the same, decoded in the same call
                                                            (augment/batch.py, decode_augment)
 
 A file that fails to decode is dropped from its batch on its own and reported, with its
 path, to the run's bad-file log.
 
-The epoch, which the augmentation depends on, comes from the run's epoch clock, and every
-row carries the epoch its parameters were drawn for (training/stream/stamp.py: the epoch stamp).
+The epoch, which the augmentation depends on, comes with the rows: the read task writes the
+epoch it read for (training/stream/ingest.py, from the run's epoch clock, once an execution),
+so no augment call asks an actor; every row leaves with the epoch its parameters were drawn
+for (training/stream/stamp.py: the epoch stamp). The stage's Pipeline keeps the epoch's
+pipeline (Pipeline.at_epoch) from the epoch's first batch to its last.
 
 This module imports no torch at import: Ray's coordinator processes unpickle the dataset
 plan that names these classes, and only the processes that augment need torch.
@@ -42,9 +45,14 @@ from training.rows import (
     LABEL,
     PATH,
     READ_COST,
-    seconds_per_row,
 )
-from training.stream.stamp import current_epoch, stamp
+from training.stream.stamp import stamp
+
+
+def seconds_per_row(started: float, rows: int) -> np.ndarray:
+    """A stage's stamp for the `rows` rows it made (READ_COST, AUGMENT_COST): each one's share of
+    the seconds since `started` (time.perf_counter())."""
+    return np.full(rows, (time.perf_counter() - started) / max(rows, 1), dtype=np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,9 +78,10 @@ class StageArgs:
 
 class AugmentStage:
     """map_batches callable (an actor pool's, or augment_task's per-process stage): `args` fix
-    the pipeline; the epoch comes from `clock` at each call, bad files go to `bad_log`."""
+    the pipeline; the epoch comes with the rows (EPOCH, 0 where they have none), bad files go
+    to `bad_log`."""
 
-    def __init__(self, args: StageArgs, *, device: str = "auto", clock=None, bad_log=None):
+    def __init__(self, args: StageArgs, *, device: str = "auto", bad_log=None):
         import torch
 
         from augment.pipeline import Pipeline
@@ -86,7 +95,6 @@ class AugmentStage:
         ops = spec.train if args.train else spec.eval
         schedules = {"schedule": args.schedule, "resize": args.resize} if args.train else {}
         self.pipeline = Pipeline(ops, seed=args.seed, epochs=args.epochs, **schedules).to(self.device)
-        self.clock = clock
         self.shrink = args.shrink and args.train  # evaluation decodes at full size (torchvision parity)
         self.gpu_decoder = args.gpu_decoder
         self.bad_log = bad_log
@@ -101,7 +109,7 @@ class AugmentStage:
         if self.device.index is not None:  # a task's cuda:N: what lands on "the" GPU lands on ours
             torch.cuda.set_device(self.device)
         clock = StreamClock(self.device)
-        epoch = current_epoch(self.clock)
+        epoch = int(batch[EPOCH][0]) if EPOCH in batch and len(batch[EPOCH]) else 0  # an execution reads for one epoch
         keys = torch.as_tensor(np.array(batch[KEY]))
         if BYTES in batch:
             decoder = default_decoder(self.device, self.gpu_decoder)
@@ -223,7 +231,7 @@ def drop_other_devices(device: str) -> None:
                 torch.cuda.empty_cache()
 
 
-def augment_task(batch: dict, *, args: StageArgs, clock=None, bad_log=None) -> dict:
+def augment_task(batch: dict, *, args: StageArgs, bad_log=None) -> dict:
     """map_batches *function* form of AugmentStage for Ray Data tasks: the worker processes
     outlive the epoch (on a GPU share too: task_resources), so nothing is rebuilt when the
     next epoch starts, while an actor pool is started afresh for each epoch's execution.
@@ -234,7 +242,7 @@ def augment_task(batch: dict, *, args: StageArgs, clock=None, bad_log=None) -> d
     if stage is None:
         drop_other_devices(device)
         stage = STAGES[(args, device)] = AugmentStage(args, device=device)
-    stage.clock, stage.bad_log = clock, bad_log
+    stage.bad_log = bad_log
     return stage(batch)
 
 
@@ -262,10 +270,10 @@ def task_resources(plan, inputs: int | None = None) -> dict:
     return {"num_gpus": plan.augment_gpus, "max_calls": 0, "runtime_env": {"env_vars": GPU_TASK_ENV}} | cpus | cap
 
 
-def add_augment(ds, plan, args: StageArgs, *, clock, bad_log, rows: int, inputs: int):
+def add_augment(ds, plan, args: StageArgs, *, bad_log, rows: int, inputs: int):
     """ds with the augment stage mapped over it where the plan puts it (training/stream/ingest.py
     build_datasets): `rows` images per call, `inputs` the read's blocks."""
-    kwargs = {"clock": clock, "bad_log": bad_log}
+    kwargs = {"bad_log": bad_log}
     if not plan.augment_tasks:
         return ds.map_batches(
             AugmentStage,

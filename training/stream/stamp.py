@@ -1,10 +1,12 @@
 """The epoch stamp: which epoch every augmented row was drawn for, from the clock to the check.
 
-The augmentation of an image depends on the epoch, which the augment stage and the read's
-file order take from a tiny EpochClock actor; rank 0 of the trainer advances it before it
-asks for the epoch's data (Ray Data's split coordinator holds every epoch's execution until
-all ranks have asked for it, so no batch of epoch e is drawn before the clock says e). Every
-row the stage returns carries that epoch (its `epoch` column, `stamp`); the trainer checks the
+The augmentation of an image depends on the epoch, which the read takes from a tiny
+EpochClock actor once an execution, for its file order and for every row it reads (their
+`epoch` column, training/stream/ingest.py), so the augment stage draws for the rows' epoch and
+asks no actor; rank 0 of the trainer advances the clock before it asks for the epoch's data
+(Ray Data's split coordinator holds every epoch's execution until all ranks have asked for it,
+so no batch of epoch e is read before the clock says e). Every row the stage returns carries
+the epoch it was drawn for (its `epoch` column, `stamp`); the trainer checks the
 first batch's stamp at once and counts stale rows for the rest (`check_stamp`, `stale_rows`),
 and refuses an epoch that held any (StaleBatch), so a change in that ordering fails loudly
 instead of reusing an epoch's augmentation (docs/design.md, "Epoch stamp").
@@ -56,8 +58,8 @@ def check_stamp(stamps, epoch: int) -> None:
     first = int(stamps[0])  # a host sync: once per epoch
     if first != epoch:
         raise StaleBatch(
-            f"epoch {epoch + 1}: the first batch was augmented for epoch {first + 1}; the augment stage read "
-            "the epoch clock before rank 0 advanced it (docs/design.md, 'Epoch stamp')"
+            f"epoch {epoch + 1}: the first batch was augmented for epoch {first + 1}; the read took the epoch "
+            "from the clock before rank 0 advanced it (docs/design.md, 'Epoch stamp')"
         )
 
 

@@ -12,6 +12,7 @@ from ray import tune as ray_tune
 
 from training import storage
 from training.config import TrainConfig
+from training.driver.plots import sweep_png
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,17 +46,21 @@ def last_line(error) -> str:
     return line[:400]
 
 
+# Tune pickles its callbacks into the experiment (tuner.pkl) and a restore unpickles them, so a
+# TrialEvents cannot carry the caller's log function across: it finds it here, by its sweep's folder
+# (training/sweep/tuner.py run_tuner sets it for the Tuner's fit), and a restored sweep's lines go
+# where the first run's went.
+EVENT_LOGS: dict = {}
+
+
 class TrialEvents(ray_tune.Callback):
     """One line per trial event: started, epoch k reported, stopped early, finished, failed."""
 
-    def __init__(self, epochs: int, metric: str, log):
-        self.epochs, self.metric, self.log = epochs, metric, log
+    def __init__(self, sweep_dir: str, epochs: int, metric: str):
+        self.sweep_dir, self.epochs, self.metric = sweep_dir, epochs, metric
 
-    def __getstate__(self) -> dict:  # saved with Tune's experiment: a restored sweep prints its lines
-        return {"epochs": self.epochs, "metric": self.metric}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state, log=say)
+    def log(self, line: str) -> None:
+        EVENT_LOGS.get(getattr(self, "sweep_dir", None), say)(line)  # None: pickled before sweep_dir was kept
 
     def on_trial_start(self, iteration, trials, trial, **info):
         self.log(f"{trial_label(trial)} started: {params_text(trial.config)}")
@@ -119,11 +124,15 @@ def trial_row(result, params: list[str], cfg: TrainConfig, metric: str, mode: st
 
 def finish(cfg: TrainConfig, dims, options, grid, log):
     """trials.csv, trials.png, the end table and the best trial's command; the SweepResult."""
-    from training.driver.plots import sweep_png
-
     params = [d.key for d in dims if d.swept]
     metric = options.metric
     rows = sorted((trial_row(r, params, cfg, metric, options.mode) for r in grid), key=lambda r: r["trial"])
+    for row in rows:
+        if row["status"] == "stopped early" and not storage.exists(storage.join(row["run_dir"], "model.pt")):
+            try:
+                write_stopped_models(row["run_dir"])
+            except Exception as e:  # noqa: BLE001  (the sweep's table comes first; the trial's folder says the rest)
+                log(f"warning: {row['trial']}: no model.pt written from its checkpoints ({storage.first_line(e)})")
     storage.write_csv(storage.join(cfg.run_dir, "trials.csv"), rows)
     scored = [r for r in rows if r[f"best_{metric}"] is not None]
     if scored:
@@ -135,6 +144,20 @@ def finish(cfg: TrainConfig, dims, options, grid, log):
         log(f"best: {best['trial']} ({metric} {shown(best[f'best_{metric}'])}); for the long run:\n  {command}")
     log(f"sweep: {cfg.run_dir} (trials.csv, trials.png; each trial's run in its trial-* folder)")
     return SweepResult(sweep_dir=cfg.run_dir, rows=rows, best=best, best_command=command)
+
+
+def write_stopped_models(run_dir: str) -> None:
+    """A trial the scheduler stopped ends between epochs, before its run writes model.pt (Tune ends
+    the trial's process at once): its model.pt and model_best.pt are written here from the trial's
+    checkpoints, so jobs.predict takes any trial's model.pt."""
+    import pyarrow.fs as pafs
+
+    from training.driver.results import models_of_a_stopped_run
+
+    fs, path, _ = storage.filesystem(run_dir)
+    found = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    folders = sorted(i.base_name for i in found if i.type == pafs.FileType.Directory)
+    models_of_a_stopped_run(run_dir, [storage.join(run_dir, f) for f in folders if f.startswith("checkpoint_epoch_")])
 
 
 def pick(row: dict, keys: list[str]) -> dict:

@@ -16,7 +16,9 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from training import userfiles
 from training.config import ConfigError, TrainConfig
+from training.storage import decode_text
 
 KINDS = ("loguniform", "uniform", "randint", "choice", "grid")
 # what a sweep may not vary: where each trial's run lies and how it starts (the sweep sets them)
@@ -97,9 +99,6 @@ def parse_dimension(key: str, text: str, where: str) -> Dimension:
 def read_space(path: str) -> list[Dimension]:
     """The --space file's dimensions, in file order; ConfigError for a mistake (unknown or
     repeated settings, syntax)."""
-    from training import userfiles
-    from training.storage import decode_text
-
     where = f"--space {path}"
     what = userfiles.what_is_at(path)
     if what:

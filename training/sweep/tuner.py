@@ -21,7 +21,11 @@ import math
 import os
 import time
 
+from augment.errors import PresetError
 from training.config import ConfigError, TrainConfig, error_line
+from training.driver import lease
+from training.driver.api import JobError, as_config, fit
+from training.storage import RUN_MARKER, StorageError
 from training.sweep.space import Dimension, check_space, read_space
 
 TRIAL_DRIVER_CPUS = 0.05  # the Tune trial itself only waits on its TorchTrainer; its workers take the share
@@ -73,13 +77,11 @@ def run_trial(params: dict, *, base: dict, share) -> None:
     records it as the trial's error, and the sweep goes on."""
     from ray import tune as ray_tune
 
-    from training.driver.api import JobError, fit
-
     config = base | params | {"name": trial_run_name(ray_tune.get_context().get_trial_id()), "fresh": False}
     last = []  # the last epoch's figures: reported once the run has written its files (below)
 
     def report(record):
-        numbers = {k: float(v) for k, v in record.metrics.items() if isinstance(v, (int, float))}
+        numbers = {k: float(v) for k, v in record.metrics_row().items() if isinstance(v, (int, float))}
         if record.epoch >= int(config["epochs"]):
             last.append(numbers | {"epoch": record.epoch})
         else:
@@ -100,8 +102,6 @@ class TrialFailed(RuntimeError):
 def base_config(config, name: str | None, storage_path: str | None) -> TrainConfig:
     """The sweep's base TrainConfig (through the CLI's checks), with the sweep's name and an
     absolute storage path: trials run in Tune's processes, whose working folder is not this one's."""
-    from training.driver.api import as_config
-
     cfg = as_config(config)
     cfg = dataclasses.replace(cfg, name=name or cfg.name, storage_path=storage_path or cfg.storage_path)
     if not cfg.name:
@@ -112,7 +112,6 @@ def base_config(config, name: str | None, storage_path: str | None) -> TrainConf
 def check_sweep(cfg: TrainConfig, space: str, options: SweepOptions) -> list[Dimension]:
     """Every check that needs no Ray: the space, the options, the base config's data and files,
     and the sweep's folder; the dimensions. ConfigError/DataError/... (exit 2) for a mistake."""
-    from training.driver.api import as_config
     from training.driver.inputs import check_inputs
 
     dims = read_space(space)
@@ -122,13 +121,43 @@ def check_sweep(cfg: TrainConfig, space: str, options: SweepOptions) -> list[Dim
     # the data, the preset and the files named: once, not in every trial (as a trial's run, whose
     # folder lies inside the sweep's)
     check_inputs(dataclasses.replace(cfg, storage_path=cfg.run_dir, name="trial-check"))
+    check_trial_resources(options)
     sweep_dir = cfg.run_dir
-    if "://" not in sweep_dir and os.path.isdir(sweep_dir) and os.listdir(sweep_dir):
-        if not os.path.isdir(os.path.join(sweep_dir, "tune")):
+    lease.check_free(sweep_dir, cfg.name)
+    if "://" not in sweep_dir and os.path.isdir(sweep_dir):
+        files = set(os.listdir(sweep_dir)) - {lease.LEASE_FILE, RUN_MARKER}  # a sweep stopped before Tune began
+        if files and not os.path.isdir(os.path.join(sweep_dir, "tune")):
             raise ConfigError(
                 f"--name {cfg.name}: {sweep_dir} holds files that are not a sweep's; choose another --name"
             )
     return dims
+
+
+def check_trial_resources(options: SweepOptions) -> None:
+    """--trial-cpus/--trial-gpus against this machine, for a sweep that starts its cluster here (a
+    joined cluster's are checked once connected: training/driver/planning.py share_of)."""
+    from training.driver.inputs import cuda_devices, local_gpus
+    from training.driver.planning import machine_cores
+    from training.driver.session import starts_local_cluster
+
+    if options.trial_cpus < 0 or options.trial_gpus < 0:
+        raise ConfigError("--trial-cpus and --trial-gpus must be 0 (an equal share) or more")
+    if options.trial_gpus != int(options.trial_gpus):  # the planner gives each train worker whole GPUs
+        raise ConfigError(
+            f"--trial-gpus {options.trial_gpus:g}: a trial's train workers take whole GPUs; give 1, 2, ..., "
+            "or lower --max-concurrent so that each trial gets one"
+        )
+    if not starts_local_cluster():
+        return
+    for flag, asked, have, what in (
+        ("--trial-gpus", options.trial_gpus, lambda: local_gpus() or cuda_devices(), "GPU(s) that CUDA shows"),
+        ("--trial-cpus", options.trial_cpus, machine_cores, "CPU(s)"),
+    ):
+        if asked and asked > (found := have()):
+            raise ConfigError(
+                f"{flag} {asked:g}: this machine has {found} {what}, and a sweep without RAY_ADDRESS starts its "
+                f"cluster here; give {found} or less (0: an equal share), or set RAY_ADDRESS to join a bigger cluster"
+            )
 
 
 def trial_base(cfg: TrainConfig) -> dict:
@@ -143,23 +172,24 @@ def tune(config, space: str, options: SweepOptions | None = None, *, name=None, 
     """Run (or continue) a sweep of `config` (as training.fit takes it) over the --space file
     `space`; a SweepResult. JobError with the CLI's line for a mistake (exit_code 2) or a sweep
     that could not run (1); a failed trial is a row with its reason, not an error."""
-    from augment.errors import PresetError
-    from training.driver.api import JobError
     from training.forms.data import DataError
-    from training.storage import StorageError
 
     options = options or SweepOptions()
     log = log or (lambda *a: print(*a, flush=True))
     try:
         cfg = base_config(config, name, storage_path)
         dims = check_sweep(cfg, space, options)
+        held = lease.acquire(cfg.run_dir, cfg.name, log, job="jobs.tune")  # until the sweep ends
     except (ConfigError, DataError, PresetError, StorageError) as e:
         raise JobError(error_line(e), 2) from None
-    share = connect_and_share(cfg, options)
-    grid = run_tuner(cfg, dims, options, share, log)
-    from training.sweep.report import finish
+    try:
+        share = connect_and_share(cfg, options, log)
+        grid = run_tuner(cfg, dims, options, share, log)
+        from training.sweep.report import finish
 
-    result = finish(cfg, dims, options, grid, log)
+        result = finish(cfg, dims, options, grid, log)
+    finally:
+        held.release()
     # the grid lists the trials made so far: those Tune had not drawn yet are unfinished too
     expected = options.trials * math.prod(len(d.args) for d in dims if d.kind == "grid")
     unfinished = sum(r["status"] == "interrupted" for r in result.rows) + max(0, expected - len(result.rows))
@@ -170,21 +200,26 @@ def tune(config, space: str, options: SweepOptions | None = None, *, name=None, 
     return result
 
 
-def connect_and_share(cfg: TrainConfig, options: SweepOptions):
+def connect_and_share(cfg: TrainConfig, options: SweepOptions, log):
     """Join or start Ray; one trial's share of the cluster, checked by planning the base config
     for it (JobError 2 where one trial cannot fit)."""
-    from training.driver.api import JobError
-    from training.driver.planning import cluster_capacity, plan_resources, share_of
-    from training.driver.session import connect
+    from training.driver.planning import cluster_capacity, plan_resources, share_of  # as connect, below
+    from training.driver.session import connect  # looked up at the call: the tests replace it
 
     try:
         connect(cfg.verbose, cfg.dashboard)
     except Exception as e:  # noqa: BLE001  (Ray's own start-up)
         raise JobError(error_line(f"Ray did not start: {str(e).strip().splitlines()[0][:300]}"), 1) from None
     try:
-        share = share_of(cluster_capacity(), options.max_concurrent, options.trial_cpus, options.trial_gpus)
+        capacity = cluster_capacity()
+        share = share_of(capacity, options.max_concurrent, options.trial_cpus, options.trial_gpus)
     except ConfigError as e:
         raise JobError(error_line(e), 2) from None
+    if capacity.gpus and not share.gpus and cfg.device != "cpu":
+        log(
+            f"note: {capacity.gpus} GPU(s) among {options.max_concurrent} trials at once leaves each trial none: "
+            f"the trials train on CPUs; --max-concurrent {capacity.gpus} gives each one a GPU"
+        )
     try:
         plan_resources(cfg, share)
     except ConfigError as e:
@@ -199,7 +234,7 @@ def run_tuner(cfg: TrainConfig, dims: list[Dimension], options: SweepOptions, sh
     own checkpoints); Tune's ResultGrid."""
     from ray import tune as ray_tune
 
-    from training.sweep.report import TrialEvents
+    from training.sweep.report import EVENT_LOGS, TrialEvents
 
     trainable = ray_tune.with_resources(
         ray_tune.with_parameters(run_trial, base=trial_base(cfg), share=share), {"CPU": TRIAL_DRIVER_CPUS}
@@ -227,11 +262,18 @@ def run_tuner(cfg: TrainConfig, dims: list[Dimension], options: SweepOptions, sh
                 name="tune",
                 storage_path=cfg.run_dir,
                 verbose=0,
-                callbacks=[TrialEvents(cfg.epochs, options.metric, log)],
+                callbacks=[TrialEvents(cfg.run_dir, cfg.epochs, options.metric)],
                 failure_config=ray_tune.FailureConfig(max_failures=0),
             ),
         )
-    return tuner.fit()
+    # Tune's new console output prints its configuration box even at verbose=0; its legacy one,
+    # at 0, prints nothing: TrialEvents' lines are the sweep's console (a user's setting stays)
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    EVENT_LOGS[cfg.run_dir] = log
+    try:
+        return tuner.fit()
+    finally:
+        EVENT_LOGS.pop(cfg.run_dir, None)
 
 
 def scheduler(cfg: TrainConfig, options: SweepOptions):

@@ -77,7 +77,7 @@ class IngestWatch:
         )
 
 
-class BatchFeed:
+class BatchFeed(contextlib.AbstractContextManager):
     """One epoch's batches, pulled in a thread from the moment the feed is made and handed
     over through a one-batch queue. The train loop makes the first epoch's feed before it
     builds the model, so Ray Data's start (read, decode and augment workers and their
@@ -151,19 +151,15 @@ class BatchFeed:
                 v.record_stream(step)  # the allocator keeps its memory until the step's stream is past it
         return batch
 
-    def close(self) -> None:
-        """Stop the thread (between two batches) and wait for it."""
+    def close(self, *exc) -> None:
+        """Stop the thread (between two batches) and wait for it; also a `with` block's exit."""
         self._stop.set()
         with contextlib.suppress(queue.Empty):
             self._queue.get_nowait()  # a thread blocked on a full queue sees the stop at once
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    __exit__ = close  # and AbstractContextManager's __enter__ returns the feed
 
     def _next(self):
         waited = 0.0

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import math
 import random
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -22,12 +23,14 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
-from augment.mix import MixUpCutMix
+from augment.mix import MixUpCutMix, mix_generator
 from augment.ops import Normalize
 from augment.streams import stream_seed
 from training.config import TrainConfig
 from training.model import initial_model
+from training.rows import IMAGE, LABEL
 from training.spec import WorkerSpec
 from training.worker.recipe import build_ema, class_weights, head_parameters, param_groups, sync_batchnorm
 
@@ -155,28 +158,28 @@ class Learner:
     frozen: bool = False  # the backbone's parameters take no gradient (--freeze-epochs)
     pending: int = 0  # micro-batches backpropagated since the last optimiser step (--grad-accum)
 
-    @classmethod
-    def on_cpu(
-        cls, cfg: TrainConfig, model: torch.nn.Module, steps_per_epoch: int, class_counts: tuple = ()
-    ) -> Learner:
-        """A single-process CPU learner (no DDP, a mid-grey Normalize): for tests and benchmarks
-        that run steps outside Ray Train; `steps_per_epoch`: optimiser steps."""
-        optimizer = build_optimizer(cfg, model)
-        weight = class_weights(class_counts) if cfg.class_weights == "balanced" else None
-        return cls(
-            cfg=cfg,
-            device=torch.device("cpu"),
-            model=model,
-            bare=model,
-            optimizer=optimizer,
-            scheduler=build_scheduler(cfg, optimizer, steps_per_epoch),
-            scaler=torch.amp.GradScaler("cpu", enabled=False),
-            normalize=Normalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25)),
-            ema=build_ema(model, cfg.model_ema),
-            class_weight=torch.tensor(weight, dtype=torch.float32) if weight else None,
-        )
-
     # ----------------------------------------------------------------------- the recipe's step
+
+    def train_step(
+        self, batch: dict, *, epoch: int, step: int, rank: int, last: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One micro-batch's forward and backward, and the optimizer step where it closes a group of
+        --grad-accum (or is the epoch's `last`); returns the loss and the logits (still on the device).
+        The parts below are its steps, so the whole step reads in this file."""
+        x, y = self.normalize(batch[IMAGE], self.input_dtype), batch[LABEL]
+        target, smoothing = y, self.cfg.label_smoothing
+        if self.mix is not None:  # soft targets, replayable from (seed, epoch, step, rank)
+            x, target = self.mix(x, y, mix_generator(self.cfg.seed, epoch, step, rank))
+            smoothing = 0.0  # already folded into the soft targets
+        closing = self.closes_step(last)
+        with self.grad_sync(closing):  # DDP reduces the gradients of a closing micro-batch only
+            with self.autocast():
+                logits = self.model(x)
+                loss = F.cross_entropy(logits, target, weight=self.class_weight, label_smoothing=smoothing)
+            self.backward(loss)
+        if closing:
+            self.step()
+        return loss, logits
 
     def freeze_backbone(self, frozen: bool) -> None:
         """Every parameter but the head's (recipe.head_parameters) takes no gradient while `frozen`
@@ -233,8 +236,6 @@ class Learner:
     def reschedule(self, steps_done: int) -> None:
         """The schedule for --epochs as set now, moved on by the steps already taken (the optimizer's
         learning rate with it)."""
-        import warnings
-
         steps_per_epoch = self.scheduler.steps_per_epoch
         for group in self.optimizer.param_groups:  # a new schedule starts from the peak it scales
             group["lr"] = self.cfg.peak_lr * group.get("lr_scale", 1.0)

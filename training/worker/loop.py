@@ -14,6 +14,7 @@ random streams, the stall checks.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -27,10 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from augment.decode import DECODE_PLACES
-from augment.mix import mix_generator
 from training import storage
 from training.config import TrainConfig
-from training.records import KEY_MOD, RunRecord, StaleRecords
+from training.records import KEY_MOD, RunRecord, ShardRecord, StaleRecords, TrainFigures, ValFigures
 from training.rows import COSTS, DECODED_ON, EPOCH, IMAGE, KEY, LABEL
 from training.spec import WorkerSpec
 from training.status import STOP, EpochProgress, StepLog, driver_verdict, say
@@ -68,29 +68,7 @@ def quiet_worker_logs(verbose: bool = False) -> None:
 # --------------------------------------------------------------------------- a step, an epoch
 
 
-def train_step(
-    learner: Learner, batch: dict, *, epoch: int, step: int, rank: int, last: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One micro-batch's forward and backward, and the optimizer step where it closes a group of
-    --grad-accum (or is the epoch's `last`); returns the loss and the logits (still on the device)."""
-    cfg = learner.cfg
-    x, y = learner.normalize(batch[IMAGE], learner.input_dtype), batch[LABEL]
-    target, smoothing = y, cfg.label_smoothing
-    if learner.mix is not None:  # soft targets, replayable from (seed, epoch, step, rank)
-        x, target = learner.mix(x, y, mix_generator(cfg.seed, epoch, step, rank))
-        smoothing = 0.0  # already folded into the soft targets
-    closing = learner.closes_step(last)
-    with learner.grad_sync(closing):  # DDP reduces the gradients of a closing micro-batch only
-        with learner.autocast():
-            logits = learner.model(x)
-            loss = F.cross_entropy(logits, target, weight=learner.class_weight, label_smoothing=smoothing)
-        learner.backward(loss)
-    if closing:
-        learner.step()
-    return loss, logits
-
-
-def train_epoch(learner: Learner, batches, *, epoch: int, rank: int, bar=None) -> dict:
+def train_epoch(learner: Learner, batches, *, epoch: int, rank: int, bar=None) -> TrainFigures:
     """One pass over this rank's shard (torchvision's train_one_epoch); loss and accuracy summed
     over ranks. Fails (StaleBatch) if any batch was augmented for another epoch. The backbone is
     frozen for the first --freeze-epochs (the epoch decides: a resumed run freezes alike)."""
@@ -102,7 +80,7 @@ def train_epoch(learner: Learner, batches, *, epoch: int, rank: int, bar=None) -
         if meter.steps == 0:
             check_stamp(batch[EPOCH], epoch)
         meter.begin_step()
-        loss, logits = train_step(learner, batch, epoch=epoch, step=meter.steps, rank=rank, last=last)
+        loss, logits = learner.train_step(batch, epoch=epoch, step=meter.steps, rank=rank, last=last)
         meter.update(batch, loss, logits)
         trace.after_step(learner.device, rank)  # RGA_TRACE: the GPU kit's trace of a few steps
         if bar is not None:
@@ -124,10 +102,10 @@ def with_last(items, ahead: bool = True):
 
 
 @torch.no_grad()
-def evaluate(learner: Learner, batches, num_classes: int) -> dict:
+def evaluate(learner: Learner, batches, num_classes: int) -> ValFigures:
     """Deterministic validation over this rank's shard (torchvision's evaluate); loss, top-1,
     top-5 and the confusion matrix summed over ranks (every validation image is scored once).
-    With --model-ema, the EMA's weights are scored on the same batches too (val_loss_ema, val_acc_ema)."""
+    With --model-ema, the EMA's weights are scored on the same batches too (loss_ema, acc_ema)."""
     models = {"": learner.bare}  # the bare module: no DDP collectives per batch
     if learner.ema is not None:
         models["_ema"] = learner.ema.module
@@ -141,7 +119,7 @@ def evaluate(learner: Learner, batches, num_classes: int) -> dict:
     out = scores[""].summary()
     if "_ema" in scores:
         ema = scores["_ema"].summary()
-        out |= {"val_loss_ema": ema["val_loss"], "val_acc_ema": ema["val_acc"]}
+        out = dataclasses.replace(out, loss_ema=ema.loss, acc_ema=ema.acc)
     return out
 
 
@@ -160,19 +138,14 @@ class Scores:
         self.top5 += (logits.topk(min(5, k), dim=1).indices == y[:, None]).any(1).sum()
         self.confusion += torch.bincount(y * k + logits.argmax(1), minlength=k**2).double()
 
-    def summary(self) -> dict:
+    def summary(self) -> ValFigures:
         """The figures over all ranks (a collective: every rank calls it)."""
         packed = all_reduce(torch.cat([self.loss_sum[None], self.top5[None], self.confusion])).cpu()
         confusion = packed[2:].view(self.num_classes, self.num_classes).long()  # rows: true class, cols: predicted
         n = int(confusion.sum())
-        out = {
-            "val_loss": float(packed[0]) / n if n else float("nan"),
-            "val_acc": float(confusion.diag().sum()) / n if n else float("nan"),
-            "confusion": confusion.tolist(),
-        }
-        if self.num_classes >= 5:
-            out["val_top5"] = float(packed[1]) / n if n else float("nan")
-        return out
+        share = lambda hits: float(hits) / n if n else float("nan")  # noqa: E731
+        top5 = share(packed[1]) if self.num_classes >= 5 else None
+        return ValFigures(share(packed[0]), share(confusion.diag().sum()), confusion.tolist(), top5)
 
 
 # --------------------------------------------------------------------------- an epoch's bookkeeping
@@ -249,7 +222,7 @@ class EpochMeter:
                 torch.cuda.synchronize(self.device)
             self.first_step_at = time.time()
 
-    def summary(self) -> dict:
+    def summary(self) -> TrainFigures:
         """The epoch's figures over all ranks (the epoch's host syncs are here); StaleBatch if any
         batch was augmented for another epoch."""
         elapsed, cpu_s = time.perf_counter() - self.start, time.process_time() - self.cpu_start
@@ -268,26 +241,28 @@ class EpochMeter:
         if bad_ranks:  # every rank stops alike: one whose loss stayed finite would wait for the others
             self.refuse_non_finite(int(self.first_bad))
         steady_s = elapsed - self.first_wait_s
-        return {
-            "train_loss": loss_sum / max(count, 1),
-            "train_acc": correct / max(count, 1),
-            "train_images": int(count),
-            "epoch_s": elapsed,
-            "data_wait_frac": self.wait_s / max(elapsed, 1e-9),  # this rank's share of time waiting for input
-            # past its first batch: its time, its share of it waiting for input, and every rank's
-            # rows' seconds in each stage: what bounds the epoch (training/bounds.py)
-            "steady_s": steady_s,
-            "steady_wait_frac": (self.wait_s - self.first_wait_s) / max(steady_s, 1e-9),
-            **dict(zip(COSTS, costs, strict=True)),
-            "trainer_gpu_s": gpu_s,  # every rank's steady steps on its CUDA stream
-            "inner_images_per_s": inner,  # the ranks' rates summed, each between INNER's marks of its epoch
-            "start_s": start_s / len(seen),  # the wait for an epoch's first batch, the ranks' mean
-            **{f"decoded_{d}": int(n) for d, n in zip(DECODE_PLACES, decoded, strict=True)},
-            "trainer_cpus": cpu_s / len(seen) / max(elapsed, 1e-9),  # CPUs a rank's process kept busy
-            "seen": seen,
-            "first_step_at": self.first_step_at,
-            "image_size": self.side,
-        }
+        read_s, augment_s, augment_gpu_s = costs  # every rank's rows' seconds in each stage (training/bounds.py)
+        return TrainFigures(
+            loss=loss_sum / max(count, 1),
+            acc=correct / max(count, 1),
+            images=int(count),
+            image_size=self.side,
+            epoch_s=elapsed,
+            images_per_s=count / max(elapsed, 1e-9),
+            data_wait_frac=self.wait_s / max(elapsed, 1e-9),  # this rank's share of time waiting for input
+            steady_s=steady_s,  # past its first batch: its time, its share of it waiting for input
+            steady_wait_frac=(self.wait_s - self.first_wait_s) / max(steady_s, 1e-9),
+            inner_images_per_s=inner,  # the ranks' rates summed, each between INNER's marks of its epoch
+            start_s=start_s / len(seen),  # the wait for an epoch's first batch, the ranks' mean
+            trainer_cpus=cpu_s / len(seen) / max(elapsed, 1e-9),  # CPUs a rank's process kept busy
+            read_s=read_s,
+            augment_s=augment_s,
+            augment_gpu_s=augment_gpu_s,
+            trainer_gpu_s=gpu_s,  # every rank's steady steps on its CUDA stream
+            decoded=tuple(int(n) for n in decoded),  # in DECODE_PLACES' order
+            seen=tuple(seen),
+            first_step_at=self.first_step_at,
+        )
 
     def refuse_no_images(self, count: int) -> None:
         if not count:
@@ -327,12 +302,12 @@ def view_weights(n: int, device: str) -> torch.Tensor:
     return torch.randint(1, 1 << 15, (n,), generator=g, dtype=torch.int32).to(device)
 
 
-def shard_record(keys: list[torch.Tensor], count: int, views: int, rng: str) -> dict:
+def shard_record(keys: list[torch.Tensor], count: int, views: int, rng: str) -> ShardRecord:
     """What this rank trained on in one epoch, for the driver's coverage check: rows, distinct
     images and the sum of their keys, the digest of the views, the random stream's state."""
     distinct = torch.unique(torch.cat(keys)) if keys else torch.zeros(0, dtype=torch.int64)
     key_sum = int((distinct % KEY_MOD).sum()) % KEY_MOD
-    return {"count": count, "distinct": int(distinct.numel()), "key_sum": key_sum, "views": views, "rng": rng}
+    return ShardRecord(count, int(distinct.numel()), key_sum, views, rng)
 
 
 # --------------------------------------------------------------------------- the loop
@@ -347,7 +322,7 @@ def train_loop(config: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = setup_worker(cfg, spec.threads_per_worker)
     run, learner_state, resumed_from, passed_over = restore(cfg, device)
-    stopped = early_stop_line(run.history, cfg.early_stop)  # a run resumed after its early stop stays stopped
+    stopped = early_stop_line(run.epochs, cfg.early_stop)  # a run resumed after its early stop stays stopped
     first = run.last_epoch + 1
     last = first if stopped else last_epoch(cfg, first)
     data = EpochData(spec, rank, device)
@@ -371,14 +346,14 @@ def train_loop(config: dict) -> None:
     for epoch in range(first, last):
         bar = EpochProgress(spec.status.post.remote, rank=rank, epoch=epoch, steps=steps)  # every rank
         with feed or data.feed(epoch) as batches:  # the feed's thread stops with the epoch, however it ends
-            stats = train_epoch(learner, batches, epoch=epoch, rank=rank, bar=bar)
+            trained = train_epoch(learner, batches, epoch=epoch, rank=rank, bar=bar)
         bar.close()
         feed = None
         with data.validation() as batches:
-            stats |= evaluate(learner, batches, spec.num_classes)
+            scored = evaluate(learner, batches, spec.num_classes)
         lr, gpus = learner.scheduler.get_last_lr()[0], world if spec.slots.on_gpu else 1
-        run.add(epoch_record(epoch, stats, lr=lr, first=epoch == first, slots=spec.slots, gpus=gpus))
-        run.slots, run.rng, run.schedule_epochs = spec.slots.to_state(), all_gather(rng_state(device)), cfg.epochs
+        run.add(epoch_record(epoch, trained, scored, lr=lr, first=epoch == first, slots=spec.slots, gpus=gpus))
+        run.slots, run.rng, run.schedule_epochs = spec.slots, all_gather(rng_state(device)), cfg.epochs
         if rank == 0:
             write_records(spec, run)
         report(run, learner.state_dict() if rank == 0 else None, epoch)  # rank 0's checkpoint
@@ -386,7 +361,7 @@ def train_loop(config: dict) -> None:
             if rank == 0:
                 say(spec.status, f"stopped after epoch {epoch + 1} by an epoch callback")
             break
-        stopped = early_stop_line(run.history, cfg.early_stop)  # the reduced metrics: every rank stops alike
+        stopped = early_stop_line(run.epochs, cfg.early_stop)  # the reduced metrics: every rank stops alike
         if stopped:
             if rank == 0:
                 say(spec.status, stopped)
@@ -406,6 +381,8 @@ def setup_worker(cfg: TrainConfig, threads: int) -> torch.device:
     device = ray.train.torch.get_device()
     if device.type == "cpu":
         torch.set_num_threads(threads)
+    elif device.type == "cuda":  # as TorchTrainer's context does: one worker trains without it (trainer_class)
+        torch.cuda.set_device(device)
     if cfg.deterministic:
         ray.train.torch.enable_reproducibility(cfg.seed)
     return device

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+from training.records import EpochRecord
+
 HEAD_NAMES = ("fc", "classifier", "heads", "head")  # torchvision's (and most hand-written models') heads
 
 
@@ -78,18 +80,18 @@ def sync_batchnorm(model: torch.nn.Module, on: bool) -> torch.nn.Module:
     return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) if on else model
 
 
-def early_stop_line(history: list[dict], patience: int) -> str | None:
+def early_stop_line(epochs: list[EpochRecord], patience: int) -> str | None:
     """The line that stops a run after `patience` epochs without a better val_acc than the best
-    before them (None: go on, or --early-stop off). Every rank has the same history (the metrics
+    before them (None: go on, or --early-stop off). Every rank has the same records (the metrics
     are reduced over the ranks), so every rank stops at the same epoch, and a resumed run reads it
     from its records."""
-    if not patience or not history:
+    if not patience or not epochs:
         return None
-    accs = [row["val_acc"] for row in history]
+    accs = [e.val.acc for e in epochs]
     best = max(range(len(accs)), key=lambda i: (accs[i], -i))  # the first epoch that reached the best
     if len(accs) - 1 - best < patience:
         return None
     return (
         f"early stop: no better val_acc for {patience} epochs (best {accs[best]:.4f} at epoch "
-        f"{history[best]['epoch']}); model_best.pt holds that epoch's weights"
+        f"{epochs[best].epoch}); model_best.pt holds that epoch's weights"
     )

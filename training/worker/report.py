@@ -1,11 +1,12 @@
-"""A train worker's epoch, told: the epoch's record for the driver (epoch_record: metrics.csv's
-row, timings.csv's with what bounded it, the ranks' shard records), its rate within the epoch
+"""A train worker's epoch, told: the epoch's record for the driver (epoch_record: the meter's and the
+evaluation's figures, rounded as the files keep them, with what bounded it), its rate within the epoch
 (inner_rate), rank 0's files and console lines (write_records) and the checkpoint handed to Ray
 Train (report). Per epoch, never per batch: the batch's bookkeeping is loop.py's EpochMeter.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -14,11 +15,9 @@ import tempfile
 import ray.train
 import torch
 
-from augment.decode import DECODE_PLACES
 from training import storage
-from training.bounds import Bound, DataSlots, epoch_bound
-from training.records import EpochRecord, RunRecord, ShardRecord
-from training.rows import AUGMENT_COST, AUGMENT_GPU_COST, COSTS, READ_COST
+from training.bounds import DataSlots, epoch_bound
+from training.records import EpochRecord, RunRecord, TrainFigures, ValFigures
 from training.spec import WorkerSpec
 from training.status import say
 
@@ -30,11 +29,6 @@ class DamagedCheckpoint(ValueError):
     """A checkpoint whose file is missing, cut short or changed since it was written."""
 
 
-# wall-clock, never deterministic: timings.csv's, not metrics.csv's
-TIMING_COLUMNS = (
-    *("epoch_s", "images_per_s", "data_wait_frac", "steady_s", "steady_wait_frac", "trainer_cpus", *COSTS),
-    *("inner_images_per_s", "start_s", "trainer_gpu_s", *(f"decoded_{d}" for d in DECODE_PLACES)),
-)
 INNER = (0.1, 0.9)  # the part of an epoch its inner rate is measured over: past its start, before its tail
 CPU_FALLBACK = 0.01  # a GPU run's share of images decoded on the CPU past which the console says so
 
@@ -53,56 +47,41 @@ def inner_rate(marks: list[tuple[float, int]]) -> float:
     return (n1 - n0) / max(t1 - t0, 1e-9)
 
 
-def epoch_record(epoch: int, stats: dict, *, lr: float, first: bool, slots: DataSlots, gpus: int) -> EpochRecord:
-    """The epoch's record from its figures over all ranks (EpochMeter.summary, evaluate): metrics.csv's
-    row, timings.csv's with what bounded it (training/bounds.py), the ranks' shard records; when its
-    first step ended where it is an attempt's `first` epoch."""
-    metrics = {"epoch": epoch + 1, "lr": round(lr, 8)}
-    skip = {*TIMING_COLUMNS, "seen", "first_step_at", "confusion"}
-    metrics |= {k: round(v, 6) if isinstance(v, float) else v for k, v in stats.items() if k not in skip}
-    timings = {
-        "epoch": epoch + 1,
-        "epoch_s": round(stats["epoch_s"], 3),
-        "images_per_s": round(stats["train_images"] / stats["epoch_s"], 1),
-        "data_wait_frac": round(stats["data_wait_frac"], 4),
-        "steady_s": round(stats["steady_s"], 3),
-        "steady_wait_frac": round(stats["steady_wait_frac"], 4),
-        "inner_images_per_s": round(stats["inner_images_per_s"], 1),
-        "start_s": round(stats["start_s"], 3),
-        **{k: stats[k] for k in TIMING_COLUMNS if k.startswith("decoded_")},
-    }
+def epoch_record(
+    epoch: int, train: TrainFigures, val: ValFigures, *, lr: float, first: bool, slots: DataSlots, gpus: int
+) -> EpochRecord:
+    """The epoch's record from its figures over all ranks (EpochMeter.summary, evaluate), rounded as the
+    files keep them, with what bounded it (training/bounds.py); when its first step ended where it is
+    an attempt's `first` epoch."""
     bound = epoch_bound(
         slots,
-        read_s=stats[READ_COST],
-        augment_s=stats[AUGMENT_COST],
-        steady_s=stats["steady_s"],
-        steady_wait=stats["steady_wait_frac"],
-        trainer_cpus=stats["trainer_cpus"],
-        augment_gpu_s=stats[AUGMENT_GPU_COST],
-        trainer_gpu_s=stats["trainer_gpu_s"],
+        read_s=train.read_s,
+        augment_s=train.augment_s,
+        steady_s=train.steady_s,
+        steady_wait=train.steady_wait_frac,
+        trainer_cpus=train.trainer_cpus,
+        augment_gpu_s=train.augment_gpu_s,
+        trainer_gpu_s=train.trainer_gpu_s,
         gpus=gpus,
     )
-    seen = tuple(ShardRecord(**r) for r in stats["seen"])
-    first_step = stats["first_step_at"] if first else None
-    return EpochRecord(epoch + 1, metrics, timings | bound.to_row(), seen, stats["confusion"], first_step)
+    train = dataclasses.replace(train.rounded(), first_step_at=train.first_step_at if first else None)
+    return EpochRecord(epoch + 1, round(lr, 8), train, val.rounded(), bound.rounded())
 
 
-def cpu_fallback(timings: dict) -> float:
-    """An epoch's share of images decoded on the CPU (its timings row's decoded_* counts)."""
-    counts = {p: int(timings.get(f"decoded_{p}") or 0) for p in DECODE_PLACES}
-    return counts["cpu"] / max(sum(counts.values()), 1)
+def cpu_fallback(train: TrainFigures) -> float:
+    """An epoch's share of images decoded on the CPU."""
+    return train.decoded_on("cpu") / max(sum(train.decoded), 1)
 
 
 def write_records(spec: WorkerSpec, run: RunRecord) -> None:
     """Rank 0: metrics.csv and timings.csv, and the epoch's line (and, once a run, a GPU's CPU
     decoding said) for the driver's console."""
     cfg, last = spec.config, run.epochs[-1]
-    storage.write_csv(storage.join(cfg.run_dir, "metrics.csv"), run.history)
-    storage.write_csv(storage.join(cfg.run_dir, "timings.csv"), run.timings)
-    row = last.metrics | last.timings
-    verdict = Bound.of_row(row).describe(spec.slots)
-    say(spec.status, format_row(row, cfg.epochs, spec.sizes is not None) + verdict, last.epoch - 1)
-    fell_back = cpu_fallback(last.timings) if spec.slots.on_gpu else 0.0
+    storage.write_csv(storage.join(cfg.run_dir, "metrics.csv"), [e.metrics_row() for e in run.epochs])
+    storage.write_csv(storage.join(cfg.run_dir, "timings.csv"), [e.timings_row() for e in run.epochs])
+    verdict = last.bound.describe(spec.slots)
+    say(spec.status, epoch_line(last, cfg.epochs, spec.sizes is not None) + verdict, last.epoch - 1)
+    fell_back = cpu_fallback(last.train) if spec.slots.on_gpu else 0.0
     if fell_back > CPU_FALLBACK and not run.said_fallback:  # once a run
         run.said_fallback = True
         say(
@@ -122,7 +101,7 @@ def report(run: RunRecord, learner_state: dict | None, epoch: int) -> None:
         if learner_state is not None:
             save_checkpoint(tmp, {"records": run.to_state(), "learner": learner_state})
             ckpt = ray.train.Checkpoint.from_directory(tmp)
-        metrics = last.metrics | last.timings
+        metrics = last.metrics_row() | last.timings_row()  # Ray Train keeps the best by its val_acc
         ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=checkpoint_name(epoch, tuple(run.passed_over)))
 
 
@@ -177,12 +156,13 @@ def file_digest(path: str) -> str:
     return h.hexdigest()
 
 
-def format_row(row: dict, epochs: int, show_size: bool = False) -> str:
+def epoch_line(record: EpochRecord, epochs: int, show_size: bool = False) -> str:
     """An epoch's line, less the verdict on what bounded it."""
-    size = f"  {row['image_size']}px" if show_size else ""
-    ema = f"  val_acc_ema {row['val_acc_ema']:.4f}" if "val_acc_ema" in row else ""  # --model-ema
+    t, v = record.train, record.val
+    size = f"  {t.image_size}px" if show_size else ""
+    ema = f"  val_acc_ema {v.acc_ema:.4f}" if v.acc_ema is not None else ""  # --model-ema
     return (
-        f"epoch {row['epoch']:>3}/{epochs}{size}  loss {row['train_loss']:.4f}  acc {row['train_acc']:.4f}  "
-        f"val_loss {row['val_loss']:.4f}  val_acc {row['val_acc']:.4f}{ema}  "
-        f"{row['images_per_s']:.0f} img/s  waiting for data {100 * row['data_wait_frac']:.0f}%"
+        f"epoch {record.epoch:>3}/{epochs}{size}  loss {t.loss:.4f}  acc {t.acc:.4f}  "
+        f"val_loss {v.loss:.4f}  val_acc {v.acc:.4f}{ema}  "
+        f"{t.images_per_s:.0f} img/s  waiting for data {100 * t.data_wait_frac:.0f}%"
     )
