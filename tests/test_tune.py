@@ -259,7 +259,7 @@ def cpus_held_at_once(since_ms: float) -> tuple[dict, int]:
 
     actors = {a.actor_id: a for a in list_actors(detail=True, limit=10_000, raise_on_missing_output=False)}
     now, spans = time.time() * 1000, {}
-    for task in list_tasks(detail=True, limit=100_000, raise_on_missing_output=False):
+    for task in list_tasks(detail=True, limit=10_000, raise_on_missing_output=False):
         if not task.start_time_ms or task.start_time_ms < since_ms:
             continue
         actor = actors.get(task.actor_id) if task.actor_id else None
