@@ -7,6 +7,9 @@ import io
 import json
 import os
 import re
+import shutil
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -200,11 +203,51 @@ RAY_FIXTURES = {"ray_cluster", "own_cluster", "gpu_node"}  # a test that asks fo
 def pytest_collection_modifyitems(config, items):
     """Tests marked `own_cluster` start and stop whole Ray clusters (`ray start`, `ray stop`),
     which would take the shared cluster down with them: they run last, after it is stopped.
-    A test that needs a Ray cluster is marked `ray` (`make test-fast` leaves those out)."""
+    A test that needs a Ray cluster is marked `ray` (`make test-fast` leaves those out); one whose
+    subprocess starts a cluster of its own carries the mark by hand (under `-m "not ray"`, pytest_configure's
+    RAY_TMPDIR stops one that does not)."""
     for item in items:
         if RAY_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("own_cluster"):
             item.add_marker(pytest.mark.ray)
     items.sort(key=lambda item: item.get_closest_marker("own_cluster") is not None)
+
+
+NO_RAY = "this test starts Ray: mark it `ray`"
+_no_ray_folder: list[str] = []  # the RAY_TMPDIR of a run that leaves the `ray` tests out, removed after it
+
+
+def ray_left_out(config) -> bool:
+    """Whether this run deselects the `ray` tests (`-m "not ray"`, as `make test-fast` runs)."""
+    return re.search(r"\bnot\s+ray\b", config.option.markexpr or "") is not None
+
+
+def pytest_configure(config):
+    """Where the `ray` tests are left out, no Ray starts in a job a test runs as a subprocess either:
+    RAY_TMPDIR (which the subprocesses inherit) is a folder whose `ray` is a file, so `ray.init` and
+    `ray start` fail within seconds at the cluster's session folder, with a path that says why."""
+    if not ray_left_out(config):
+        return
+    folder = tempfile.mkdtemp(prefix="no-ray-")
+    guard = Path(folder) / NO_RAY.replace("`", "")
+    guard.mkdir()
+    (guard / "ray").write_text(NO_RAY + "\n")
+    os.environ["RAY_TMPDIR"] = str(guard)
+    _no_ray_folder.append(folder)
+
+
+def pytest_unconfigure(config):
+    for folder in _no_ray_folder:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def ray_only_where_marked(request, monkeypatch):
+    """Where the `ray` tests are left out, a test that calls ray.init in this process fails there
+    with one line (a BaseException, which the jobs' `except Exception` lets through). Before the
+    first import of Ray, RAY_TMPDIR (pytest_configure) stops it instead."""
+    if ray_left_out(request.config) and "ray" in sys.modules:
+        monkeypatch.setattr(sys.modules["ray"], "init", lambda *a, **k: pytest.fail(NO_RAY, pytrace=False))
+    yield
 
 
 @pytest.fixture()

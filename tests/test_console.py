@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import Terminal, bar_frames, write_tree
 from training.driver.console import ConsoleFollower, terminal_size
 from training.status import EpochProgress, RunStatus
@@ -83,6 +85,7 @@ def run_in_pty(args: list[str], timeout: float = 300) -> tuple[int, list[tuple[f
         os.close(primary)
 
 
+@pytest.mark.ray  # its subprocess starts a local Ray cluster, which no fixture says
 def test_a_clean_run_on_a_terminal_shows_a_live_bar_and_no_warnings(tmp_path):
     """The job as a user starts it (its own local Ray cluster), on a terminal."""
     data = write_tree(tmp_path / "data", {"a": 50, "b": 50, "c": 50})  # ~120 train images: seconds an epoch
