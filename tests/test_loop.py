@@ -253,17 +253,24 @@ def test_a_lone_last_image_joins_the_batch_before_it_and_trains_under_the_imagen
 
 
 def test_batch_feed_asks_the_watch_while_no_batch_comes_and_stops_on_its_error():
-    never = threading.Event()
+    stalled = threading.Event()
 
-    def silent():
-        never.wait()
+    def silent():  # no batch until the watch gave up; then the feed's thread ends at once, not at close's 10 s
+        stalled.wait()
         yield 0
 
-    watch = _Watch()
+    class Releasing(_Watch):
+        def check(self, waited_s):
+            try:
+                super().check(waited_s)
+            except IngestStalled:
+                stalled.set()
+                raise
+
+    watch = Releasing()
     with pytest.raises(IngestStalled, match="no batch for"):
         next(iter(BatchFeed(silent(), watch)))
     assert len(watch.waits) >= 3 and watch.waits == sorted(watch.waits) and watch.waits[-1] >= 0.2
-    never.set()
 
 
 def _ingest_watch(monkeypatch, nodes, worker_nodes, *, cpus_per_worker, tasks, autoscaling=False, pending=()):
