@@ -66,3 +66,15 @@ def test_every_cited_section_exists():
             if doc in docs and not cited(section, docs[doc]):
                 bad.append(f'{path.relative_to(REPO)}: {doc}, "{section}"')
     assert not bad, "citations of sections that do not exist:\n" + "\n".join(sorted(set(bad)))
+
+
+NAMED_FILE = re.compile(r"\b(?:augment|training|bench|jobs|tests)/[\w/.-]*\.(?:py|sh|txt|yaml|json)\b")
+
+
+def test_every_file_the_docs_name_exists():
+    """A module, test or result file a doc names by its path is there (a renamed one is renamed in
+    the docs too)."""
+    docs = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    bad = [f"{doc.relative_to(REPO)}: {name}" for doc in docs for name in NAMED_FILE.findall(doc.read_text())]
+    bad = [line for line in bad if not (REPO / line.split(": ", 1)[1]).exists()]
+    assert not bad, "files the docs name that do not exist:\n" + "\n".join(sorted(set(bad)))
