@@ -35,12 +35,12 @@ run: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(BYTECODE)
-	$(PY) -m pytest -q --durations=10 tests $(ARGS)
+	$(PY) -m pytest -q -p tests.file_times --durations=10 tests $(ARGS)
 
 test-fast: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(BYTECODE)
-	$(PY) -m pytest -q --durations=10 -m "not ray" tests $(ARGS)
+	$(PY) -m pytest -q -p tests.file_times --durations=10 -m "not ray" tests $(ARGS)
 
 bench: $(STAMP)
 	$(PY) -m bench.augment $(ARGS)

@@ -198,6 +198,10 @@ def test_stage_stamps_every_row_with_the_epoch_it_augmented_for(monkeypatch):
     assert not np.array_equal(outs[0]["image"], outs[3]["image"])
     again = stage(batch | {"epoch": np.full(8, 3, dtype=np.int64)})  # the epoch's pipeline, kept
     assert stage.pipeline.current.epoch == 3 and np.array_equal(again["image"], outs[3]["image"])
+    with pytest.raises(ValueError, match="a training batch without its 'epoch' column"):
+        stage(batch)  # augmented for epoch 0 in every epoch, unseen, were it taken
+    evaluation = AugmentStage(StageArgs(PRESETS["cifar"], train=False, seed=0), device="cpu")
+    assert evaluation(batch)["epoch"].tolist() == [0] * 8  # evaluation draws nothing: no epoch needed
 
 
 def test_preset_files_and_their_errors(tmp_path):

@@ -25,12 +25,13 @@ def _preset(*extra) -> dict:
 
 
 def _batch(n=B, seed=0) -> dict:
-    """What Ray Data hands the stage: decoded uint8 images, labels and int64 keys."""
+    """What Ray Data hands the stage: decoded uint8 images, labels, int64 keys and the epoch read for."""
     rng = np.random.default_rng(seed)
     return {
         "image": rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8),
         "label": np.arange(n) % 3,
         "key": (np.arange(n, dtype=np.int64) * 7919 + 11),
+        "epoch": np.zeros(n, dtype=np.int64),
     }
 
 
@@ -238,6 +239,7 @@ import sys, numpy as np
 from augment.presets import PRESETS
 from training.stream.stage import AugmentStage, StageArgs
 batch = {"image": np.zeros((4, 40, 48, 3), np.uint8), "label": np.arange(4), "key": np.arange(4)}
+batch["epoch"] = np.zeros(4, np.int64)
 for name in PRESETS:
     for train in (True, False):
         AugmentStage(StageArgs(PRESETS[name], train=train, seed=0), device="cpu")(batch)

@@ -277,6 +277,7 @@ def test_the_stage_decodes_bytes_and_reports_bad_files_by_path(encoded):
         "path": np.array([f"/data/c/{i}.jpg" for i in range(n)], dtype=object),
         "label": np.arange(n),
         "key": np.arange(n) * 31,
+        "epoch": np.zeros(n, dtype=np.int64),
     }
     out = stage(batch)
     assert out["image"].shape == (n - 2, 224, 224, 3) and list(out["label"]) == list(range(n - 2))

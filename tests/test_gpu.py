@@ -109,7 +109,8 @@ def test_the_augment_stage_runs_on_cuda_named_with_or_without_an_index(device):
 
     stage = AugmentStage(StageArgs(PRESETS["cifar"], train=True, seed=0), device=device)
     images = np.stack([synthetic_photo(32, 32, i) for i in range(8)])
-    out = stage({"image": images, "label": np.zeros(8, np.int64), "key": np.arange(8, dtype=np.int64)})
+    batch = {"image": images, "label": np.zeros(8, np.int64), "key": np.arange(8, dtype=np.int64)}
+    out = stage(batch | {"epoch": np.zeros(8, np.int64)})
     assert out["image"].shape == (8, 32, 32, 3) and stage.device.type == "cuda"
 
 

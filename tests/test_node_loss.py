@@ -4,6 +4,7 @@ first checks that the fault hit what it is meant to hit, then what the run did a
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -252,3 +253,68 @@ def test_losing_the_node_that_augments_trains_on_nothing_twice_unreported(cluste
         assert fault["checkpoint"].endswith("checkpoint_epoch_0001"), fault
     noisy = [line for line in text.splitlines() if NOISE.search(line)]
     assert not noisy, noisy
+
+
+def test_a_lost_node_inside_a_sweep_costs_at_most_its_trial_and_the_sweep_ends(cluster, tmp_path):
+    """`python -m jobs.tune` against a cluster of two nodes, two trials at once, one node each; the
+    node of one trial's train worker goes and nothing replaces it. The trials' drivers live on the
+    head, so the loss reaches the trial's run, not Tune's: the run resumes or stops in its own line
+    (--node-wait-s 5) within its share of the nodes left, never in the other trial's; the other trial
+    runs out, and the sweep ends listing both."""
+    head = cluster(2)
+    doomed = head.add_node(num_cpus=2)
+    head.wait_for_nodes()
+    data = write_tree(tmp_path / "data", {"a": 32, "b": 32})
+    space = tmp_path / "space.yaml"
+    space.write_text("lr: grid([0.05, 0.1])\n")
+    out, runs = tmp_path / "console.txt", tmp_path / "runs"
+    flags = ["--data", str(data), "--storage-path", str(runs), "--name", "sw", "--space", str(space)]
+    flags += ["--trials", "1", "--max-concurrent", "2", "--scheduler", "none", "--epochs", "4"]
+    flags += ["--batch-size", "16", "--val-fraction", "0.25", "--small-stem", TEST_STEM, "--node-wait-s", "5"]
+    with out.open("w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jobs.tune", *flags],
+            cwd=REPO,
+            env={**os.environ, "RAY_ADDRESS": head.address},
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
+    job = Sweep(proc, out)
+    _wait_until(lambda: _train_worker_on(head.address, doomed.node_id), "a train worker on the node", job)
+    trial_drivers = _trial_drivers(head.address)
+    head.remove_node(doomed, allow_graceful=False)  # the fault, and no node comes
+    code = job.wait(300)
+    text = job.text()
+    assert code == 0, text[-4000:]
+    assert len(trial_drivers) == 2 and set(trial_drivers) == {head.head_node.node_id}, trial_drivers
+    with open(runs / "sw" / "trials.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 and {float(r["lr"]) for r in rows} == {0.05, 0.1}, rows
+    assert any(r["status"] == "finished" and r["epochs"] == "4" for r in rows), rows
+    hit = [r for r in rows if int(r["faults"]) or r["status"] == "failed"]
+    assert hit, rows  # the node held a trial's train worker
+    for row in hit:  # resumed to the end, its fault on the console; or failed, with the job's own line
+        if row["status"] == "finished":
+            fault = rf"^{row['trial']} fault: node lost: .+; (resuming|restarting) from .+ by --max-failures\)$"
+            assert re.search(fault, text, re.M), text
+        else:
+            assert row["status"] == "failed" and "node lost" in row["error"], row
+            assert re.search(rf"^{row['trial']} failed: .*node lost", text, re.M), text
+    assert "Traceback" not in text and "ERROR" not in text, text[-4000:]
+    assert text.strip().splitlines()[-1].startswith("sweep: "), text[-2000:]
+
+
+class Sweep(Job):
+    """A jobs.tune process started by the test, waited on as Job waits on jobs.train."""
+
+    def __init__(self, proc, out: Path):
+        self.proc, self.out = proc, out
+
+
+def _trial_drivers(address: str) -> list[str]:
+    """The nodes of the alive Tune trials' own actors (a function trainable's class)."""
+    from ray.util.state import list_actors
+
+    _connect(address)
+    alive = list_actors(address=address, filters=[("state", "=", "ALIVE")], detail=True)
+    return [a.node_id for a in alive if a.class_name in ("ImplicitFunc", "run_trial")]

@@ -4,6 +4,7 @@ and one sweep on the shared test cluster: 4 trials of up to 3 epochs, 2 at a tim
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
 import re
@@ -344,3 +345,18 @@ def test_a_trials_share_of_the_cluster_and_the_refusal_when_one_cannot_fit():
     for parts, cpus, gpus in ((8, 0, 0), (1, 6, 0), (1, 0, 3)):
         with pytest.raises(ConfigError, match=r"one trial's share \(.*\) does not fit the cluster's 4 CPU and 2 GPU"):
             share_of(cluster, parts, cpus, gpus)
+
+
+def test_a_trial_that_lost_a_node_plans_for_its_part_of_the_nodes_left():
+    """After a lost node a trial plans again (training/driver/job.py): for its part of each node alive
+    now, so it never counts on what the other trials hold there."""
+    from training.driver.planning import Capacity, share_now, share_of
+
+    cluster = Capacity(cpus=4, gpus=0, hosts=2, nodes=((2.0, 0.0), (2.0, 0.0)))
+    half = share_of(cluster, 2)
+    left = share_now(half, Capacity(cpus=2, gpus=0, hosts=1, nodes=((2.0, 0.0),)))
+    assert (left.cpus, left.nodes, left.hosts) == (1, ((1.0, 0.0),), 1)
+    grown = share_now(half, Capacity(cpus=8, gpus=0, hosts=3, nodes=((2.0, 0.0),) * 4))
+    assert grown.cpus == 2 and grown.nodes == ((1.0, 0.0),) * 4  # never more than the share it began with
+    autoscaled = dataclasses.replace(cluster, autoscaling=True)
+    assert share_now(half, autoscaled) == half  # nodes come back there: the share as first planned

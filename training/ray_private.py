@@ -28,6 +28,16 @@ def autoscaler_ceiling() -> dict | None:
     return state.get_max_resources_from_cluster_config()
 
 
+def head_node_resource() -> str:
+    """The resource only the cluster's head node has (Ray Train pins its state actor by it). A Tune
+    trial's own actor asks for a sliver of it, so a lost worker node never takes a trial's driver
+    (the head's loss ends the cluster anyway), also where the head offers no CPU (cluster.yaml).
+    No public API names it. Used by training/sweep/tuner.py run_tuner."""
+    from ray._common.constants import HEAD_NODE_RESOURCE_NAME
+
+    return HEAD_NODE_RESOURCE_NAME
+
+
 def v1_autoscaler_runs() -> bool:
     """True when `ray up`'s (v1) autoscaler manages this cluster. Every cluster's monitor
     writes a status; without an autoscaling config its read-only provider names each node's
@@ -259,8 +269,14 @@ def _check_data_limits():
 
 
 # (function here, its callers, check): a check returns None or what changed
+def _check_head_resource() -> str | None:
+    name = head_node_resource()
+    return None if name.startswith("node:") else f"the head's resource is named {name!r}, not node:..."
+
+
 CHECKS = [
     ("autoscaler_ceiling", "training/driver/planning.py cluster_capacity", _check_ceiling),
+    ("head_node_resource", "training/sweep/tuner.py run_tuner", _check_head_resource),
     ("v1_autoscaler_runs", "training/driver/planning.py cluster_capacity", _check_v1_status),
     ("pending_demands", "training/worker/feed.py IngestWatch", _check_demands),
     ("trainer_class", "training/driver/job.py Attempt.trainer", _check_trainer_hook),

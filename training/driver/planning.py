@@ -56,6 +56,7 @@ class Capacity:
     bounded: bool = True  # False: an autoscaler runs whose limits Ray does not publish
     nodes: tuple[Node, ...] = ()  # (CPUs, GPUs) of each alive node; () = unknown: `hosts` equal nodes
     host_cores: int = 0  # the cores of the one machine all nodes run on, when it is this process's; 0: unknown
+    fractions: tuple[float, float] = (1.0, 1.0)  # a share's part of each node's CPUs and GPUs (share_of)
 
     def note(self) -> str:
         if not self.bounded:
@@ -106,7 +107,31 @@ def share_of(capacity: Capacity, parts: int, cpus: float = 0, gpus: float = 0) -
     fraction = want_cpus / capacity.cpus if capacity.cpus else 1.0
     gpu_fraction = want_gpus / capacity.gpus if capacity.gpus else 0.0
     nodes = tuple((c * fraction, g * gpu_fraction) for c, g in capacity.nodes)
-    return dataclasses.replace(capacity, cpus=int(want_cpus), gpus=int(want_gpus), nodes=nodes, host_cores=0)
+    return dataclasses.replace(
+        capacity,
+        cpus=int(want_cpus),
+        gpus=int(want_gpus),
+        nodes=nodes,
+        host_cores=0,
+        fractions=(fraction, gpu_fraction),
+    )
+
+
+def share_now(share: Capacity, now: Capacity) -> Capacity:
+    """A share made by share_of, of the nodes alive `now`: the same part of each, so a trial that
+    lost a node plans for its part of what is left, never for the part other trials hold."""
+    fraction, gpu_fraction = share.fractions
+    if now.autoscaling or not now.nodes:  # the cluster may grow back: the share as planned first
+        return share
+    nodes = tuple((c * fraction, g * gpu_fraction) for c, g in now.nodes)
+    cpus, gpus = sum(c for c, _ in nodes), sum(g for _, g in nodes)
+    return dataclasses.replace(
+        share,
+        cpus=min(share.cpus, int(cpus + 1e-6)),
+        gpus=min(share.gpus, int(gpus + 1e-6)),
+        nodes=nodes,
+        hosts=now.hosts,
+    )
 
 
 def machine_cores() -> int:
@@ -335,7 +360,8 @@ def wait_for_a_plan(
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            return plan_resources(cfg, share or cluster_capacity())
+            now = cluster_capacity()
+            return plan_resources(cfg, share_now(share, now) if share else now)
         except ConfigError:
             if time.monotonic() >= deadline:
                 raise

@@ -81,11 +81,12 @@ def starts_local_cluster() -> bool:
     return not (os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"))
 
 
-def connect(verbose: bool = False, dashboard: bool = False) -> bool:
+def connect(verbose: bool = False, dashboard: bool = False, worker_logs: bool = True) -> bool:
     """Join the cluster of `ray job submit` / RAY_ADDRESS, or start a local one (or keep the
     one this process is already connected to). True when it started a local cluster, which
-    lives and dies with this process."""
-    kwargs = quiet_ray_env(verbose)
+    lives and dies with this process. `worker_logs`: False keeps the Ray workers' output in
+    Ray's log files, off this console (a sweep's: its trials print one line per event)."""
+    kwargs = quiet_ray_env(verbose) | ({} if worker_logs else {"log_to_driver": False})
     import ray
 
     started = False

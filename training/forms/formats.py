@@ -1,4 +1,4 @@
-"""What `--data` names, told apart by what is there (docs/guide.md, "Data formats"):
+"""What `--data` names, told apart by what is there (docs/guide.md, "Other forms of data"):
 
     prepared      DIR/_prepared.json                 jobs.prepare's shards (training/forms/parquet.py)
     manifest      a .csv or .jsonl file               path,label lines (training/forms/manifest.py)

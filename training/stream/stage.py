@@ -78,8 +78,8 @@ class StageArgs:
 
 class AugmentStage:
     """map_batches callable (an actor pool's, or augment_task's per-process stage): `args` fix
-    the pipeline; the epoch comes with the rows (EPOCH, 0 where they have none), bad files go
-    to `bad_log`."""
+    the pipeline; the epoch comes with the rows (EPOCH; evaluation's may have none), bad files
+    go to `bad_log`."""
 
     def __init__(self, args: StageArgs, *, device: str = "auto", bad_log=None):
         import torch
@@ -98,6 +98,17 @@ class AugmentStage:
         self.shrink = args.shrink and args.train  # evaluation decodes at full size (torchvision parity)
         self.gpu_decoder = args.gpu_decoder
         self.bad_log = bad_log
+        self.train = args.train
+
+    def epoch_of(self, batch: dict) -> int:
+        """The epoch the rows were read for (an execution reads for one). Evaluation and prediction
+        draw nothing, so their rows may come without one; a training batch without it would be
+        augmented for epoch 0 in every epoch, unseen: that is an error."""
+        if EPOCH in batch and len(batch[EPOCH]):
+            return int(batch[EPOCH][0])
+        if self.train:
+            raise ValueError(f"a training batch without its {EPOCH!r} column: the read task stamps every row")
+        return 0
 
     def __call__(self, batch: dict) -> dict:
         import torch
@@ -109,7 +120,7 @@ class AugmentStage:
         if self.device.index is not None:  # a task's cuda:N: what lands on "the" GPU lands on ours
             torch.cuda.set_device(self.device)
         clock = StreamClock(self.device)
-        epoch = int(batch[EPOCH][0]) if EPOCH in batch and len(batch[EPOCH]) else 0  # an execution reads for one epoch
+        epoch = self.epoch_of(batch)
         keys = torch.as_tensor(np.array(batch[KEY]))
         if BYTES in batch:
             decoder = default_decoder(self.device, self.gpu_decoder)

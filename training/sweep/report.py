@@ -58,6 +58,7 @@ class TrialEvents(ray_tune.Callback):
 
     def __init__(self, sweep_dir: str, epochs: int, metric: str):
         self.sweep_dir, self.epochs, self.metric = sweep_dir, epochs, metric
+        self.faults_shown = {}  # trial id: the fault lines shown so far
 
     def log(self, line: str) -> None:
         EVENT_LOGS.get(getattr(self, "sweep_dir", None), say)(line)  # None: pickled before sweep_dir was kept
@@ -67,6 +68,10 @@ class TrialEvents(ray_tune.Callback):
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         figure = result.get(self.metric)
+        shown_before = self.__dict__.setdefault("faults_shown", {})  # a sweep pickled without it, restored
+        if result.get("faults", 0) > shown_before.get(trial.trial_id, 0):  # it survived a fault (a lost node)
+            self.log(f"{trial_label(trial)} {result.get('fault')}")
+            shown_before[trial.trial_id] = result["faults"]
         self.log(f"{trial_label(trial)} epoch {result.get('epoch')}: {self.metric} {shown(figure)}")
 
     def on_trial_complete(self, iteration, trials, trial, **info):
@@ -100,6 +105,7 @@ def trial_row(result, params: list[str], cfg: TrainConfig, metric: str, mode: st
     frame = result.metrics_dataframe
     history = [] if frame is None or metric not in frame else [float(v) for v in frame[metric].dropna()]
     epochs = int(frame["epoch"].max()) if frame is not None and "epoch" in frame and len(frame) else 0
+    faults = int(frame["faults"].max()) if frame is not None and "faults" in frame and len(frame) else 0
     planned = int(result.config.get("epochs", cfg.epochs))
     best = (max if mode == "max" else min)(history) if history else None
     if result.error:
@@ -116,6 +122,7 @@ def trial_row(result, params: list[str], cfg: TrainConfig, metric: str, mode: st
         "epochs": epochs,
         "stopped_early": status == "stopped early",
         "status": status,
+        "faults": faults,  # faults the trial's run survived (its faults.log has each)
         "wall_s": round(float(wall), 1) if wall is not None else None,
         "error": last_line(result.error) if result.error else "",
         "run_dir": storage.join(cfg.run_dir, f"trial-{trial_id}"),

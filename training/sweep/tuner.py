@@ -22,13 +22,14 @@ import os
 import time
 
 from augment.errors import PresetError
+from training import ray_private
 from training.config import ConfigError, TrainConfig, error_line
 from training.driver import lease
 from training.driver.api import JobError, as_config, fit
 from training.storage import RUN_MARKER, StorageError
 from training.sweep.space import Dimension, check_space, read_space
 
-TRIAL_DRIVER_CPUS = 0.05  # the Tune trial itself only waits on its TorchTrainer; its workers take the share
+TRIAL_DRIVER_CPUS = 0  # the Tune trial itself only waits on its TorchTrainer; its workers take the share
 METRICS = ("val_acc", "val_loss", "val_top5", "train_acc", "train_loss")
 
 
@@ -79,16 +80,23 @@ def run_trial(params: dict, *, base: dict, share) -> None:
 
     config = base | params | {"name": trial_run_name(ray_tune.get_context().get_trial_id()), "fresh": False}
     last = []  # the last epoch's figures: reported once the run has written its files (below)
+    faults = []  # the run's fault lines (a lost node it resumed after): they travel with its next report
+
+    def heard(*parts):
+        line = " ".join(str(p) for p in parts)
+        if line.startswith("fault: "):
+            faults.append(line)
 
     def report(record):
         numbers = {k: float(v) for k, v in record.metrics_row().items() if isinstance(v, (int, float))}
+        numbers |= {"epoch": record.epoch, "faults": len(faults), "fault": faults[-1] if faults else ""}
         if record.epoch >= int(config["epochs"]):
-            last.append(numbers | {"epoch": record.epoch})
+            last.append(numbers)
         else:
-            ray_tune.report(numbers | {"epoch": record.epoch})
+            ray_tune.report(numbers)
 
     try:
-        fit(config, [report], log=lambda *a: None, share=share)
+        fit(config, [report], log=heard, share=share)
     except JobError as e:
         raise TrialFailed(str(e)) from None
     if last:  # reported after fit: the scheduler ends a trial at its last epoch, before model.pt is written
@@ -207,7 +215,9 @@ def connect_and_share(cfg: TrainConfig, options: SweepOptions, log):
     from training.driver.session import connect  # looked up at the call: the tests replace it
 
     try:
-        connect(cfg.verbose, cfg.dashboard)
+        # the trials' own processes print to Ray's logs (their runs' files keep what matters), not
+        # between the sweep's lines; --verbose shows them
+        connect(cfg.verbose, cfg.dashboard, worker_logs=cfg.verbose)
     except Exception as e:  # noqa: BLE001  (Ray's own start-up)
         raise JobError(error_line(f"Ray did not start: {str(e).strip().splitlines()[0][:300]}"), 1) from None
     try:
@@ -236,9 +246,9 @@ def run_tuner(cfg: TrainConfig, dims: list[Dimension], options: SweepOptions, sh
 
     from training.sweep.report import EVENT_LOGS, TrialEvents
 
-    trainable = ray_tune.with_resources(
-        ray_tune.with_parameters(run_trial, base=trial_base(cfg), share=share), {"CPU": TRIAL_DRIVER_CPUS}
-    )
+    # each trial's driver on the head: a lost worker node costs a trial's run (which may resume), not its driver
+    pinned = {"CPU": TRIAL_DRIVER_CPUS, ray_private.head_node_resource(): 0.001}
+    trainable = ray_tune.with_resources(ray_tune.with_parameters(run_trial, base=trial_base(cfg), share=share), pinned)
     param_space = {d.key: d.tune_domain() for d in dims}
     path = cfg.run_dir.rstrip("/") + "/tune"
     if ray_tune.Tuner.can_restore(path):
@@ -269,6 +279,8 @@ def run_tuner(cfg: TrainConfig, dims: list[Dimension], options: SweepOptions, sh
     # Tune's new console output prints its configuration box even at verbose=0; its legacy one,
     # at 0, prints nothing: TrialEvents' lines are the sweep's console (a user's setting stays)
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    # a failed trial's traceback goes to its error.txt; TrialEvents' line gives its reason on the console
+    os.environ.setdefault("TUNE_PRINT_ALL_TRIAL_ERRORS", "0")
     EVENT_LOGS[cfg.run_dir] = log
     try:
         return tuner.fit()
