@@ -191,8 +191,7 @@ def run_job(args, data: str, work: str, tag: str) -> dict:
     run_dir = os.path.join(work, name)
     with open(os.path.join(run_dir, "summary.json")) as f:
         summary = json.load(f)
-    with open(os.path.join(run_dir, "timings.csv")) as f:
-        timings = [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+    timings = read_timings(os.path.join(run_dir, "timings.csv"))
     steady = summary["train_images_per_s"]
     epoch1_images = round(timings[0]["epoch_s"] * timings[0]["images_per_s"])
     plan_at = next((t for t, line in lines if line.startswith("plan:")), None)
@@ -208,6 +207,19 @@ def run_job(args, data: str, work: str, tag: str) -> dict:
         "data_wait_frac": summary.get("data_wait_frac"),
         "timings": timings,
     }
+
+
+def read_timings(path: str) -> list[dict]:
+    """A run's timings.csv, a dict an epoch: its figures as numbers, its words (`bound`) as they are."""
+
+    def cell(value: str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+
+    with open(path) as f:
+        return [{k: cell(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
 def run_synthetic(args, work: str, tag: str) -> dict:

@@ -94,6 +94,17 @@ def _head_commit() -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+def test_bench_train_reads_the_timings_a_run_writes(two_worker_run):
+    """bench.train (make bench-train) reads each run's timings.csv: its figures as numbers, its
+    `bound` as the word it is (a reader that took every cell for a number broke on it)."""
+    from bench.train import read_timings
+
+    run_dir, summary, _, _ = two_worker_run
+    timings = read_timings(str(run_dir / "timings.csv"))
+    assert [t["epoch"] for t in timings] == [float(e) for e in range(1, summary["epochs"] + 1)]
+    assert all(t["epoch_s"] > 0 and t["images_per_s"] > 0 and isinstance(t["bound"], str) for t in timings)
+
+
 def test_run_directory_has_sane_contents(two_worker_run):
     run_dir, summary, tree, _ = two_worker_run
     for name in (
