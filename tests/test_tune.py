@@ -360,3 +360,33 @@ def test_a_trial_that_lost_a_node_plans_for_its_part_of_the_nodes_left():
     assert grown.cpus == 2 and grown.nodes == ((1.0, 0.0),) * 4  # never more than the share it began with
     autoscaled = dataclasses.replace(cluster, autoscaling=True)
     assert share_now(half, autoscaled) == half  # nodes come back there: the share as first planned
+
+
+@pytest.mark.ray  # jobs.tune starts its own local cluster
+def test_failed_trials_are_one_line_each_on_the_console_of_jobs_tune(tmp_path):
+    """`python -m jobs.tune` as a user runs it, both trials failing (their loss turns non-finite at
+    once): exit 0, each failure one line and a row, and neither Tune's traceback of a failed trial
+    nor its closing "Trials did not complete" on the console."""
+    import subprocess
+    import sys
+
+    data = write_tree(tmp_path / "data", {"a": 12, "b": 12})
+    args = ["--data", str(data), "--storage-path", str(tmp_path / "runs"), "--name", "s", "--epochs", "1"]
+    args += ["--space", _space(tmp_path, f"lr: grid([{FAILS}, {FAILS * 2}])\n"), "--trials", "1", "--batch-size", "8"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "TUNE_PRINT_ALL_TRIAL_ERRORS")}
+    done = subprocess.run(
+        [sys.executable, "-m", "jobs.tune", *args],
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    console = done.stdout + done.stderr
+    assert done.returncode == 0, console
+    line = r"^trial-\S+ failed: error: training failed: the training loss became non-finite"
+    failed = re.findall(line, console, re.M)
+    assert len(failed) == 2, console
+    assert "Traceback" not in console and "ERROR" not in console and "did not complete" not in console, console
+    with open(tmp_path / "runs" / "s" / "trials.csv") as f:
+        assert [r["status"] for r in csv.DictReader(f)] == ["failed", "failed"]

@@ -17,6 +17,7 @@ actors and placement groups are owned by that actor's process and go with it, as
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import time
@@ -282,10 +283,18 @@ def run_tuner(cfg: TrainConfig, dims: list[Dimension], options: SweepOptions, sh
     # a failed trial's traceback goes to its error.txt; TrialEvents' line gives its reason on the console
     os.environ.setdefault("TUNE_PRINT_ALL_TRIAL_ERRORS", "0")
     EVENT_LOGS[cfg.run_dir] = log
+    tune_log = logging.getLogger("ray.tune.tune")  # its "Trials did not complete: [...]": the end table lists them
+    tune_log.addFilter(said_by_the_table)
     try:
         return tuner.fit()
     finally:
         EVENT_LOGS.pop(cfg.run_dir, None)
+        tune_log.removeFilter(said_by_the_table)
+
+
+def said_by_the_table(record: logging.LogRecord) -> bool:
+    """A logging filter: False for Tune's closing list of the trials that did not complete."""
+    return not record.getMessage().startswith("Trials did not complete")
 
 
 def scheduler(cfg: TrainConfig, options: SweepOptions):
