@@ -298,6 +298,28 @@ def test_a_restored_sweeps_event_lines_go_to_the_callers_log(tmp_path):
     assert lines == ["trial-t0 started: lr=0.1", "trial-t0 stopped early after epoch 1 (the scheduler's decision)"]
 
 
+def test_trial_events_pickled_by_an_earlier_version_restore_and_tell_a_fault(capsys):
+    """A sweep begun before TrialEvents kept its folder and the faults it showed, continued by this
+    version: its events still print (to the console), and a fault survived is told once."""
+    import pickle
+    import types
+
+    from training.sweep.report import TrialEvents
+
+    events = TrialEvents("unused", 3, "val_acc")
+    del events.sweep_dir, events.faults_shown  # as that version pickled it
+    restored = pickle.loads(pickle.dumps(events))
+    trial = types.SimpleNamespace(trial_id="t0", config={"lr": 0.1}, last_result={"epoch": 2})
+    fault = {"faults": 1, "fault": "fault: node lost", "epoch": 2, "val_acc": 0.5}
+    restored.on_trial_result(0, [], trial, fault)
+    restored.on_trial_result(0, [], trial, fault | {"epoch": 3})
+    assert capsys.readouterr().out.splitlines() == [
+        "trial-t0 fault: node lost",
+        "trial-t0 epoch 2: val_acc 0.5",
+        "trial-t0 epoch 3: val_acc 0.5",
+    ]
+
+
 def test_each_trials_row_says_how_it_ended(tmp_path):
     import types
 

@@ -60,15 +60,20 @@ class TrialEvents(ray_tune.Callback):
         self.sweep_dir, self.epochs, self.metric = sweep_dir, epochs, metric
         self.faults_shown = {}  # trial id: the fault lines shown so far
 
+    def __setstate__(self, state: dict) -> None:
+        """Restored from a sweep's experiment state: one pickled by an earlier version lacks the
+        fields it did not keep yet."""
+        self.__dict__.update({"sweep_dir": None, "faults_shown": {}} | state)
+
     def log(self, line: str) -> None:
-        EVENT_LOGS.get(getattr(self, "sweep_dir", None), say)(line)  # None: pickled before sweep_dir was kept
+        EVENT_LOGS.get(self.sweep_dir, say)(line)
 
     def on_trial_start(self, iteration, trials, trial, **info):
         self.log(f"{trial_label(trial)} started: {params_text(trial.config)}")
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         figure = result.get(self.metric)
-        shown_before = self.__dict__.setdefault("faults_shown", {})  # a sweep pickled without it, restored
+        shown_before = self.faults_shown
         if result.get("faults", 0) > shown_before.get(trial.trial_id, 0):  # it survived a fault (a lost node)
             self.log(f"{trial_label(trial)} {result.get('fault')}")
             shown_before[trial.trial_id] = result["faults"]
