@@ -50,15 +50,15 @@ def cluster(own_cluster):
 
 
 class Job:
-    """`python -m jobs.train --FLAG VALUE ...` against `address` (flags as keywords: epochs=2), its
-    output in a file (a pipe could fill up)."""
+    """`python -m jobs.train --FLAG VALUE ...` (or another of the jobs: `module`) against `address`,
+    flags as keywords (epochs=2), its output in a file (a pipe could fill up)."""
 
-    def __init__(self, address: str, tmp: Path, **flags):
+    def __init__(self, address: str, tmp: Path, module: str = "jobs.train", name: str = "lost", **flags):
         args = [str(a) for flag, value in flags.items() for a in (f"--{flag.replace('_', '-')}", value)]
         self.out = tmp / "console.txt"
         self.runs = tmp / "runs"
         env = {**os.environ, "RAY_ADDRESS": address}
-        cmd = [sys.executable, "-m", "jobs.train", "--storage-path", str(self.runs), "--name", "lost", *args]
+        cmd = [sys.executable, "-m", module, "--storage-path", str(self.runs), "--name", name, *args]
         with self.out.open("w") as f:
             self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
 
@@ -267,19 +267,22 @@ def test_a_lost_node_inside_a_sweep_costs_at_most_its_trial_and_the_sweep_ends(c
     data = write_tree(tmp_path / "data", {"a": 32, "b": 32})
     space = tmp_path / "space.yaml"
     space.write_text("lr: grid([0.05, 0.1])\n")
-    out, runs = tmp_path / "console.txt", tmp_path / "runs"
-    flags = ["--data", str(data), "--storage-path", str(runs), "--name", "sw", "--space", str(space)]
-    flags += ["--trials", "1", "--max-concurrent", "2", "--scheduler", "none", "--epochs", "4"]
-    flags += ["--batch-size", "16", "--val-fraction", "0.25", "--small-stem", TEST_STEM, "--node-wait-s", "5"]
-    with out.open("w") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "jobs.tune", *flags],
-            cwd=REPO,
-            env={**os.environ, "RAY_ADDRESS": head.address},
-            stdout=f,
-            stderr=subprocess.STDOUT,
-        )
-    job = Sweep(proc, out)
+    job = Job(
+        head.address,
+        tmp_path,
+        module="jobs.tune",
+        name="sw",
+        data=data,
+        space=space,
+        trials=1,
+        max_concurrent=2,
+        scheduler="none",
+        epochs=4,
+        batch_size=16,
+        val_fraction=0.25,
+        small_stem=TEST_STEM,
+        node_wait_s=5,
+    )
     _wait_until(lambda: _train_worker_on(head.address, doomed.node_id), "a train worker on the node", job)
     trial_drivers = _trial_drivers(head.address)
     head.remove_node(doomed, allow_graceful=False)  # the fault, and no node comes
@@ -287,7 +290,7 @@ def test_a_lost_node_inside_a_sweep_costs_at_most_its_trial_and_the_sweep_ends(c
     text = job.text()
     assert code == 0, text[-4000:]
     assert len(trial_drivers) == 2 and set(trial_drivers) == {head.head_node.node_id}, trial_drivers
-    with open(runs / "sw" / "trials.csv") as f:
+    with open(job.runs / "sw" / "trials.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 2 and {float(r["lr"]) for r in rows} == {0.05, 0.1}, rows
     assert any(r["status"] == "finished" and r["epochs"] == "4" for r in rows), rows
@@ -302,13 +305,6 @@ def test_a_lost_node_inside_a_sweep_costs_at_most_its_trial_and_the_sweep_ends(c
             assert re.search(rf"^{row['trial']} failed: .*node lost", text, re.M), text
     assert "Traceback" not in text and "ERROR" not in text, text[-4000:]
     assert text.strip().splitlines()[-1].startswith("sweep: "), text[-2000:]
-
-
-class Sweep(Job):
-    """A jobs.tune process started by the test, waited on as Job waits on jobs.train."""
-
-    def __init__(self, proc, out: Path):
-        self.proc, self.out = proc, out
 
 
 def _trial_drivers(address: str) -> list[str]:
