@@ -48,9 +48,9 @@ os.environ["RAY_local_fs_capacity_threshold"] = "0.99"
 
 # A Ray node ends a worker process that has been idle for 1 s once it runs more workers than it has
 # CPUs, which the tests' small nodes, holding a run's actors, always do: every Ray Data execution a
-# test starts after a pause then waits for fresh processes to import torch again (about 4.5 s on
-# this machine, against 0.2 s for the execution itself; docs/benchmark-log.md, "The suite on a
-# clean clone"). The tests' clusters keep idle workers for a minute.
+# test starts after a pause then waits for fresh processes to import torch again, many times the
+# execution's own time (docs/benchmark-log.md, "The suite on a clean clone"). The tests' clusters
+# keep idle workers for a minute.
 os.environ.setdefault("RAY_idle_worker_killing_time_threshold_ms", "60000")
 
 
