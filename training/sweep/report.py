@@ -73,10 +73,9 @@ class TrialEvents(ray_tune.Callback):
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         figure = result.get(self.metric)
-        shown_before = self.faults_shown
-        if result.get("faults", 0) > shown_before.get(trial.trial_id, 0):  # it survived a fault (a lost node)
+        if result.get("faults", 0) > self.faults_shown.get(trial.trial_id, 0):  # it survived a fault (a lost node)
             self.log(f"{trial_label(trial)} {result.get('fault')}")
-            shown_before[trial.trial_id] = result["faults"]
+            self.faults_shown[trial.trial_id] = result["faults"]
         self.log(f"{trial_label(trial)} epoch {result.get('epoch')}: {self.metric} {shown(figure)}")
 
     def on_trial_complete(self, iteration, trials, trial, **info):
