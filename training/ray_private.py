@@ -80,12 +80,14 @@ def trainer_class(*, one_worker: bool, own_cluster: bool):
     TorchConfig's context would. Several workers train with TorchTrainer (DDP).
 
     `own_cluster`: less Ray Train's placement-group cleaner, a detached actor that frees the
-    run's placement group should the controller die. A cluster this process started ends
-    with it, so the cleaner has nothing to outlive; it would cost one more process at
-    start-up, and without the dashboard it polls a state API that is not there, warning
-    every few seconds. Ray Train has no switch for it (the preemption watcher has an
-    environment variable; the cleaner has none), so this overrides the private hook that
-    builds the default callbacks.
+    run's placement group should the controller die. A cluster a job started on this machine
+    (this process, or the sweep whose trial this is: training/driver/session.py owns_cluster)
+    ends with that job, so the cleaner has nothing to outlive; it would cost one more process at
+    start-up, and it finds the state API through RAY_ADDRESS or the machine's latest `ray start`:
+    with no dashboard of its own cluster to ask, it warns every few seconds, or asks another
+    cluster's, hears "no such actor" and ends the live run's workers. Ray Train has no switch
+    for it (the preemption watcher has an environment variable; the cleaner has none), so this
+    overrides the private hook that builds the default callbacks.
 
     Used by training/driver/job.py, Attempt.trainer (docs/design.md, "Choices and where they
     were measured")."""

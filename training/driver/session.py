@@ -81,28 +81,57 @@ def starts_local_cluster() -> bool:
     return not (os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"))
 
 
+OWN_CLUSTER_ENV = "RGA_OWN_CLUSTER"  # "1" in the processes of a cluster connect() started
+_started_here: set[str] = set()  # the GCS address of the cluster this process started, if it did
+
+
 def connect(verbose: bool = False, dashboard: bool = False, worker_logs: bool = True) -> bool:
     """Join the cluster of `ray job submit` / RAY_ADDRESS, or start a local one (or keep the
-    one this process is already connected to). True when it started a local cluster, which
-    lives and dies with this process. `worker_logs`: False keeps the Ray workers' output in
-    Ray's log files, off this console (a sweep's: its trials print one line per event)."""
+    one this process is already connected to). True when the cluster is one a job started on
+    this machine, which lives and dies with that job's process: this process started it, or
+    this is one of its workers (a sweep's trial; owns_cluster). `worker_logs`: False keeps the
+    Ray workers' output in Ray's log files, off this console (a sweep's: its trials print one
+    line per event)."""
     kwargs = quiet_ray_env(verbose) | ({} if worker_logs else {"log_to_driver": False})
     import ray
 
-    started = False
     if ray.is_initialized():
-        pass
+        started = owns_cluster()
     elif os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"):
         ray.init(**kwargs, **joined_runtime_env(verbose))
+        started = False
     else:
-        without_preemption_watcher()
+        start_local(dashboard, kwargs)
+        started = True
+    quiet_ray_data(verbose)  # after ray.init: importing Ray Data first would delay the cluster's start
+    return started
+
+
+def start_local(dashboard: bool, kwargs: dict) -> None:
+    """A cluster of this machine that ends with this process. Its processes (the raylet, and the
+    workers it starts) inherit OWN_CLUSTER_ENV; this one and its later children do not."""
+    import ray
+
+    without_preemption_watcher()
+    os.environ[OWN_CLUSTER_ENV] = "1"
+    try:
         if dashboard:  # it listens on loopback only
             ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", **kwargs)
         else:
             ray.init(address="local", include_dashboard=False, **kwargs)
-        started = True
-    quiet_ray_data(verbose)  # after ray.init: importing Ray Data first would delay the cluster's start
-    return started
+    finally:
+        del os.environ[OWN_CLUSTER_ENV]
+    _started_here.add(ray.get_runtime_context().gcs_address)
+
+
+def owns_cluster() -> bool:
+    """Whether the cluster this connected process is in is one connect() started: a worker of it
+    (a sweep's trial), or the process that started it. Such a cluster ends with its job, and
+    Ray Train runs there without its placement-group cleaner (training/ray_private.py
+    trainer_class), which could take another cluster of this machine for this one."""
+    import ray
+
+    return os.environ.get(OWN_CLUSTER_ENV) == "1" or ray.get_runtime_context().gcs_address in _started_here
 
 
 def without_preemption_watcher() -> None:

@@ -12,6 +12,8 @@ Layout: SWEEP/tune/ is Tune's experiment (what restore reads), SWEEP/trial-<id>/
 SWEEP/trials.csv and SWEEP/trials.png the sweep's table and plot (training/sweep/report.py).
 A trial that ASHA stops is ended by Tune (its actor exits): the trial's TorchTrainer, helper
 actors and placement groups are owned by that actor's process and go with it, as does its lease.
+The trials of a sweep that started its own cluster run Ray Train as a local run does
+(training/driver/session.py owns_cluster).
 """
 
 from __future__ import annotations
