@@ -75,3 +75,40 @@ def test_the_train_loops_own_error_is_found_inside_ray_trains_wrapper():
     error = ray.train.WorkerGroupError("rank 0 failed", {0: wrapped})
     assert worker_error(error) == "no batch for 31 s: the train workers hold every CPU"
     assert worker_error(RuntimeError("boom")) == "RuntimeError: boom"
+
+
+@pytest.mark.ray  # the first subprocess starts a local Ray cluster of its own
+def test_a_cluster_connect_started_is_owned_by_its_process_and_workers_and_a_joined_one_is_not(ray_cluster):
+    """The gate of trainer_class's `own_cluster` (training/driver/session.py owns_cluster): a local
+    cluster that connect() started counts as owned in the process that started it, on a second
+    connect() there (a notebook's second fit), and in its workers (a sweep's trials, whose
+    placement-group cleaner would ask another cluster's dashboard); a joined cluster nowhere."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import ray\n"
+        "from training.driver.session import connect, owns_cluster\n"
+        "first, second = connect(), connect()\n"
+        "in_worker = ray.get(ray.remote(num_cpus=0)(owns_cluster).remote())\n"
+        "print(first, second, in_worker)\n"
+    )
+
+    def owned(address: str | None) -> str:
+        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RGA_OWN_CLUSTER")}
+        env |= {"RAY_ADDRESS": address} if address else {}
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=Path(__file__).resolve().parents[1],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout.strip().splitlines()[-1]
+
+    assert owned(None) == "True True True"
+    assert owned(ray.get_runtime_context().gcs_address) == "False False False"
