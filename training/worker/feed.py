@@ -96,6 +96,7 @@ class BatchFeed(contextlib.AbstractContextManager):
         self.watch = watch
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._stop = threading.Event()
+        self._stalled = False  # the watch gave up on the source: its thread waits in it for good
         cuda = device is not None and device.type == "cuda"
         self._copy = (device, torch.cuda.Stream(device)) if cuda else None
         self._thread = threading.Thread(target=self._pull, args=(batches,), daemon=True, name="batch-feed")
@@ -152,11 +153,13 @@ class BatchFeed(contextlib.AbstractContextManager):
         return batch
 
     def close(self, *exc) -> None:
-        """Stop the thread (between two batches) and wait for it; also a `with` block's exit."""
+        """Stop the thread (between two batches) and wait for it; also a `with` block's exit. Once
+        the watch gave up on the source, the thread waits inside it for a batch that will not come:
+        the run stops at once instead of waiting for it (it is a daemon thread)."""
         self._stop.set()
         with contextlib.suppress(queue.Empty):
             self._queue.get_nowait()  # a thread blocked on a full queue sees the stop at once
-        if self._thread is not threading.current_thread():
+        if self._thread is not threading.current_thread() and not self._stalled:
             self._thread.join(timeout=10)
 
     __exit__ = close  # and AbstractContextManager's __enter__ returns the feed
@@ -170,7 +173,11 @@ class BatchFeed(contextlib.AbstractContextManager):
                 return self._queue.get(timeout=timeout)
             except queue.Empty:
                 waited += time.monotonic() - t0
-                self.watch.check(waited)
+                try:
+                    self.watch.check(waited)
+                except IngestStalled:
+                    self._stalled = True
+                    raise
 
 
 def train_batches(shard, batch_size: int, device: torch.device, epoch: int, *, seed: int, rank: int, shuffle: bool):
