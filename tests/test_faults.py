@@ -209,6 +209,38 @@ def test_a_killed_train_worker_resumes_from_the_last_checkpoint(ray_cluster, fau
     _no_leaks(ray_cluster)
 
 
+def test_the_driver_removes_the_placement_group_an_attempt_trained_in(ray_cluster):
+    """A rank tells the run's status its placement group (training/status.py tell_group, what
+    the train loop calls first); once the attempt has ended, the driver's release_groups removes
+    it, whoever else did or did not (after a node loss a worker group's outlived its attempt and
+    held a node's CPU for the rest of a sweep: docs/design.md, "Faults"). A group already
+    removed, and a second release, change nothing."""
+    from ray.util.placement_group import placement_group, placement_group_table
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from training.driver.faults import driver_actor, release_groups
+    from training.status import RunStatus, tell_group
+
+    status = driver_actor(RunStatus)
+    groups = [placement_group([{"CPU": 1}]) for _ in range(2)]
+    ray_cluster.get([g.ready() for g in groups], timeout=120)
+    rank = ray_cluster.remote(num_cpus=1)(tell_group)
+    in_group = [rank.options(scheduling_strategy=PlacementGroupSchedulingStrategy(g)) for g in groups]
+    try:
+        ray_cluster.get([r.remote(status) for r in in_group])
+        ray_cluster.util.remove_placement_group(groups[1])  # as Ray Train's controller does when all goes well
+        assert placement_group_table(groups[0])["state"] == "CREATED"
+
+        release_groups(status)
+        assert [placement_group_table(g)["state"] for g in groups] == ["REMOVED", "REMOVED"]
+        release_groups(status)  # nothing left to take
+    finally:  # a failure here leaves no CPU held for the tests after it
+        for group in groups:
+            ray_cluster.util.remove_placement_group(group)
+        ray_cluster.kill(status)
+    _no_leaks(ray_cluster)
+
+
 # the process title of an augment worker while it runs a call (an idle task worker is "ray::IDLE",
 # an idle actor "ray::MapWorker(MapBatches(AugmentStage))", one being made "...AugmentStage)).__init__"):
 # the read fused with the augment call, or the actor's method that augments a block

@@ -26,6 +26,7 @@ class RunStatus:
         self.records: list = []  # rank 0's EpochRecords, for the driver's epoch callbacks (training/driver/epochs.py)
         self.verdicts: dict[int, str] = {}  # epoch (1-based) -> the callbacks' verdict: STOP or "go"
         self.steps: list[dict] = []  # rank 0's figures every --log-every steps (StepLog), for the trackers
+        self.groups: dict = {}  # id -> the placement group an attempt's ranks trained in (`placed`)
 
     def post(self, rank: int, epoch: int, images: int, loss_sum: float) -> None:
         self.ranks[rank] = (epoch, images, loss_sum)
@@ -53,6 +54,15 @@ class RunStatus:
 
     def verdict(self, epoch: int) -> str | None:
         return self.verdicts.get(epoch)
+
+    def placed(self, group) -> None:
+        self.groups[group.id.hex()] = group
+
+    def take_groups(self) -> list:
+        """The placement groups the ranks said they trained in since the last call (the driver
+        removes them after each attempt: training/driver/faults.py release_groups)."""
+        groups, self.groups = list(self.groups.values()), {}
+        return groups
 
     def new_attempt(self) -> None:
         """The trainer (re)starts: the ranks' counts so far belong to the attempt that failed."""
@@ -135,6 +145,21 @@ class StepLog:
             )
         )
         self.images, self.loss_sum, self.at = 0, loss_sum, now
+
+
+def tell_group(status) -> None:
+    """A rank tells the run's status the placement group it runs in (Ray Train's, for the worker
+    group), and waits for the status to have it: the driver removes it once the attempt has
+    ended, however short the attempt. A status actor that is gone loses the group, not the run."""
+    import ray
+
+    group = ray.util.get_current_placement_group()
+    if group is None:
+        return
+    try:
+        ray.get(status.placed.remote(group))
+    except ray.exceptions.RayActorError:
+        pass
 
 
 def say(status, line: str, epoch: int = -1) -> None:

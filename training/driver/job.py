@@ -38,6 +38,7 @@ from training.driver.faults import (
     driver_actor,
     full_storage_line,
     lost_nodes,
+    release_groups,
     storage_full,
 )
 from training.driver.inputs import auto_preset, data_place, few_steps_warning, sized_preset
@@ -388,6 +389,7 @@ def _fit(
                 ray.get(status.new_attempt.remote())
                 nodes = alive_nodes()
                 result, error = _attempt(attempt.trainer(plan, datasets), status, run_dir)
+                release_groups(status)
                 if error is None:
                     break
                 plan = _after_fault(attempt, plan, error, nodes, faults, follower.say)

@@ -33,7 +33,7 @@ from training.config import TrainConfig
 from training.records import KEY_MOD, RunRecord, ShardRecord, StaleRecords, TrainFigures, ValFigures
 from training.rows import COSTS, DECODED_ON, EPOCH, IMAGE, KEY, LABEL
 from training.spec import WorkerSpec
-from training.status import STOP, EpochProgress, StepLog, driver_verdict, say
+from training.status import STOP, EpochProgress, StepLog, driver_verdict, say, tell_group
 from training.stream.stamp import check_stamp, refuse_stale, stale_rows
 from training.worker import trace
 from training.worker.feed import EpochData, IngestWatch
@@ -320,6 +320,7 @@ def train_loop(config: dict) -> None:
     cfg, ctx = spec.config, ray.train.get_context()
     quiet_worker_logs(cfg.verbose)
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    tell_group(spec.status)  # the driver removes the worker group's placement group after the attempt
     device = setup_worker(cfg, spec.threads_per_worker)
     run, learner_state, resumed_from, passed_over = restore(cfg, device)
     stopped = early_stop_line(run.epochs, cfg.early_stop)  # a run resumed after its early stop stays stopped
