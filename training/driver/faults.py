@@ -54,9 +54,9 @@ class CheckpointNotice(ray.train.UserCallback):
 def release_groups(status) -> None:
     """Remove the placement groups an attempt's ranks said they trained in (training/status.py
     tell_group), once the attempt has ended. Ray Train's controller removes its worker group's
-    when it shuts the workers down, but after a node loss a group has outlived its attempt: the
-    GCS moved it to a node left and it held that node's CPUs for as long as the job lived, so
-    the next attempt, or a sweep's other trial, could never start there (docs/design.md,
+    when it shuts the workers down, but once, after a node loss, a group outlived its attempt:
+    the GCS moved it to a node left, where it held a CPU for as long as the job lived, and
+    neither the attempt after it nor a sweep's other trial could start there (docs/design.md,
     "Faults"). Removing a group already removed does nothing."""
     for group in ray.get(status.take_groups.remote()):
         ray.util.remove_placement_group(group)
