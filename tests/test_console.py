@@ -133,3 +133,58 @@ def test_a_train_worker_never_warns_of_the_object_stores_read_only_arrays():
     quiet, control = runs.values()
     assert quiet.returncode == 0, quiet.stderr.decode()[-2000:]
     assert control.returncode != 0 and b"not writable" in control.stderr  # the warning, where nothing filters it
+
+
+# what a train worker that Ray Train stopped with SIGTERM while it imported printed on a joined
+# run's console after a node loss (tests/test_node_loss.py, seen once in a suite run)
+STOPPED_WHILE_IMPORTING = [
+    "Exception ignored in: <function _get_module_lock.<locals>.cb at 0x7facc3e37920>",
+    "Traceback (most recent call last):",
+    '  File "<frozen importlib._bootstrap>", line 198, in cb',
+    '  File "/venv/lib/python3.11/site-packages/ray/_private/worker.py", line 1063, in sigterm_handler',
+    "    raise_sys_exit_with_custom_error_message(",
+    '  File "python/ray/_raylet.pyx", line 712, in ray._raylet.raise_sys_exit_with_custom_error_message',
+    "SystemExit: 1",
+]
+A_REAL_ERROR = [
+    "Traceback (most recent call last):",
+    '  File "/work/augment/ops.py", line 12, in apply',
+    "    raise ValueError('bad size')",
+    "ValueError: bad size",
+]
+
+
+def test_only_the_tracebacks_of_rays_sigterm_handler_leave_the_console():
+    from training.driver.session import without_stop_tracebacks
+
+    lines = ["before", *STOPPED_WHILE_IMPORTING, *A_REAL_ERROR, *STOPPED_WHILE_IMPORTING[1:], "after"]
+    assert without_stop_tracebacks(lines) == ["before", *A_REAL_ERROR, "after"]
+    exit_elsewhere = [*A_REAL_ERROR[:3], "SystemExit: 1"]  # a SystemExit that Ray's handler did not raise
+    assert without_stop_tracebacks(exit_elsewhere) == exit_elsewhere
+    cut_short = STOPPED_WHILE_IMPORTING[:4]  # a batch that ends inside the traceback: printed as it came
+    assert without_stop_tracebacks(cut_short) == cut_short
+
+
+def test_the_driver_prints_a_workers_output_without_rays_sigterm_traceback(monkeypatch, capsys):
+    """Through Ray's own printing handler, as ray.init(log_to_driver=True) installs it (a dispatcher of
+    the test's own, so the session's cluster keeps its handler)."""
+    import functools
+
+    from ray._private import ray_logging, worker
+
+    from training import ray_private
+    from training.driver.session import without_stop_tracebacks
+
+    dispatcher = ray_logging.WorkerStandardStreamDispatcher()
+    dispatcher.add_handler("ray_print_logs", functools.partial(worker.print_to_stdstream, ignore_prefix=False))
+    monkeypatch.setattr(ray_logging, "global_worker_stdstream_dispatcher", dispatcher)
+    batch = {"ip": "192.0.2.1", "pid": 4810, "is_err": True, "actor_name": "", "task_name": ""}
+    ray_private.filter_worker_output(without_stop_tracebacks)
+    ray_private.filter_worker_output(without_stop_tracebacks)  # twice: one filter
+    dispatcher.emit(batch | {"lines": STOPPED_WHILE_IMPORTING})
+    dispatcher.emit(batch | {"lines": ["a line of the worker's own", *A_REAL_ERROR]})
+    err = capsys.readouterr().err
+    assert "sigterm_handler" not in err and "SystemExit" not in err and "Exception ignored" not in err, err
+    printed = [line for line in err.splitlines() if "(pid=4810" in line]  # with Ray's prefix, as Ray prints them
+    assert [line.split("m ", 1)[1] for line in printed] == ["a line of the worker's own", *A_REAL_ERROR], err
+    assert len(dispatcher.handlers) == 1

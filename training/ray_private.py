@@ -146,6 +146,29 @@ def job_runtime_env() -> dict:
     return (json.loads(raw).get("runtime_env") or {}) if raw else {}
 
 
+def filter_worker_output(keep) -> None:
+    """Pass the lines of other processes that this driver prints (ray.init's log_to_driver) through
+    `keep` (a list of lines in, the lines to print out) first. Ray's own filter,
+    RAY_DEDUP_LOGS_SKIP_REGEX, sees one line at a time, and a traceback is several; Ray 2.60 hands
+    the driver each process's output in batches through its stdstream dispatcher, whose printing
+    handler this wraps. Idempotent; nothing where ray.init had log_to_driver=False, and ray.shutdown
+    removes the wrapper with Ray's handler. Used by training/driver/session.py connect."""
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    for name, handler in list(dispatcher.handlers):
+        if name != "ray_print_logs" or getattr(handler, "filtered", False):
+            continue
+
+        def filtered(data, handler=handler):
+            lines = keep(data["lines"])
+            if lines:
+                handler({**data, "lines": lines})
+
+        filtered.filtered = True
+        dispatcher.remove_handler(name)
+        dispatcher.add_handler(name, filtered)
+
+
 ASK_AGAIN_S = 5.0  # data_limits_from_the_start: the reply takes milliseconds; a second is what it saves
 
 
@@ -270,6 +293,17 @@ def _check_data_limits():
     return None
 
 
+def _check_worker_output():
+    problem = _has("ray._private.ray_logging", "global_worker_stdstream_dispatcher", "handlers")
+    if problem:
+        return problem
+    from ray._private import worker
+
+    if "ray_print_logs" not in inspect.getsource(worker.connect):
+        return "ray._private.worker.connect no longer adds the handler named ray_print_logs"
+    return None
+
+
 # (function here, its callers, check): a check returns None or what changed
 def _check_head_resource() -> str | None:
     name = head_node_resource()
@@ -290,5 +324,6 @@ CHECKS = [
         lambda: _has("ray.data._internal.logging", "configure_logging"),
     ),
     ("job_runtime_env", "training/driver/session.py connect", _check_job_runtime_env),
+    ("filter_worker_output", "training/driver/session.py connect", _check_worker_output),
     ("data_limits_from_the_start", "training/stream/ingest.py SplitSource.get_read_tasks", _check_data_limits),
 ]

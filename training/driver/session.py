@@ -104,7 +104,41 @@ def connect(verbose: bool = False, dashboard: bool = False, worker_logs: bool = 
         start_local(dashboard, kwargs)
         started = True
     quiet_ray_data(verbose)  # after ray.init: importing Ray Data first would delay the cluster's start
+    if not verbose:
+        ray_private.filter_worker_output(without_stop_tracebacks)
     return started
+
+
+def without_stop_tracebacks(lines: list[str]) -> list[str]:
+    """A process's output as the driver prints it, less the tracebacks of Ray's SIGTERM handler:
+    Ray stops a worker it no longer needs (Ray Train's, after a node of its group went) with
+    SIGTERM, and a worker that gets it while Python imports prints "Exception ignored in: ...",
+    a traceback through `sigterm_handler` and "SystemExit: 1". That is Ray's way of stopping a
+    process, a fault the job survives or reports in its own line; the lines stay in the worker's
+    log file in Ray's session folder. Every other traceback is kept."""
+    kept, at = [], 0
+    while at < len(lines):
+        end = _traceback_end(lines, at)
+        block = lines[at:end]
+        if end > at and lines[end - 1].startswith("SystemExit") and any("in sigterm_handler" in x for x in block):
+            at = end
+            continue
+        kept.append(lines[at])
+        at += 1
+    return kept
+
+
+def _traceback_end(lines: list[str], at: int) -> int:
+    """Where the traceback that starts at lines[at] ("Exception ignored in: ..." then "Traceback
+    (most recent call last):", or the latter alone) ends: just past its exception's line. `at`
+    where none starts there."""
+    start = at + 1 if lines[at].startswith("Exception ignored in") else at
+    if start >= len(lines) or not lines[start].startswith("Traceback (most recent call last):"):
+        return at
+    end = start + 1
+    while end < len(lines) and lines[end].startswith(" "):  # the frames: "  File ...", "    code"
+        end += 1
+    return min(end + 1, len(lines))  # the exception's own line
 
 
 def start_local(dashboard: bool, kwargs: dict) -> None:
