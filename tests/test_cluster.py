@@ -167,6 +167,64 @@ def test_torch_threads_never_outnumber_the_machines_cores(ray_cluster):
     assert plan_resources(TrainConfig(num_workers=2), here).threads_per_worker == max(1, machine_cores() // 2)
 
 
+ASK_FROM_A_JOINED_DRIVER = """
+import json, os, sys, ray
+from ray.train.v2._internal.state.util import is_actor_alive
+from training.driver.session import joined_runtime_env
+
+ray.init(address=sys.argv[1], log_to_driver=False, **joined_runtime_env(sys.argv[3] == "verbose"))
+
+@ray.remote(num_cpus=0)
+def alive(actor_id):
+    return is_actor_alive(actor_id=actor_id, timeout=10), os.environ.get("RAY_ADDRESS", "")
+
+print(json.dumps(ray.get(alive.remote(sys.argv[2]), timeout=120)))
+"""
+
+
+def test_a_joined_runs_workers_ask_their_own_cluster_where_a_newer_one_runs_beside_it(ray_cluster):
+    """The question Ray Train's placement-group cleaner asks in a joined run (is the run's controller
+    alive?), asked from a worker of the session's cluster while a newer cluster with a dashboard runs
+    on the same machine. Ray's state API then asks the newer cluster, finds no such actor, and the
+    cleaner removed the placement group of a run that was training (reproduced with `jobs.train` and
+    RAY_ADDRESS beside a newer cluster). A joined driver's setup hook (training/driver/session.py
+    joined_runtime_env, with --verbose too) makes each worker ask its own cluster."""
+    import ray
+    from ray.cluster_utils import Cluster
+    from ray.train.v2._internal.state.util import is_actor_alive
+
+    @ray.remote(num_cpus=0)
+    def alive(actor_id: str) -> tuple[bool, str]:  # a worker of a driver that joined without the hook
+        return is_actor_alive(actor_id=actor_id, timeout=10), os.environ.get("RAY_ADDRESS", "")
+
+    @ray.remote(num_cpus=0)
+    class Controller:
+        def id(self) -> str:
+            return ray.get_runtime_context().get_actor_id()
+
+    controller = Controller.remote()
+    actor_id = ray.get(controller.id.remote())
+    own = ray.get_runtime_context().gcs_address
+    newer = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": True, "dashboard_port": 0}
+    )
+    try:
+        assert not ray.get(alive.remote(actor_id), timeout=120)[0]  # the fault, where nothing says which cluster
+        for mode in ("quiet", "verbose"):
+            joined = subprocess.run(
+                [sys.executable, "-c", ASK_FROM_A_JOINED_DRIVER, own, actor_id, mode],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=180,
+            )
+            assert joined.returncode == 0, joined.stderr[-3000:]
+            assert json.loads(joined.stdout.splitlines()[-1]) == [True, own], (mode, joined.stdout[-2000:])
+    finally:
+        ray.kill(controller)
+        newer.shutdown()
+
+
 @pytest.mark.parametrize("share,per_gpu,trainer", [(0.125, 2, 0.75), (0.25, 1, 0.75), (0.3, 1, 0.7), (0.02, 12, 0.76)])
 def test_augment_gpus_sets_a_tasks_share_and_as_many_run_as_fit_in_a_quarter(share, per_gpu, trainer):
     plan = plan_resources(TrainConfig(augment_gpus=share), GPU4)

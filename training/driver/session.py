@@ -177,12 +177,26 @@ def without_preemption_watcher() -> None:
 
 def joined_runtime_env(verbose: bool = False) -> dict:
     """ray.init's runtime env for a cluster the job joins: the processes there were started
-    without this job's environment, so quiet_ray_env's settings reach them through Ray's worker
-    setup hook (quiet_worker_process, below). A hook of the user's own, in the
-    runtime env of `ray job submit`, is kept, and then Ray's notices print as Ray has them."""
-    if verbose or "worker_process_setup_hook" in ray_private.job_runtime_env():
+    without this job's environment, so what it needs there comes through Ray's worker setup hook:
+    each process learns its own cluster's address (own_cluster_address), and unless `verbose`,
+    quiet_ray_env's settings (quiet_worker_process, below). A hook of the user's own, in the
+    runtime env of `ray job submit`, is kept, and then neither applies."""
+    if "worker_process_setup_hook" in ray_private.job_runtime_env():
         return {}
-    return {"runtime_env": {"worker_process_setup_hook": "training.driver.session.quiet_worker_process"}}
+    hook = "own_cluster_address" if verbose else "quiet_worker_process"
+    return {"runtime_env": {"worker_process_setup_hook": f"training.driver.session.{hook}"}}
+
+
+def own_cluster_address() -> None:
+    """Ray's `worker_process_setup_hook` for the processes of a cluster the job joins: RAY_ADDRESS
+    names the cluster the process is in. Ray's state API finds a cluster by itself where it is
+    unset, and where two clusters run on one machine it takes the one started last. Ray Train's
+    placement-group cleaner asks it whether the run's controller is alive: asked on the other
+    cluster, the answer was no, and it removed the placement group of a run that was training
+    (tests/test_cluster.py)."""
+    import ray
+
+    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
 
 
 def quiet_worker_process() -> None:
@@ -190,7 +204,9 @@ def quiet_worker_process() -> None:
     submit`, RAY_ADDRESS; training/driver/session.py connect): what the environment does for a cluster the
     job starts itself. No deprecation notices from Ray's own code, and Ray Data's console
     gets warnings only, without its per-execution notices (ray_data_logging.yaml, found in
-    this process's copy of the package: a working_dir lies elsewhere on every node)."""
+    this process's copy of the package: a working_dir lies elsewhere on every node). It also
+    does what own_cluster_address does."""
+    own_cluster_address()
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     os.environ.setdefault("RAY_DATA_LOGGING_CONFIG", RAY_DATA_LOGGING)
     if "ray.data" in sys.modules:  # imported already: its logging was configured without the file
