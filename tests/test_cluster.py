@@ -182,6 +182,17 @@ print(json.dumps(ray.get(alive.remote(sys.argv[2]), timeout=120)))
 """
 
 
+A_NEWER_CLUSTER = """
+import sys
+from ray.cluster_utils import Cluster
+
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": True, "dashboard_port": 0})
+print("up", flush=True)
+sys.stdin.read()
+cluster.shutdown()
+"""
+
+
 def test_a_joined_runs_workers_ask_their_own_cluster_where_a_newer_one_runs_beside_it(ray_cluster):
     """The question Ray Train's placement-group cleaner asks in a joined run (is the run's controller
     alive?), asked from a worker of the session's cluster while a newer cluster with a dashboard runs
@@ -190,7 +201,6 @@ def test_a_joined_runs_workers_ask_their_own_cluster_where_a_newer_one_runs_besi
     RAY_ADDRESS beside a newer cluster). A joined driver's setup hook (training/driver/session.py
     joined_runtime_env, with --verbose too) makes each worker ask its own cluster."""
     import ray
-    from ray.cluster_utils import Cluster
     from ray.train.v2._internal.state.util import is_actor_alive
 
     @ray.remote(num_cpus=0)
@@ -205,10 +215,13 @@ def test_a_joined_runs_workers_ask_their_own_cluster_where_a_newer_one_runs_besi
     controller = Controller.remote()
     actor_id = ray.get(controller.id.remote())
     own = ray.get_runtime_context().gcs_address
-    newer = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": True, "dashboard_port": 0}
+    # the newer cluster in a process of its own: ray.cluster_utils' shutdown resets the internal
+    # KV client of the process it runs in, which would cut this one off from the session's cluster
+    newer = subprocess.Popen(
+        [sys.executable, "-c", A_NEWER_CLUSTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     try:
+        assert newer.stdout.readline().strip() == "up"
         assert not ray.get(alive.remote(actor_id), timeout=120)[0]  # the fault, where nothing says which cluster
         for mode in ("quiet", "verbose"):
             joined = subprocess.run(
@@ -222,7 +235,7 @@ def test_a_joined_runs_workers_ask_their_own_cluster_where_a_newer_one_runs_besi
             assert json.loads(joined.stdout.splitlines()[-1]) == [True, own], (mode, joined.stdout[-2000:])
     finally:
         ray.kill(controller)
-        newer.shutdown()
+        newer.communicate("", timeout=120)  # its stdin closes: it shuts its cluster down
 
 
 @pytest.mark.parametrize("share,per_gpu,trainer", [(0.125, 2, 0.75), (0.25, 1, 0.75), (0.3, 1, 0.7), (0.02, 12, 0.76)])
