@@ -119,8 +119,8 @@ def without_stop_tracebacks(lines: list[str]) -> list[str]:
     kept, at = [], 0
     while at < len(lines):
         end = _traceback_end(lines, at)
-        block = lines[at:end]
-        if end > at and lines[end - 1].startswith("SystemExit") and any("in sigterm_handler" in x for x in block):
+        stopped = end > at and lines[end - 1].startswith("SystemExit")
+        if stopped and any("in sigterm_handler" in x for x in lines[at:end]):
             at = end
             continue
         kept.append(lines[at])
