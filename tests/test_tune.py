@@ -355,6 +355,35 @@ def test_each_trials_row_says_how_it_ended(tmp_path):
     assert rows[1]["trial"] == "trial-t1" and rows[1]["run_dir"] == f"{tmp_path}/sw/trial-t1"
 
 
+def test_a_trial_that_failed_before_its_first_report_has_its_row_and_settings(tmp_path):
+    """Tune's Result of a trial that failed before it reported (a continued sweep's restored trial: its
+    metrics are empty, so Result.config is None) still gets its row, its settings read from the
+    params.json that Tune's JSON logger wrote into the trial's folder when the trial started. Before,
+    the sweep's end crashed on it with an AttributeError, trials.csv unwritten."""
+    from ray.tune import Result
+    from ray.tune.logger.json import JsonLoggerCallback
+
+    from training.config import TrainConfig
+    from training.sweep.report import trial_row
+
+    folder = tmp_path / "sw" / "tune" / "t9"
+    folder.mkdir(parents=True)
+
+    class Started:  # what the logger reads of Tune's Trial
+        local_path = str(folder)
+
+    JsonLoggerCallback().update_config(Started(), {"lr": 1e30, "epochs": 2})  # as Tune writes it when the trial starts
+    error = RuntimeError("Traceback ...\nTrialFailed: error: nan")
+    failed = Result(metrics={}, checkpoint=None, error=error, path=str(folder))
+    assert failed.config is None
+    cfg = TrainConfig(epochs=3, storage_path=str(tmp_path), name="sw")
+    row = trial_row(failed, ["lr"], cfg, "val_acc", "max")
+    assert (row["trial"], row["lr"], row["status"], row["epochs"]) == ("trial-t9", 1e30, "failed", 0), row
+    assert row["best_val_acc"] is None and row["error"] == "error: nan"
+    gone = Result(metrics={}, checkpoint=None, error=None, path=str(tmp_path / "sw" / "tune" / "t10"))
+    assert trial_row(gone, ["lr"], cfg, "val_acc", "max")["lr"] is None  # no folder: the row without its settings
+
+
 def test_a_trials_share_of_the_cluster_and_the_refusal_when_one_cannot_fit():
     from training.driver.planning import Capacity, plan_resources, share_of
 

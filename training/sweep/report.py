@@ -6,6 +6,7 @@ SWEEP/trials.png (the metric against each swept setting), a table, and the best 
 from __future__ import annotations
 
 import dataclasses
+import json
 import shlex
 
 from ray import tune as ray_tune
@@ -110,7 +111,8 @@ def trial_row(result, params: list[str], cfg: TrainConfig, metric: str, mode: st
     history = [] if frame is None or metric not in frame else [float(v) for v in frame[metric].dropna()]
     epochs = int(frame["epoch"].max()) if frame is not None and "epoch" in frame and len(frame) else 0
     faults = int(frame["faults"].max()) if frame is not None and "faults" in frame and len(frame) else 0
-    planned = int(result.config.get("epochs", cfg.epochs))
+    config = trial_config(result)
+    planned = int(config.get("epochs", cfg.epochs))
     best = (max if mode == "max" else min)(history) if history else None
     if result.error:
         status = "failed"
@@ -121,7 +123,7 @@ def trial_row(result, params: list[str], cfg: TrainConfig, metric: str, mode: st
     wall = result.metrics.get("time_total_s") if result.metrics else None
     return {
         "trial": f"trial-{trial_id}",
-        **{p: result.config.get(p) for p in params},
+        **{p: config.get(p) for p in params},
         f"best_{metric}": best,
         "epochs": epochs,
         "stopped_early": status == "stopped early",
@@ -131,6 +133,20 @@ def trial_row(result, params: list[str], cfg: TrainConfig, metric: str, mode: st
         "error": last_line(result.error) if result.error else "",
         "run_dir": storage.join(cfg.run_dir, f"trial-{trial_id}"),
     }
+
+
+def trial_config(result) -> dict:
+    """A trial's settings: its last result's, or where it has none (a trial that failed before its first
+    report, restored by a continued sweep: Tune's Result.config is then None), the params.json that Tune
+    wrote into the trial's folder when the trial started; {} where neither is left."""
+    if result.config is not None:
+        return result.config
+    try:
+        with result.filesystem.open_input_stream(f"{result.path.rstrip('/')}/params.json") as f:
+            config = json.loads(f.read())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def finish(cfg: TrainConfig, dims, options, grid, log):
