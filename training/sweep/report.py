@@ -136,9 +136,10 @@ def trial_row(result, params: list[str], cfg: TrainConfig, metric: str, mode: st
 
 
 def trial_config(result) -> dict:
-    """A trial's settings: its last result's, or where it has none (a trial that failed before its first
-    report, restored by a continued sweep: Tune's Result.config is then None), the params.json that Tune
-    wrote into the trial's folder when the trial started; {} where neither is left."""
+    """A trial's settings: its last result's, or where that has none, the params.json that Tune wrote
+    into the trial's folder when the trial started; {} where neither is left. A trial that failed before
+    its first report has a result only while Tune can ask its process for one: restored by a continued
+    sweep, its Result's metrics are empty and Result.config is None."""
     if result.config is not None:
         return result.config
     try:
