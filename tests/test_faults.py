@@ -251,6 +251,12 @@ BUSY_TITLES = {
 
 
 DIED = ("WORKER_DIED", "ACTOR_DIED", "ACTOR_UNAVAILABLE")  # how Ray records a call whose process was killed
+# how Ray records the attempt that ran the call again. The process that ran it records RUNNING; only
+# the call's owner, Ray Data's executor, records FINISHED, into a buffer it sends to the GCS once a
+# second, and Ray keeps task records best-effort. The retry is often the epoch's last call, and the
+# executor's actor ends with the run, so that last record can be lost: that the epoch finished is
+# the coverage check.
+RAN = ("RUNNING", "FINISHED")
 
 
 def _state_address() -> str:
@@ -340,10 +346,10 @@ def test_a_killed_augment_worker_is_replaced_and_the_epoch_completes(ray_cluster
     assert summary["epochs"] == 2 and summary["resumed_at_epochs"] == []  # Ray Data recovered; no train restart
     calls = _retried_calls(call, when)
     assert len(calls) == 1 or mode == "actors", calls
-    for first, *again in calls:  # ended by the kill, then run to the end in another process
+    for first, *again in calls:  # ended by the kill, then run again in another process
         assert (first.attempt_number, first.state) == (0, "FAILED") and first.error_type in DIED, first
         assert first.worker_pid in (killed, None), first  # None: the dead process's own record went with it
-        assert again and again[-1].state == "FINISHED" and again[-1].worker_pid not in (killed, None), again
+        assert again and again[-1].state in RAN and again[-1].worker_pid not in (killed, None), again
     for cov in summary["coverage"]:  # each epoch trained on every image; a redelivered batch may repeat some
         assert cov["every_image"] and cov["missing"] == 0, cov
     _no_leaks(ray_cluster)
