@@ -400,11 +400,13 @@ def _running(pids: set[int]) -> set[int]:
     return {p for p in pids if alive(p)}
 
 
-def test_ctrl_c_while_a_checkpoint_goes_to_s3_stops_cleanly_and_the_next_run_resumes(ray_cluster, s3, fault_data):
+def test_ctrl_c_while_a_checkpoint_goes_to_s3_stops_cleanly_and_the_next_run_resumes(
+    ray_cluster, s3, fault_data, tmp_path
+):
     """The job as users run it on object storage (tests/test_storage.py has the rest): an s3://
     tree with bad files in it, --storage-path s3://, credentials and endpoint from the
     environment. Ctrl-C comes while epoch 2's checkpoint is being uploaded; the rerun resumes
-    from epoch 1's, the last complete one."""
+    from epoch 1's, the last complete one, and removes the local copy the stopped upload left."""
     data = s3.upload(fault_data, "s3://data/fault")
     for name, content in (("empty.png", b""), ("text.jpg", b"a text file with an image's name\n")):
         s3.client.put_object(Bucket="data", Key=f"fault/a/{name}", Body=content)
@@ -427,7 +429,12 @@ def test_ctrl_c_while_a_checkpoint_goes_to_s3_stops_cleanly_and_the_next_run_res
         "--name",
         "interrupted",
     ]
-    env = {**os.environ, "RAY_ADDRESS": ""}
+    # the machine's temp folder, as the job's processes see it, is the test's own; Ray's folder stays where
+    # it was (Ray takes RAY_TMPDIR, else TMPDIR, else /tmp)
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    ray_temp = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+    env = {**os.environ, "RAY_ADDRESS": "", "TMPDIR": str(temp), "RAY_TMPDIR": ray_temp}
     s3.gate.hold("/runs/interrupted/checkpoint_epoch_0002/checkpoint.pt")
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -462,6 +469,7 @@ def test_ctrl_c_while_a_checkpoint_goes_to_s3_stops_cleanly_and_the_next_run_res
     snapshot = json.loads(s3.read("s3://runs/interrupted/checkpoint_manager_snapshot.json"))
     assert snapshot["latest_checkpoint_result"]["checkpoint_dir_name"] == "checkpoint_epoch_0001"
     assert "checkpoint_epoch_0002/checkpoint.pt" not in s3.objects("s3://runs/interrupted")  # never completed
+    assert list(temp.rglob("checkpoint.pt")), "no local copy of the stopped upload's checkpoint was left"
 
     done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -472,3 +480,4 @@ def test_ctrl_c_while_a_checkpoint_goes_to_s3_stops_cleanly_and_the_next_run_res
     bad = list(csv.DictReader(io.StringIO(s3.read("s3://runs/interrupted/bad_files.csv").decode())))
     assert sorted(r["path"] for r in bad) == [f"{data}/a/empty.png", f"{data}/a/text.jpg"]
     assert summary["bad_files"] == 2 and all(c["exactly_once"] for c in summary["coverage"])
+    assert not list(temp.rglob("checkpoint.pt")), "a checkpoint stayed behind in the machine's temp folder"

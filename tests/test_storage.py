@@ -17,6 +17,11 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -28,6 +33,7 @@ from training.config import TrainConfig
 from training.driver import job, results
 from training.forms.formats import scan_data
 from training.forms.tree import scan_tree
+from training.storage import staging_dir
 
 BAD = {"truncated.jpg": "corrupt image", "text.jpg": "not an image", "empty.png": "empty file"}
 
@@ -291,3 +297,52 @@ def test_evaluate_with_model_and_data_on_s3(s3_run, trees, s3, capsys):
     assert [r["path"] for r in rows] == val and all(r["label"] == r["path"].split("/")[1] for r in rows)
     per_class = list(csv.DictReader(io.StringIO(s3.read("s3://runs/prepared/eval/per_class.csv").decode())))
     assert {r["class"]: int(r["images"]) for r in per_class} == {"a": 3, "b": 3}
+
+
+HOLD_A_STAGING_FOLDER = """
+import os, signal, sys
+from training.storage import staging_dir
+with staging_dir() as folder:
+    with open(os.path.join(folder, "checkpoint.pt"), "wb") as f:
+        f.write(b"x" * 1000)
+    print(folder, flush=True)
+    if sys.argv[1] == "killed":
+        os.kill(os.getpid(), signal.SIGKILL)  # as Ray ends a stopped run's worker, mid-upload
+    sys.stdin.read()  # alive until the test closes its stdin
+"""
+
+
+def test_a_killed_processs_staging_folder_goes_with_the_next_one_and_a_live_ones_stays(tmp_path, monkeypatch):
+    """A checkpoint waits in a staging folder while Ray Train copies it to the run's storage; a
+    process killed meanwhile leaves it, and the next staging folder on the machine removes it."""
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    args = [sys.executable, "-c", HOLD_A_STAGING_FOLDER]
+    killed = subprocess.run([*args, "killed"], cwd=repo, env=env, capture_output=True, text=True, timeout=60)
+    left = Path(killed.stdout.strip())
+    assert killed.returncode == -signal.SIGKILL and (left / "checkpoint.pt").is_file(), killed.stderr  # the fault
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
+    live = subprocess.Popen([*args, "live"], cwd=repo, env=env, **pipes)
+    try:
+        held = Path(live.stdout.readline().strip())
+        elsewhere = left.parent / f"{left.name.partition('@')[0]}@another-host-x1y2z3"  # a container sharing /tmp
+        elsewhere.mkdir()
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+        with staging_dir() as mine:
+            assert not left.exists(), "the killed process's checkpoint stayed"
+            assert (held / "checkpoint.pt").is_file() and Path(mine).is_dir()  # a live process's is kept
+            assert elsewhere.is_dir()  # and another host's, whose processes this one cannot see
+        assert not Path(mine).exists()
+    finally:
+        live.communicate("", timeout=60)
+    assert live.returncode == 0 and not held.exists()
+    assert [p.name for p in tmp_path.iterdir()] == [f"ray-gpu-augment-staging-{os.getuid()}"]  # nothing else
+    assert [p.name for p in elsewhere.parent.iterdir()] == [elsewhere.name]
+
+
+def test_a_staging_folder_name_taken_by_a_file_falls_back_to_the_temp_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    (tmp_path / f"ray-gpu-augment-staging-{os.getuid()}").write_text("not a folder")  # another user's, say
+    with staging_dir() as folder:
+        assert Path(folder).parent == tmp_path and Path(folder).is_dir()
+    assert not Path(folder).exists()

@@ -21,6 +21,10 @@ import io
 import json
 import os
 import re
+import shutil
+import socket
+import stat
+import tempfile
 
 # (substrings of the SDK's error, what they mean). The AWS SDK names errors in upper case
 # (ACCESS_DENIED), S3-compatible servers and GCS in their own words; the first match wins.
@@ -385,3 +389,48 @@ def write_csv(uri: str, rows: list[dict]) -> None:
 
 def join(base: str, *parts: str) -> str:
     return "/".join([base.rstrip("/"), *parts])
+
+
+STAGING = "ray-gpu-augment-staging"  # the machine temp folder's subfolder where files wait for the run's storage
+
+
+@contextlib.contextmanager
+def staging_dir():
+    """A local folder, removed afterwards, for files on their way to the run's storage (a checkpoint
+    Ray Train copies from it, TensorBoard events). A process killed inside one (Ray ends a stopped
+    run's workers) cannot remove it: each new one first removes the folders of processes gone, so a
+    stopped run's checkpoint does not stay behind in the machine's temp folder."""
+    root, host = os.path.join(tempfile.gettempdir(), f"{STAGING}-{os.getuid()}"), socket.gethostname()
+    if _own_folder(root):  # not a link, a file or another user's folder of that name in a shared /tmp
+        for entry in os.listdir(root):  # PID@HOST-RANDOM; another host's (a container sharing /tmp) stays
+            pid, _, rest = entry.partition("@")
+            if pid.isdigit() and rest.rsplit("-", 1)[0] == host and not pid_alive(int(pid)):
+                shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+    else:
+        root = None  # the temp folder itself, as tempfile would
+    folder = tempfile.mkdtemp(prefix=f"{os.getpid()}@{host}-", dir=root)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _own_folder(path: str) -> bool:
+    """Whether `path` is a folder of this user's, made now if missing."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this machine has the pid (a pid reused since is taken as alive: the safe side)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True

@@ -77,15 +77,7 @@ class Owner:
 
     def gone(self) -> bool:
         """This host's process that is no more (a pid reused since is taken as alive: the safe side)."""
-        if self.host != socket.gethostname():
-            return False
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return True
-        except OSError:
-            return False
-        return False
+        return self.host == socket.gethostname() and not storage.pid_alive(self.pid)
 
 
 _HELD: dict[str, "RunLease"] = {}  # run folder -> this process's lease on it

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import os
-import tempfile
 
 from training import storage
 from training.records import EpochRecord
@@ -97,7 +96,7 @@ def write_tensorboard(run_dir: str, epochs: list[EpochRecord]) -> str | None:
             from tensorboardX import SummaryWriter
         except ImportError:
             return None
-    with tempfile.TemporaryDirectory() as tmp:
+    with storage.staging_dir() as tmp:
         writer = SummaryWriter(log_dir=tmp)
         for record in sorted(epochs, key=lambda e: e.epoch):
             epoch = record.epoch

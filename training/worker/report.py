@@ -10,7 +10,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
 
 import ray.train
 import torch
@@ -96,13 +95,14 @@ def report(run: RunRecord, learner_state: dict | None, epoch: int) -> None:
     """ray.train.report from every rank (the epoch's rows as its metrics); rank 0 (the one with the
     learner's state) attaches the checkpoint: the records and the learner."""
     last = run.epochs[-1]
-    with tempfile.TemporaryDirectory() as tmp:
-        ckpt = None
-        if learner_state is not None:
-            save_checkpoint(tmp, {"records": run.to_state(), "learner": learner_state})
-            ckpt = ray.train.Checkpoint.from_directory(tmp)
-        metrics = last.metrics_row() | last.timings_row()  # Ray Train keeps the best by its val_acc
-        ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=checkpoint_name(epoch, tuple(run.passed_over)))
+    metrics = last.metrics_row() | last.timings_row()  # Ray Train keeps the best by its val_acc
+    name = checkpoint_name(epoch, tuple(run.passed_over))
+    if learner_state is None:
+        ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=name)
+        return
+    with storage.staging_dir() as tmp:
+        save_checkpoint(tmp, {"records": run.to_state(), "learner": learner_state})
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=name)
 
 
 def checkpoint_name(epoch: int, passed_over: tuple[str, ...] = ()) -> str:
