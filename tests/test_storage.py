@@ -312,7 +312,7 @@ with staging_dir() as folder:
 """
 
 
-def test_a_killed_processs_staging_folder_goes_with_the_next_one_and_a_live_ones_stays(tmp_path, monkeypatch):
+def test_the_staging_folder_of_a_killed_process_goes_with_the_next_one_and_a_live_ones_stays(tmp_path, monkeypatch):
     """A checkpoint waits in a staging folder while Ray Train copies it to the run's storage; a
     process killed meanwhile leaves it, and the next staging folder on the machine removes it."""
     repo = Path(__file__).resolve().parents[1]
