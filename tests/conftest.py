@@ -386,7 +386,7 @@ def tracked_run(ray_cluster, tmp_path_factory) -> TrackedRun:
 
     config = {"data": str(data), "epochs": 3, "batch_size": 8, "num_workers": 1, "sampler": "balanced"}
     config |= {"small_stem": TEST_STEM, "storage_path": str(root / "runs"), "name": "tracked"}
-    config |= {"log_to": "tensorboard,mlflow,wandb", "log_every": 1}
+    config |= {"log_to": ["tensorboard", "mlflow", "wandb"], "log_every": 1}  # a list, as Python callers write it
     callbacks = [read_tensorboard_while_running, Tracker(), broken, stop_at_two]
     result = fit(config, callbacks=callbacks, log=lines.append)
     return TrackedRun(config, result, run_dir, lines, seen, during)

@@ -73,6 +73,8 @@ def test_bad_input_raises_the_clis_line_never_exits(tmp_path, capsys, no_ray):
         ({"data": str(tree), "epoch": 3}, "fit: unknown setting 'epoch'; valid settings: "),
         ({"data": str(tree), "epochs": "three"}, "--epochs: invalid int value: 'three'"),
         (42, "fit: config is a int; give a TrainConfig, a dict or a YAML file's path"),
+        ({"data": [str(tree), str(tree)]}, "fit: data must be one value, got a list; give a single value"),
+        ({"data": str(tree), "log_to": ["tensorboard", 3]}, "fit: log_to takes names: give a list of strings"),
         (str(tmp_path / "missing.yaml"), "--config"),
     ):
         with pytest.raises(JobError) as err:

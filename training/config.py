@@ -251,6 +251,7 @@ class TrainConfig:
         "",
         "trackers to log to as the run goes, comma-separated: tensorboard, mlflow, wandb (training/driver/tracking.py: "
         "MLFLOW_TRACKING_URI, else a store in the run directory; W&B online where logged in, else offline)",
+        comma_list=True,
     )
     log_every: int = _f(0, "with --log-to: also log loss, learning rate and images/s every this many steps (0 = off)")
     quiet: bool = _f(False, "print only errors and the final summary")

@@ -90,11 +90,25 @@ def as_config(config) -> TrainConfig:
         if name not in fields:
             raise ConfigError(f"fit: unknown setting {str(key)[:80]!r}; valid settings: {', '.join(sorted(fields))}")
         flag = "--" + name.replace("_", "-")
+        value = _one_value(fields[name], key, value)
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
         elif value is not None:
             argv += [flag, str(value)]
     return parse_config(ap, argv)[0]
+
+
+def _one_value(field, key, value):
+    """A dict's value as one flag's: a list or tuple of names joins with commas where the setting is
+    comma-separated (log_to); any other collection is refused in one line, not passed on as its repr."""
+    listed = isinstance(value, (list, tuple))
+    if listed and field.metadata.get("comma_list"):
+        if all(isinstance(v, str) for v in value):
+            return ",".join(value)
+        raise ConfigError(f"fit: {key} takes names: give a list of strings or one comma-separated string")
+    if listed or isinstance(value, (dict, set, frozenset)):
+        raise ConfigError(f"fit: {str(key)[:80]} must be one value, got a {type(value).__name__}; give a single value")
+    return value
 
 
 def fit(config, callbacks: list[EpochCallback] | tuple = (), *, log=None, share=None) -> RunResult:
