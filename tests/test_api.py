@@ -83,6 +83,27 @@ def test_bad_input_raises_the_clis_line_never_exits(tmp_path, capsys, no_ray):
         assert str(err.value).startswith("error: ") and "\n" not in str(err.value)
 
 
+def test_a_trainconfig_built_in_python_refuses_a_value_of_the_wrong_type_in_one_line():
+    """A TrainConfig a caller builds is checked as the command line's flags are: a value of another type
+    is one line naming the flag at construction, not a TypeError from a comparison later."""
+    from training.config import ConfigError, TrainConfig
+
+    for settings, line in (
+        ({"epochs": "3"}, "--epochs must be a whole number, got '3' (a str)"),
+        ({"batch_size": 8.0}, "--batch-size must be a whole number, got 8.0 (a float)"),
+        ({"epochs": True}, "--epochs must be a whole number, got True (a bool)"),
+        ({"lr": "0.1"}, "--lr must be a number, got '0.1' (a str)"),
+        ({"strict": "yes"}, "--strict must be True or False, got 'yes' (a str)"),
+        ({"data": 3}, "--data must be a string or None, got 3 (a int)"),
+        ({"image_size": None}, "--image-size must be a whole number, got None (a NoneType)"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            TrainConfig(**settings)
+        assert str(err.value) == line
+    cfg = TrainConfig(lr=1, data=None, momentum=0)  # a whole number where a float goes, None where one may
+    assert (cfg.lr, cfg.data, cfg.momentum) == (1, None, 0)
+
+
 def test_the_guides_json_lines_callback_writes_each_epochs_metrics_row(tmp_path, monkeypatch, no_ray):
     """docs/guide.md's simplest tracker, its callback run on typed records as training.fit calls it (the run
     itself faked: what is checked is the callback the user copies)."""

@@ -98,6 +98,17 @@ def number(value) -> str:
     return text if len(text) <= 40 else f"{text[:20]}...({len(text)} digits)"
 
 
+# the Python types a field may hold, by its annotation: a TrainConfig built in Python (training.fit) is
+# checked as the flags' parser checks the command line's (a bool is no number here)
+FIELD_TYPES = {
+    "int": ((int,), "a whole number"),
+    "float": ((int, float), "a number"),
+    "bool": ((bool,), "True or False"),
+    "str": ((str,), "a string"),
+    "Optional[str]": ((str, type(None)), "a string or None"),
+}
+
+
 def _f(default, help: str, **meta):
     return dataclasses.field(default=default, metadata={"help": help, **meta})
 
@@ -317,7 +328,10 @@ class TrainConfig:
 
     def __post_init__(self):
         for field in dataclasses.fields(self):  # nan passes every comparison below, inf most
-            value = getattr(self, field.name)
+            value, (allowed, words) = getattr(self, field.name), FIELD_TYPES[str(field.type)]
+            if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+                flag, shown = "--" + field.name.replace("_", "-"), repr(value)[:80]
+                raise ConfigError(f"{flag} must be {words}, got {shown} (a {type(value).__name__})")
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"--{field.name.replace('_', '-')} must be a finite number, got {value}")
         positive = ["epochs", "batch_size"]
