@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import sys
 
 from augment.presets import PresetError, load_preset
+from training import storage
 from training.config import error_line
 from training.driver.flags import FlagParser
 from training.storage import StorageError, read_file
@@ -32,13 +34,41 @@ def parse(argv=None):
         help="cifar, imagenet, a .yaml/.json preset file, or auto: the one jobs.train's --preset auto picks for the "
         "tree (default: auto)",
     )
-    ap.add_argument("--out", default="preview.png", help="PNG to write (default: preview.png)")
+    ap.add_argument(
+        "--out", default="preview.png", help="image to write, .png, .jpg, .pdf or .svg, local (default: preview.png)"
+    )
+    ap.add_argument("--overwrite", action="store_true", help="replace --out if it exists (default: refused)")
     ap.add_argument("--classes", type=int, default=4, help="how many classes to show, in label order (default: 4)")
     ap.add_argument("--per-class", type=int, default=1, help="training images per class (default: 1)")
     ap.add_argument("--augmentations", type=int, default=5, help="train views per image, one per epoch (default: 5)")
     ap.add_argument("--seed", type=int, default=0, help="the training seed whose augmentations to show (default: 0)")
-    ap.add_argument("--dpi", type=int, default=80, help="resolution of the PNG (default: 80)")
-    return ap.parse_args(argv)
+    ap.add_argument("--dpi", type=int, default=80, help="resolution of the image (default: 80)")
+    args = ap.parse_args(argv)
+    for flag, low, high in LIMITS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if not low <= value <= high:
+            ap.error(f"{flag} {value}: give a whole number from {low} to {high}")
+    return args
+
+
+# how big a grid may be asked for: rows are classes x images per class, columns an original and its views
+LIMITS = (("--classes", 1, 100), ("--per-class", 1, 20), ("--augmentations", 1, 30), ("--dpi", 10, 600))
+KINDS = (".png", ".jpg", ".jpeg", ".pdf", ".svg")  # what the grid is written as, by --out's suffix
+
+
+def check_out(out: str, overwrite: bool) -> None:
+    """StorageError unless `out` names an image file that may be written: local, of a kind the grid is
+    written as, not a folder, not there already without --overwrite; its folder made where it is missing."""
+    if storage.is_uri(out):
+        raise StorageError(f"--out {out}: the preview is written to local disk only; give a local path")
+    if os.path.isdir(out):
+        raise StorageError(f"--out {out.rstrip('/')}: a folder; give a file to write, e.g. {out.rstrip('/')}/grid.png")
+    if os.path.splitext(out)[1].lower() not in KINDS:
+        raise StorageError(f"--out {out}: give a file name ending in {', '.join(KINDS)}, e.g. grid.png")
+    if os.path.lexists(out) and not overwrite:
+        raise StorageError(f"--out {out}: exists already; nothing was written; give another --out, or --overwrite")
+    storage.check_writable(os.path.dirname(out) or ".", "--out")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
 
 
 def main(argv=None) -> int:
@@ -50,6 +80,7 @@ def main(argv=None) -> int:
     from training.forms.tree import default_dataset_dir
 
     try:
+        check_out(args.out, args.overwrite)
         tree = scan_data(args.data or str(default_dataset_dir()))
         chosen = ""
         if args.preset == "auto":  # as jobs.train chooses
@@ -62,17 +93,21 @@ def main(argv=None) -> int:
     except (PresetError, DataError, StorageError) as e:
         print(error_line(e), file=sys.stderr)
         return 2
-    out = render_grid(
-        images,
-        labels,
-        tree.class_names,
-        preset,
-        args.out,
-        keys=keys,
-        seed=args.seed,
-        augmentations=args.augmentations,
-        dpi=args.dpi,
-    )
+    try:
+        out = render_grid(
+            images,
+            labels,
+            tree.class_names,
+            preset,
+            args.out,
+            keys=keys,
+            seed=args.seed,
+            augmentations=args.augmentations,
+            dpi=args.dpi,
+        )
+    except OSError as e:  # the disk filled, or the folder went, while the grid was written
+        print(error_line(f"--out {args.out}: cannot write it ({e.strerror or e})"), file=sys.stderr)
+        return 1
     print(f"wrote {out}: {len(images)} images x {args.augmentations} augmentations, preset {preset.name!r}{chosen}")
     if skipped:  # as jobs.predict says it
         print(f"skipped {len(skipped)} unreadable file(s), e.g. {skipped[0][0]} ({skipped[0][1]})")

@@ -543,8 +543,44 @@ def test_preview_writes_a_grid_and_rejects_a_bad_preset(tree, tmp_path, capsys):
     )
     with Image.open(out) as img:
         assert img.size[0] > img.size[1] > 100  # 2 rows, 4 columns
-    assert main(["--data", str(tree), "--preset", "imagenett", "--out", str(out)]) == 2
+    assert main(["--data", str(tree), "--preset", "imagenett", "--out", str(tmp_path / "other.png")]) == 2
     assert "built-in presets" in capsys.readouterr().err
+
+
+def test_preview_refuses_bad_numbers_and_outs_in_one_line_and_keeps_the_users_files(tree, tmp_path, capsys):
+    """Numbers a grid cannot be drawn with, and an --out that is a folder, of no image kind, or there
+    already: one line, exit 2, nothing written or replaced. --overwrite replaces; a missing folder is made."""
+    from jobs.preview import main
+
+    base = ["--data", str(tree), "--preset", "cifar", "--classes", "2", "--augmentations", "2"]
+    place = tmp_path / "place"
+    for flags, line in (
+        (["--classes", "0"], "error: --classes 0: give a whole number from 1 to 100"),
+        (["--per-class", "-1"], "error: --per-class -1: give a whole number from 1 to 20"),
+        (["--augmentations", "0"], "error: --augmentations 0: give a whole number from 1 to 30"),
+        (["--dpi", "100000"], "error: --dpi 100000: give a whole number from 10 to 600"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            main([*base, "--out", str(place / "never.png"), *flags])
+        assert stop.value.code == 2 and capsys.readouterr().err.strip().startswith(line)
+    folder, kept = place / "grids", place / "notes.txt"
+    folder.mkdir(parents=True)
+    kept.write_text("the user's own notes\n")
+    for out, line in (
+        (folder, f"error: --out {folder}: a folder; give a file to write, e.g. {folder}/grid.png"),
+        (kept, f"error: --out {kept}: give a file name ending in .png, .jpg, .jpeg, .pdf, .svg, e.g. grid.png"),
+    ):
+        assert main([*base, "--out", str(out)]) == 2
+        assert capsys.readouterr().err.strip() == line
+    assert sorted(p.name for p in place.iterdir()) == ["grids", "notes.txt"] and not list(folder.iterdir())
+    assert kept.read_text() == "the user's own notes\n"
+    grid = place / "new" / "grid.png"  # its folder is made
+    assert main([*base, "--out", str(grid)]) == 0 and grid.stat().st_size > 0
+    first = grid.read_bytes()
+    grid.write_bytes(b"the user's")
+    assert main([*base, "--out", str(grid)]) == 2 and grid.read_bytes() == b"the user's"
+    assert "exists already; nothing was written; give another --out, or --overwrite" in capsys.readouterr().err
+    assert main([*base, "--out", str(grid), "--overwrite"]) == 0 and grid.read_bytes() == first
 
 
 def _photo_tree(root):
