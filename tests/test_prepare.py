@@ -60,6 +60,17 @@ def test_prepared_shards_read_back_as_the_tree(ray_cluster, tmp_path, capsys):
     assert len(tree.train) + len(tree.val) == 25
 
 
+def test_a_shard_size_below_one_image_writes_a_shard_an_image_and_no_empty_ones(tmp_path, capsys):
+    tree_dir = write_tree(tmp_path / "data", {"cat": 5, "dog": 4})
+    out = tmp_path / "prepared"
+    assert main([str(tree_dir), str(out), "--val-fraction", "0.25", "--shard-mb", "1e-9"]) == 0
+    manifest = json.loads((out / MANIFEST).read_text())
+    for split in ("train", "val"):
+        rows = [pq.read_metadata(out / shard).num_rows for shard in manifest["splits"][split]["shards"]]
+        assert rows and set(rows) == {1}, (split, rows)  # as many shards as images, each with one
+    assert len(list(out.rglob("*.parquet"))) == 9
+
+
 def test_prepare_refuses_a_non_empty_out_and_a_bad_tree(tmp_path, capsys):
     tree_dir = write_tree(tmp_path / "data", {"a": 2, "b": 2})
     out = tmp_path / "out"

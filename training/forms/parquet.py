@@ -123,7 +123,8 @@ def prepare_tree(
     for name, split in (("train", tree.train), ("val", tree.val)):
         order = stream_rng("prepare_order", seed).permutation(len(split)) if name == "train" else np.arange(len(split))
         fs.create_dir(f"{base}/{name}", recursive=True)
-        n_shards = max(1, math.ceil(split.total_bytes / shard_bytes)) if len(split) else 0
+        # at least one image a shard, however small --shard-mb: no empty shard files
+        n_shards = min(len(split), max(1, math.ceil(split.total_bytes / shard_bytes)))
         shards, split_paths = [], split.paths
         for s, rows in enumerate(np.array_split(order, n_shards) if n_shards else []):
             paths = [split_paths[i] for i in rows]
