@@ -44,6 +44,8 @@ def parse(argv=None):
     ap.add_argument("--seed", type=int, default=0, help="the training seed whose augmentations to show (default: 0)")
     ap.add_argument("--dpi", type=int, default=80, help="resolution of the image (default: 80)")
     args = ap.parse_args(argv)
+    if args.data is not None and not args.data.strip():  # an unset shell variable: not the bundled digits
+        ap.error("--data is empty; give the data's path, or leave --data out for the bundled digits")
     for flag, low, high in LIMITS:
         value = getattr(args, flag[2:].replace("-", "_"))
         if not low <= value <= high:

@@ -559,6 +559,7 @@ def test_preview_refuses_bad_numbers_and_outs_in_one_line_and_keeps_the_users_fi
         (["--per-class", "-1"], "error: --per-class -1: give a whole number from 1 to 20"),
         (["--augmentations", "0"], "error: --augmentations 0: give a whole number from 1 to 30"),
         (["--dpi", "100000"], "error: --dpi 100000: give a whole number from 10 to 600"),
+        (["--data", ""], "error: --data is empty; give the data's path, or leave --data out for the bundled digits"),
     ):
         with pytest.raises(SystemExit) as stop:
             main([*base, "--out", str(place / "never.png"), *flags])

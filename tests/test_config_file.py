@@ -89,6 +89,9 @@ def test_help_lists_config_and_every_field():
         (["--warmup-epochs", "inf"], "--warmup-epochs must be a finite number, got inf"),
         (["--weight-decay", "-0.1"], "--weight-decay must be 0 or more, got -0.1"),
         (["--momentum", "1.5"], "--momentum must be in [0, 1], got 1.5"),
+        # an unset shell variable (`--data "$DATA"`): not the bundled digits, not runs in the working folder
+        (["--data", ""], "--data is empty; give the data's path, or leave --data out for the bundled digits"),
+        (["--storage-path", " "], "--storage-path is empty; give a folder or bucket, or leave it out for ./runs"),
     ],
 )
 def test_non_finite_and_out_of_range_numbers_exit_2_before_ray(flags, message, tree, no_ray, capsys):

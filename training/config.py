@@ -334,6 +334,12 @@ class TrainConfig:
                 raise ConfigError(f"{flag} must be {words}, got {shown} (a {type(value).__name__})")
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"--{field.name.replace('_', '-')} must be a finite number, got {value}")
+        # an empty path is an unset shell variable more often than a choice: it would train on the bundled
+        # digits, or write the runs into the working folder itself
+        if self.data is not None and not self.data.strip():
+            raise ConfigError("--data is empty; give the data's path, or leave --data out for the bundled digits")
+        if not self.storage_path.strip():
+            raise ConfigError("--storage-path is empty; give a folder or bucket, or leave it out for ./runs")
         positive = ["epochs", "batch_size"]
         for field in positive:
             if getattr(self, field) <= 0:
