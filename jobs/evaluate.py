@@ -43,6 +43,9 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     args = parse(argv)
+    from training.driver.session import quiet_ray_env
+
+    quiet_ray_env()  # before Ray is imported below: it reads the console's settings then (training/driver/session.py)
     from training.driver.session import connect  # looked up at the call: the tests replace it
     from training.forms.data import DataError
     from training.predict import inference, scoring

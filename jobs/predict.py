@@ -78,6 +78,9 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     args = parse(argv)
+    from training.driver.session import quiet_ray_env
+
+    quiet_ray_env()  # before Ray is imported below: it reads the console's settings then (training/driver/session.py)
     from training.driver.session import connect  # looked up at the call: the tests replace it
     from training.forms.data import DataError
     from training.predict import inference, scoring
@@ -110,9 +113,11 @@ def main(argv=None) -> int:
 
 
 def check_numbers(args) -> tuple[int, int] | None:
-    """--batch-size, --gpus-per-actor and --actors ((min, max); None: auto), or ValueError with the line."""
+    """--data, --batch-size, --gpus-per-actor and --actors ((min, max); None: auto), or ValueError with the line."""
     from training.predict import scoring
 
+    if not args.data.strip():  # an unset shell variable: not the working folder
+        raise ValueError("--data is empty; give the images' folder or a jobs.prepare directory")
     if args.batch_size <= 0:
         raise ValueError(f"--batch-size must be positive, got {args.batch_size}")
     if not 0 < args.gpus_per_actor <= 64:

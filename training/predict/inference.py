@@ -245,8 +245,8 @@ def scoring_dataset(
     low, high = (actors, actors) if isinstance(actors, int) else actors
     return ds.map_batches(
         Predictor,
-        # the file's path, not its weights: a constructor argument that large goes to the object store,
-        # and Ray logs an error line about it for an actor that restarts (as Ray Data's pool does)
+        # the file's path, not its weights: each actor reads the file itself instead of a copy of the weights
+        # in the object store
         fn_constructor_kwargs={"info": info.path or info, "device": device, "tally": tally},
         batch_format="numpy",
         batch_size=batch_size,
