@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     from training.driver.session import quiet_ray_env
 
     quiet_ray_env()  # before Ray is imported below: it reads the console's settings then (training/driver/session.py)
-    from training.driver.session import connect  # looked up at the call: the tests replace it
+    from training.driver.session import connect, start_failure  # looked up at the call: the tests replace it
     from training.forms.data import DataError
     from training.predict import inference, scoring
 
@@ -72,7 +72,11 @@ def main(argv=None) -> int:
     except (inference.ModelFileError, DataError, storage.StorageError, ValueError) as e:
         print(error_line(e), file=sys.stderr)
         return 2
-    connect()
+    try:
+        connect()
+    except Exception as e:  # noqa: BLE001  (Ray's own start-up or join: one line, as jobs.train says it)
+        print(error_line(f"Ray did not start: {start_failure(e)}"), file=sys.stderr)
+        return 1
     report = scoring.score_to(
         info,
         splits,

@@ -24,7 +24,7 @@ from training.config import ConfigError, error_line
 from training.driver import console
 from training.driver.flags import FlagParser, add_arguments, parse_config
 from training.driver.inputs import prepare
-from training.driver.session import connect, quiet_ray_env
+from training.driver.session import connect, quiet_ray_env, start_failure
 from training.forms.data import DataError
 from training.storage import StorageError
 
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
         print(f"stopped: interrupted while Ray started; to start again: {rerun_command(argv, cfg)}", file=sys.stderr)
         return 130
     except Exception as e:  # Ray's own start-up or join failed: no traceback for a fault outside the job
-        print(error_line(f"Ray did not start: {ray_start_failure(e)}"), file=sys.stderr)
+        print(error_line(f"Ray did not start: {start_failure(e)}"), file=sys.stderr)
         return 1
     terminated = stop_on_sigterm()  # after Ray's start, whose own handler would print a stack dump
     preset = preload.result()  # a file preset was checked above; a built-in one cannot fail
@@ -131,15 +131,6 @@ def main(argv=None) -> int:
     if summary["epochs"] < cfg.epochs:  # --stop-after
         print(f"stopped after epoch {summary['epochs']} of {cfg.epochs}; to continue: {rerun_command(argv, cfg)}")
     return 0
-
-
-def ray_start_failure(error: Exception) -> str:
-    """One line for a failed ray.init: its message's first line, what was asked and where to look."""
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-    address = os.environ.get("RAY_ADDRESS")
-    if address:
-        return f"joining RAY_ADDRESS={address}: {first}; check the address and that the cluster is up (ray status)"
-    return f"{first}; its logs are in /tmp/ray/session_latest/logs; on a busy machine a second try often starts"
 
 
 def stop_on_sigterm() -> threading.Event:

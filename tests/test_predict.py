@@ -370,3 +370,28 @@ def test_the_command_prints_its_own_lines_and_not_rays(module, model_and_tree, t
     assert any(line.startswith("wrote " if module == "jobs.predict" else "accuracy ") for line in said), said
     noise = [line for line in said if re.search(r"WARNING|Warning|warn|Traceback|Progress bars|\(raylet\)", line)]
     assert not noise, said
+
+
+@pytest.mark.parametrize("module", ["jobs.train", "jobs.predict", "jobs.evaluate"])
+def test_a_ray_address_where_nothing_answers_is_one_line_at_once(module, model_and_tree, tmp_path):
+    """RAY_ADDRESS naming a port nothing listens on: ray.init would retry it for minutes, printing Ray's
+    warnings; the job says so in one line, exit 1, within seconds (training/driver/session.py check_answers)."""
+    import socket
+    import subprocess
+    import sys
+
+    model, data = model_and_tree
+    with socket.socket() as sock:  # a port that was free a moment ago: nothing listens there
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    args = ["--data", str(data)]
+    args += ["--storage-path", str(tmp_path / "runs")] if module == "jobs.train" else ["--model", str(model)]
+    args += ["--out", str(tmp_path / "out.csv")] if module == "jobs.predict" else []
+    env = {**os.environ, "RAY_ADDRESS": address}
+    done = subprocess.run([sys.executable, "-m", module, *args], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stderr == (
+        f"error: Ray did not start: joining RAY_ADDRESS={address}: nothing answers at {address} (Connection "
+        "refused); check the address and that the cluster is up (ray status)\n"
+    )
+    assert not list((tmp_path / "runs").glob("*")) and not (tmp_path / "out.csv").exists()  # no run folder, no rows

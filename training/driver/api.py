@@ -131,13 +131,14 @@ def fit(config, callbacks: list[EpochCallback] | tuple = (), *, log=None, share=
 
 def _train(cfg, tree, name, preset, callbacks, log, connect, share=None) -> RunResult:
     from training.driver import job
+    from training.driver.session import start_failure
     from training.forms.data import DataError
 
     started = time.time()
     try:
         own = connect(cfg.verbose, cfg.dashboard)
     except Exception as e:  # noqa: BLE001  (Ray's own start-up; one line, as the CLI says it)
-        raise JobError(error_line(f"Ray did not start: {str(e).strip().splitlines()[0][:300]}"), 1) from None
+        raise JobError(error_line(f"Ray did not start: {start_failure(e)}"), 1) from None
     preset = preset or load_preset(name)
     try:
         summary = job.run(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import warnings
 
@@ -98,6 +99,7 @@ def connect(verbose: bool = False, dashboard: bool = False, worker_logs: bool = 
     if ray.is_initialized():
         started = owns_cluster()
     elif os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"):
+        check_answers(os.environ.get("RAY_ADDRESS", ""))
         ray.init(**kwargs, **joined_runtime_env(verbose))
         started = False
     else:
@@ -107,6 +109,31 @@ def connect(verbose: bool = False, dashboard: bool = False, worker_logs: bool = 
     if not verbose:
         ray_private.filter_worker_output(without_stop_tracebacks)
     return started
+
+
+ANSWER_WAIT_S = 10.0  # how long a cluster's address may take to accept a connection
+
+
+def check_answers(address: str, wait_s: float = ANSWER_WAIT_S) -> None:
+    """ConnectionError where `address` is HOST:PORT and nothing there accepts a connection within
+    wait_s: ray.init would retry such an address for minutes, printing Ray's warnings, before it
+    gave up. Other forms ("auto", ray://..., a malformed one) are left to Ray, which says what is wrong."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=wait_s).close()
+    except OSError as e:
+        raise ConnectionError(f"nothing answers at {address} ({e.strerror or e})") from None
+
+
+def start_failure(error: Exception) -> str:
+    """One line for a failed connect(): Ray's first line, what was asked and where to look."""
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        return f"joining RAY_ADDRESS={address}: {first}; check the address and that the cluster is up (ray status)"
+    return f"{first}; its logs are in /tmp/ray/session_latest/logs; on a busy machine a second try often starts"
 
 
 def without_stop_tracebacks(lines: list[str]) -> list[str]:

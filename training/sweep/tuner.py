@@ -215,14 +215,14 @@ def connect_and_share(cfg: TrainConfig, options: SweepOptions, log):
     """Join or start Ray; one trial's share of the cluster, checked by planning the base config
     for it (JobError 2 where one trial cannot fit)."""
     from training.driver.planning import cluster_capacity, plan_resources, share_of  # as connect, below
-    from training.driver.session import connect  # looked up at the call: the tests replace it
+    from training.driver.session import connect, start_failure  # looked up at the call: the tests replace it
 
     try:
         # the trials' own processes print to Ray's logs (their runs' files keep what matters), not
         # between the sweep's lines; --verbose shows them
         connect(cfg.verbose, cfg.dashboard, worker_logs=cfg.verbose)
     except Exception as e:  # noqa: BLE001  (Ray's own start-up)
-        raise JobError(error_line(f"Ray did not start: {str(e).strip().splitlines()[0][:300]}"), 1) from None
+        raise JobError(error_line(f"Ray did not start: {start_failure(e)}"), 1) from None
     try:
         capacity = cluster_capacity()
         share = share_of(capacity, options.max_concurrent, options.trial_cpus, options.trial_gpus)
