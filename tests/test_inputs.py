@@ -6,6 +6,8 @@ a pickled object in one is refused and never runs. No Ray cluster: `connect` fai
 from __future__ import annotations
 
 import os
+import pickle
+import warnings
 
 import pytest
 import torch
@@ -87,6 +89,8 @@ INIT_WEIGHTS = {
     ),
     "not a torch file": (lambda p, m: p.write_text("layer1: 0\n") and p, "not a file torch.load reads"),
     "a list": (lambda p, m: torch.save([torch.zeros(3)], p) or p, "holds a list, not a state_dict"),
+    # a plain pickle (no torch zip): torch warns of its protocol before it refuses it
+    "a plain pickle": (lambda p, m: p.write_bytes(pickle.dumps(os.getcwd, protocol=4)) and p, "not a file torch.load"),
 }
 
 
@@ -96,8 +100,11 @@ def test_a_bad_init_weights_file_exits_2_before_ray_starts(case, tree, tmp_path,
     marker = tmp_path / "trap-sprung"
     path = make(tmp_path / "weights.pt", marker)
     runs = tmp_path / "runs"
-    err = exits_2(["--data", str(tree), "--init-weights", str(path), "--storage-path", str(runs)], capsys)
+    with warnings.catch_warnings(record=True) as warned:  # what a console would show above the line
+        warnings.simplefilter("always")
+        err = exits_2(["--data", str(tree), "--init-weights", str(path), "--storage-path", str(runs)], capsys)
     assert err.startswith(f"error: --init-weights {path}: ") and message in err, err
+    assert not [w for w in warned if "pickle" in str(w.message)], [str(w.message) for w in warned]
     assert "torch.save(model.state_dict(), path)" in err  # the fix
     assert not runs.exists() and not marker.exists()
     if "pickled" in case:

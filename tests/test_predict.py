@@ -7,7 +7,9 @@ import contextlib
 import csv
 import io
 import os
+import pickle
 import re
+import warnings
 
 import pytest
 import torch
@@ -186,6 +188,13 @@ def test_predict_and_evaluate_read_names_that_are_not_utf8(ray_cluster, model_an
     assert len(_csv(tmp_path / "eval" / "predictions.csv")) == 18
 
 
+class Reduced:
+    """An object whose pickle names a function to call when loaded (here a harmless one), as a hostile file's does."""
+
+    def __reduce__(self):
+        return (os.getcwd, ())
+
+
 @pytest.mark.parametrize("module", ["jobs.predict", "jobs.evaluate"])
 def test_bad_input_is_one_line_and_exit_2(module, model_and_tree, tmp_path, capsys):
     import importlib
@@ -193,16 +202,21 @@ def test_bad_input_is_one_line_and_exit_2(module, model_and_tree, tmp_path, caps
     main = importlib.import_module(module).main
     model, data = model_and_tree
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    (tmp_path / "pickled.pt").write_bytes(pickle.dumps(Reduced(), protocol=4))  # a plain pickle, no torch zip
     cases = [
+        (["--model", str(tmp_path / "pickled.pt"), "--data", str(data)], "error: --model", "not a model.pt"),
         (["--model", str(tmp_path / "missing.pt"), "--data", str(data)], "error: --model", "no such file"),
         (["--model", str(tmp_path / "junk.pt"), "--data", str(data)], "error: --model", "not a model.pt"),
         (["--model", str(model), "--data", str(tmp_path / "nowhere")], "error: ", "no such directory"),
         (["--model", str(model), "--data", ""], "error: --data is empty; ", "give the images' folder"),
     ]
     for args, start, reason in cases:
-        assert main(args) == 2
+        with warnings.catch_warnings(record=True) as warned:  # what a console would show above the line
+            warnings.simplefilter("always")
+            assert main(args) == 2
         err = capsys.readouterr().err.strip()
         assert "\n" not in err and err.startswith(start) and reason in err, err
+        assert not warned, [str(w.message) for w in warned]
 
 
 def _edited(model_path, tmp_path, name, change) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import dataclasses as dc
 import os
+import warnings
 
 from training.config import ConfigError
 
@@ -204,7 +205,9 @@ def read_state_dict(path: str) -> dict:
         return load_file(path, device="cpu")
     import torch
 
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    with warnings.catch_warnings():  # torch warns of a plain pickle's protocol before it refuses the file
+        warnings.simplefilter("ignore")
+        state = torch.load(path, map_location="cpu", weights_only=True)
     while isinstance(state, dict) and not any(isinstance(v, torch.Tensor) for v in state.values()):
         inner = next((state[k] for k in WRAPPING_KEYS if isinstance(state.get(k), dict)), None)
         if inner is None:

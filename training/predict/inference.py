@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import os
+import warnings
 from pathlib import PurePosixPath
 
 import numpy as np
@@ -59,7 +60,9 @@ def _model_source(path: str):
 def load_model_file(path: str) -> ModelFile:
     source = _model_source(path)
     try:
-        info = torch.load(source, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns of a plain pickle's protocol before it refuses the file
+            warnings.simplefilter("ignore")
+            info = torch.load(source, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - pickle, zip and torch errors alike mean "not a model.pt"
         raise ModelFileError(f"--model {path}: not a model.pt written by jobs.train ({type(e).__name__})") from None
     if isinstance(info, dict) and "eval_transform" in info:  # jobs.train's, of whichever version
