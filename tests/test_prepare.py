@@ -82,3 +82,20 @@ def test_prepare_refuses_a_non_empty_out_and_a_bad_tree(tmp_path, capsys):
     assert main([str(tmp_path / "nowhere"), str(tmp_path / "out2")]) == 2
     assert "no such directory" in capsys.readouterr().err
     assert not (tmp_path / "out2" / MANIFEST).exists()
+
+
+def test_prepare_refuses_an_out_inside_the_tree_and_empty_paths_and_writes_nothing(tmp_path, capsys):
+    """Shards written among the images would pollute the user's tree and every later scan of it; an
+    empty DIR or OUT (an unset shell variable) is not the working folder."""
+    tree_dir = write_tree(tmp_path / "data", {"a": 2, "b": 2})
+    before = sorted(p.relative_to(tree_dir) for p in tree_dir.rglob("*"))
+    for out in (tree_dir / "a" / "prepared", tree_dir, tree_dir / ".." / "data" / "x"):
+        assert main([str(tree_dir), str(out)]) == 2
+        assert capsys.readouterr().err == (
+            f"error: {out}: inside the tree {tree_dir}; give a directory outside it for the prepared shards\n"
+        )
+    for args, word in (([str(tree_dir), ""], "OUT"), (["", str(tmp_path / "out")], "DIR")):
+        assert main(args) == 2
+        assert capsys.readouterr().err == f"error: {word} is empty; give the image tree and a new directory\n"
+    assert sorted(p.relative_to(tree_dir) for p in tree_dir.rglob("*")) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]

@@ -21,6 +21,7 @@ import contextlib
 import itertools
 import json
 import math
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import PurePosixPath
 
@@ -70,10 +71,15 @@ def _read_all(fs, paths: list[str], threads: int) -> list[bytes]:
         return list(pool.map(read, paths))
 
 
-def _check_out(out: str):
-    """OUT must be new or empty, and writable. Returns storage.filesystem(out)."""
+def _check_out(out: str, root: str):
+    """OUT must be new or empty, writable, and outside the tree ROOT. Returns storage.filesystem(out)."""
     import pyarrow.fs as pafs
 
+    if not root.strip() or not out.strip():  # an unset shell variable: not the working folder
+        raise DataError(f"{'DIR' if not root.strip() else 'OUT'} is empty; give the image tree and a new directory")
+    inside = storage.is_uri(out) == storage.is_uri(root) and _within(out, root)
+    if inside:  # its shards would land among the images it reads, and in the tree of every later scan
+        raise DataError(f"{out}: inside the tree {root}; give a directory outside it for the prepared shards")
     storage.check_bucket(out)
     fs, base, prefix = storage.filesystem(out)
     with storage.errors(out):
@@ -84,6 +90,14 @@ def _check_out(out: str):
             raise DataError(f"{out}: already exists and is not empty; choose a new directory or delete it")
     storage.check_writable(out, "OUT")
     return fs, base, prefix
+
+
+def _within(path: str, root: str) -> bool:
+    """Whether `path` is `root` or lies under it (local paths resolved, links followed; URIs as written)."""
+    if not storage.is_uri(path):
+        path, root = os.path.realpath(path), os.path.realpath(root)
+    path, root = path.rstrip("/"), root.rstrip("/")
+    return path == root or path.startswith(root + "/")
 
 
 def prepare_tree(
@@ -105,7 +119,7 @@ def prepare_tree(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    fs, base, prefix = _check_out(out)  # before listing the tree, which can take minutes on object storage
+    fs, base, prefix = _check_out(out, root)  # before listing the tree, which can take minutes on object storage
     tree = scan_tree(root, val_fraction)
     for note in tree.notes:  # one file under two names: said before the shards are written
         log(note)
