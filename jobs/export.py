@@ -42,6 +42,8 @@ def parse(argv=None):
 def check_out(out: str, model: str, overwrite: bool) -> None:
     """StorageError unless `out` and its sidecar can be written: a writable place, not a folder, not the
     model itself, and not there already without --overwrite."""
+    if not out.strip():  # an unset shell variable
+        raise storage.StorageError("--out is empty; give the file to write, e.g. model.onnx")
     storage.check_writable(storage.parent(out), "--out")
     if storage.is_dir(out):
         raise storage.StorageError(f"--out {out.rstrip('/')}: a folder; give a file to write, e.g. {out}/model.onnx")

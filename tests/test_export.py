@@ -178,6 +178,7 @@ def test_bad_input_is_one_line_and_exit_2(model_and_images, tmp_path, capsys, mo
         "unknown format": (["--model", str(model), "--format", "tflite", "--out", str(out)], "invalid choice"),
         "exists": (["--model", str(model), "--format", "torchscript", "--out", str(taken)], "--overwrite"),
         "a folder": (["--model", str(model), "--format", "onnx", "--out", str(tmp_path)], "a folder"),
+        "empty": (["--model", str(model), "--format", "safetensors", "--out", ""], "--out is empty; give the file"),
         "unwritable": (["--model", str(model), "--format", "onnx", "--out", str(a_file / "m.onnx")], "cannot write"),
         "the model": (["--model", str(model), "--format", "torchscript", "--out", str(model), "--overwrite"], "itself"),
     }
