@@ -46,7 +46,11 @@ def main(argv=None) -> int:
     from training.driver.session import quiet_ray_env
 
     quiet_ray_env()  # before Ray is imported below: it reads the console's settings then (training/driver/session.py)
-    from training.driver.session import connect, start_failure  # looked up at the call: the tests replace it
+    from training.driver.session import (
+        connect,
+        driver_notices_skipped,
+        start_failure,
+    )  # looked up at the call: the tests replace it
     from training.forms.data import DataError
     from training.predict import inference, scoring
 
@@ -77,15 +81,16 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001  (Ray's own start-up or join: one line, as jobs.train says it)
         print(error_line(f"Ray did not start: {start_failure(e)}"), file=sys.stderr)
         return 1
-    report = scoring.score_to(
-        info,
-        splits,
-        storage.join(out, "predictions.csv"),
-        batch_size=args.batch_size,
-        actors=actors or auto_actors(args.device),
-        device=args.device,
-        gpus_per_actor=args.gpus_per_actor,
-    )
+    with driver_notices_skipped():  # Ray's C++ notice about its actor pool, from this process
+        report = scoring.score_to(
+            info,
+            splits,
+            storage.join(out, "predictions.csv"),
+            batch_size=args.batch_size,
+            actors=actors or auto_actors(args.device),
+            device=args.device,
+            gpus_per_actor=args.gpus_per_actor,
+        )
     names = list(info.class_names)
     stats = inference.per_class(report.confusion, names)
     storage.write_bytes(storage.join(out, "confusion.png"), plots.confusion_png(report.confusion, names))

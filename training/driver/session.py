@@ -4,10 +4,13 @@ design off the console. Every job, the tests and the benchmarks connect through 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
 import socket
 import sys
+import threading
 import warnings
 
 from training import ray_private
@@ -125,6 +128,37 @@ def check_answers(address: str, wait_s: float = ANSWER_WAIT_S) -> None:
         socket.create_connection((host.strip("[]"), int(port)), timeout=wait_s).close()
     except OSError as e:
         raise ConnectionError(f"nothing answers at {address} ({e.strerror or e})") from None
+
+
+@contextlib.contextmanager
+def driver_notices_skipped():
+    """For the span, this process's own stderr (file descriptor 2) less the lines of RAY_NOTICES_SKIPPED.
+    A driver that runs a Ray Data actor pool itself (jobs.predict, jobs.evaluate) gets Ray's notice about
+    the pool's constructor arguments from Ray's C++ core, once an actor, past Python's logging and Ray's
+    own filter of other processes' output. Enter it once Ray has started: a process started inside the
+    span (a local cluster's) would hold the pipe open."""
+    skip = re.compile(RAY_NOTICES_SKIPPED)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+
+    def pump():
+        with os.fdopen(read_end, "rb") as lines, os.fdopen(os.dup(saved), "wb", buffering=0) as out:
+            for line in lines:
+                if not skip.search(line.decode(errors="replace")):
+                    out.write(line)
+
+    thread = threading.Thread(target=pump, name="stderr-filter", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # the pipe's last write end closes: the pump reads to its end and stops
+        os.close(saved)
+        thread.join(timeout=5)
 
 
 def start_failure(error: Exception) -> str:
