@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from jobs.predict import add_inference_arguments, auto_actors, check_numbers
+from jobs.predict import add_inference_arguments, check_numbers, pool_size
 from training import storage
 from training.config import error_line
 from training.driver import plots
@@ -81,13 +81,18 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001  (Ray's own start-up or join: one line, as jobs.train says it)
         print(error_line(f"Ray did not start: {start_failure(e)}"), file=sys.stderr)
         return 1
+    try:
+        actors = pool_size(actors, args.device, args.gpus_per_actor)
+    except ValueError as e:  # more actors than the cluster holds
+        print(error_line(e), file=sys.stderr)
+        return 2
     with driver_notices_skipped():  # Ray's C++ notice about its actor pool, from this process
         report = scoring.score_to(
             info,
             splits,
             storage.join(out, "predictions.csv"),
             batch_size=args.batch_size,
-            actors=actors or auto_actors(args.device),
+            actors=actors,
             device=args.device,
             gpus_per_actor=args.gpus_per_actor,
         )

@@ -102,13 +102,18 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001  (Ray's own start-up or join: one line, as jobs.train says it)
         print(error_line(f"Ray did not start: {start_failure(e)}"), file=sys.stderr)
         return 1
+    try:
+        actors = pool_size(actors, args.device, args.gpus_per_actor)
+    except ValueError as e:  # more actors than the cluster holds
+        print(error_line(e), file=sys.stderr)
+        return 2
     with driver_notices_skipped():  # Ray's C++ notice about its actor pool, from this process
         report = scoring.score_to(
             info,
             splits,
             args.out,
             batch_size=args.batch_size,
-            actors=actors or auto_actors(args.device),
+            actors=actors,
             device=args.device,
             gpus_per_actor=args.gpus_per_actor,
         )
@@ -134,13 +139,27 @@ def check_numbers(args) -> tuple[int, int] | None:
     return None if args.actors == "auto" else scoring.parse_actors(args.actors)
 
 
-def auto_actors(device: str) -> tuple[int, int]:
-    """1 up to one actor per GPU (a cluster with GPUs, unless --device cpu), else per CPU but one."""
-    import ray
+def pool_size(actors: tuple[int, int] | None, device: str, gpus_per_actor: float = 1.0) -> tuple[int, int]:
+    """The actor pool's (min, max): --actors, or auto (None): 1 up to one actor per GPU (a cluster with GPUs,
+    unless --device cpu), else per CPU but one, which the reads take. ValueError where the cluster cannot
+    hold --actors' minimum beside the reads: Ray Data would wait for room that never comes."""
+    from training.driver.planning import cluster_capacity
 
-    resources = ray.cluster_resources()
-    gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 1))
-    return (1, max(1, gpus)) if gpus and device != "cpu" else (1, max(1, cpus - 1))
+    capacity = cluster_capacity()
+    on_gpu = capacity.gpus and device != "cpu"
+    room = max(1, capacity.cpus - 1)  # an actor takes a CPU (and its GPUs)
+    if on_gpu:
+        room = min(room, max(1, int(capacity.gpus // gpus_per_actor)))
+    if actors is None:
+        return (1, room)
+    low, high = actors
+    if capacity.bounded and low > room:
+        what = f"{capacity.cpus} CPUs" + (f" and {capacity.gpus} GPUs" if on_gpu else "")
+        raise ValueError(
+            f"--actors {low if low == high else f'{low}-{high}'}: the cluster ({what}) holds at most {room} "
+            f"inference actor(s) beside the reads; give --actors {room}, or a range 1-{max(high, room)}"
+        )
+    return actors
 
 
 def check_out(out: str, overwrite: bool) -> None:

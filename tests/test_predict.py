@@ -409,3 +409,21 @@ def test_a_ray_address_where_nothing_answers_is_one_line_at_once(module, model_a
         "refused); check the address and that the cluster is up (ray status)\n"
     )
     assert not list((tmp_path / "runs").glob("*")) and not (tmp_path / "out.csv").exists()  # no run folder, no rows
+
+
+def test_more_actors_than_the_cluster_holds_is_one_line_not_a_wait(ray_cluster, model_and_tree, tmp_path, capsys):
+    """--actors whose minimum the cluster cannot hold beside the reads: Ray Data waited for room that never
+    came, with no word, for as long as the user let it; now one line with the most it holds, exit 2."""
+    import ray
+
+    from jobs.predict import main
+
+    model, data = model_and_tree
+    cpus = int(ray.cluster_resources()["CPU"])
+    out = tmp_path / "p.csv"
+    assert main(["--model", str(model), "--data", str(data), "--out", str(out), "--actors", str(cpus)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --actors {cpus}: the cluster ({cpus} CPUs) holds at most {cpus - 1} inference actor(s) beside "
+        f"the reads; give --actors {cpus - 1}, or a range 1-{cpus}\n"
+    )
+    assert not out.exists() and not list(tmp_path.iterdir())
