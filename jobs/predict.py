@@ -147,11 +147,11 @@ def pool_size(actors: tuple[int, int] | None, device: str, gpus_per_actor: float
 
     capacity = cluster_capacity()
     on_gpu = capacity.gpus and device != "cpu"
+    if actors is None:
+        return (1, max(1, capacity.gpus if on_gpu else capacity.cpus - 1))
     room = max(1, capacity.cpus - 1)  # an actor takes a CPU (and its GPUs)
     if on_gpu:
         room = min(room, max(1, int(capacity.gpus // gpus_per_actor)))
-    if actors is None:
-        return (1, room)
     low, high = actors
     if capacity.bounded and low > room:
         what = f"{capacity.cpus} CPUs" + (f" and {capacity.gpus} GPUs" if on_gpu else "")

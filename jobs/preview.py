@@ -60,7 +60,7 @@ KINDS = (".png", ".jpg", ".jpeg", ".pdf", ".svg")  # what the grid is written as
 
 def check_out(out: str, overwrite: bool) -> None:
     """StorageError unless `out` names an image file that may be written: local, of a kind the grid is
-    written as, not a folder, not there already without --overwrite; its folder made where it is missing."""
+    written as, not a folder, not there already without --overwrite (its folder is made when it is written)."""
     if storage.is_uri(out):
         raise StorageError(f"--out {out}: the preview is written to local disk only; give a local path")
     if os.path.isdir(out):
@@ -70,7 +70,6 @@ def check_out(out: str, overwrite: bool) -> None:
     if os.path.lexists(out) and not overwrite:
         raise StorageError(f"--out {out}: exists already; nothing was written; give another --out, or --overwrite")
     storage.check_writable(os.path.dirname(out) or ".", "--out")
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
 
 
 def main(argv=None) -> int:
@@ -96,6 +95,7 @@ def main(argv=None) -> int:
         print(error_line(e), file=sys.stderr)
         return 2
     try:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         out = render_grid(
             images,
             labels,

@@ -575,6 +575,8 @@ def test_preview_refuses_bad_numbers_and_outs_in_one_line_and_keeps_the_users_fi
         assert capsys.readouterr().err.strip() == line
     assert sorted(p.name for p in place.iterdir()) == ["grids", "notes.txt"] and not list(folder.iterdir())
     assert kept.read_text() == "the user's own notes\n"
+    assert main(["--data", str(tmp_path / "nowhere"), "--out", str(place / "never" / "grid.png")]) == 2
+    assert "no such directory" in capsys.readouterr().err and not (place / "never").exists()  # no folder left
     grid = place / "new" / "grid.png"  # its folder is made
     assert main([*base, "--out", str(grid)]) == 0 and grid.stat().st_size > 0
     first = grid.read_bytes()
