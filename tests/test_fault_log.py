@@ -7,7 +7,8 @@ import time
 
 import pytest
 import ray
-from ray.train import WorkerGroupError
+from ray.train import ControllerError, WorkerGroupError
+from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError
 from ray.train.v2._internal.util import construct_user_exception_with_traceback
 
 from training.driver.faults import Fault, FaultLog, describe
@@ -26,6 +27,8 @@ def _group(*excs) -> WorkerGroupError:
 
 
 GLOO = RuntimeError("[gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:24258")
+# what Ray Train's controller hands back when a worker actor died while its group started (its node went)
+NOT_STARTED = ControllerError(WorkerGroupStartupFailedError("At least one of the worker actors failed to initialize."))
 
 
 @pytest.mark.parametrize(
@@ -40,8 +43,10 @@ GLOO = RuntimeError("[gloo/transport/tcp/pair.cc:561] Connection closed by peer 
         ),
         (_group(RuntimeError("Task was killed due to the node running low on memory.")), {}, "out of memory", None),
         (_group(ValueError("a bug")), {}, "error", None),
+        (NOT_STARTED, {}, "workers did not start", None),
+        (NOT_STARTED, {"5d175dc4cbb2ab21": "10.0.0.7"}, "node lost", "10.0.0.7 (node 5d175dc4)"),
     ],
-    ids=["node", "worker", "oom", "error"],
+    ids=["node", "worker", "oom", "error", "not-started", "not-started-node"],
 )
 def test_a_fault_is_named_by_what_failed(error, lost, kind, node):
     progress = {0: (1, 40, 3.0), 1: (1, 32, 2.0)}  # 0-based epoch 1, images so far per rank
@@ -98,6 +103,27 @@ def test_only_a_fault_where_every_rank_lost_a_peer_waits_for_ray_to_declare_a_no
     assert time.monotonic() - t0 >= 1.5
     monkeypatch.setattr(faults, "alive_nodes", lambda: {"a": "10.0.0.1"})
     assert faults.lost_nodes(nodes, _group(GLOO, GLOO), wait_s=30) == {"b": "10.0.0.2"}
+
+
+def test_a_controller_error_is_named_by_the_controller_failure_inside_it():
+    """The CI failure of stop 66: ControllerError's own first line is the same for every cause, so two
+    different controller failures counted as "the same error twice in a row"."""
+    fault = describe(NOT_STARTED, {}, {}, None, per_worker=8)
+    assert fault.message == "WorkerGroupStartupFailedError: At least one of the worker actors failed to initialize."
+    other = describe(ControllerError(RuntimeError("a callback failed")), {}, {}, None, per_worker=8)
+    assert (other.kind, other.message) == ("error", "RuntimeError: a callback failed")
+
+
+def test_workers_that_did_not_start_wait_for_ray_to_declare_their_node_dead(monkeypatch):
+    """A worker group that fails to start because its node went reaches the driver before the GCS
+    has missed enough health checks: the wait names the node, and the next plan leaves it out."""
+    from training.driver import faults
+
+    answers = iter([{"a": "10.0.0.1", "b": "10.0.0.2"}] * 2)
+    monkeypatch.setattr(faults, "alive_nodes", lambda: next(answers, {"a": "10.0.0.1"}))
+    monkeypatch.setattr(faults.time, "sleep", lambda s: None)
+    nodes = {"a": "10.0.0.1", "b": "10.0.0.2"}
+    assert faults.lost_nodes(nodes, NOT_STARTED, wait_s=30) == {"b": "10.0.0.2"}
 
 
 def test_a_run_stopped_by_an_error_says_error_training_failed_once(tmp_path):

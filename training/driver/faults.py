@@ -67,19 +67,39 @@ def alive_nodes() -> dict[str, str]:
     return {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
 
 
-# A rank whose peer went fails at once (gloo, NCCL), and Ray finds a worker it cannot reach
-# "unavailable", while the GCS marks a node dead only once its health checks have failed for a
-# while (docs/design.md, "Faults"; a node that shuts down says so at once).
-PEER_GONE = re.compile(r"Connection (closed|reset) by peer|NCCL|is unavailable|temporarily unavailable")
+# A rank whose peer went fails at once (gloo, NCCL), Ray finds a worker it cannot reach
+# "unavailable", and a worker group whose actor was on the node fails to start, while the GCS
+# marks a node dead only once its health checks have failed for a while (docs/design.md,
+# "Faults"; a node that shuts down says so at once).
+PEER_GONE = re.compile(
+    r"Connection (closed|reset) by peer|NCCL|is unavailable|temporarily unavailable|"
+    r"WorkerGroupStartup(Failed|Timeout)Error"
+)
 NODE_DEATH_WAIT_S = 45.0
+
+
+def failures(error: BaseException) -> list[BaseException]:
+    """What failed under a failed attempt: each rank's exception where ranks failed, the
+    controller's own where Ray Train's controller did (a worker group that could not start),
+    else the error itself."""
+    ranks = [ray_private.worker_exception(f) for f in (getattr(error, "worker_failures", None) or {}).values()]
+    inner = getattr(error, "controller_failure", None)
+    return ranks or [inner if isinstance(inner, BaseException) else error]
+
+
+def failure_text(error: BaseException) -> str:
+    """Each of `failures(error)` as "Type: message", one after another."""
+    return "\n".join(f"{type(f).__name__}: {f}" for f in failures(error))
 
 
 def lost_nodes(nodes: dict[str, str], error: BaseException, wait_s: float = NODE_DEATH_WAIT_S) -> dict[str, str]:
     """The nodes of `nodes` ({id: address}, alive when the attempt began) that are gone now.
-    Where every rank says only that a peer went or cannot be reached, wait up to wait_s for Ray
-    to declare a node dead: the fault is then named right, and the next plan leaves the node out."""
-    failures = [str(f) for f in (getattr(error, "worker_failures", None) or {}).values()] or [str(error)]
-    only_peers = all(PEER_GONE.search(f) and "worker process has died" not in f for f in failures)
+    Where every failure says only that a peer went or cannot be reached, or that the workers did
+    not start, wait up to wait_s for Ray to declare a node dead: the fault is then named right,
+    and the next plan leaves the node out (a plan made while the dead node still counts puts a
+    worker where a sweep's other trial reads its data: docs/design.md, "Faults")."""
+    texts = [f"{type(f).__name__}: {f}" for f in failures(error)]
+    only_peers = all(PEER_GONE.search(f) and "worker process has died" not in f for f in texts)
     deadline = time.monotonic() + (wait_s if only_peers else 0)
     while True:
         alive = alive_nodes()
@@ -136,8 +156,8 @@ WORKER_DIED = re.compile(r"The actor (died|is dead)|worker process has died|Work
 def describe(error: BaseException, lost: dict[str, str], progress: dict, checkpoint: str | None, per_worker: int):
     """The Fault of a failed attempt. `lost`: {node id: address} of the nodes that were alive when
     the attempt started and are not now; `progress`: the run status's {rank: (epoch, images, loss sum)}."""
-    causes = [ray_private.worker_exception(f) for f in (getattr(error, "worker_failures", None) or {}).values()]
-    text = "\n".join(f"{type(c).__name__}: {c}" for c in causes or [error])
+    causes = failures(error)
+    text = failure_text(error)
     node = None
     if lost:
         kind, (node_id, address) = "node lost", min(lost.items(), key=lambda kv: kv[1])
@@ -148,7 +168,7 @@ def describe(error: BaseException, lost: dict[str, str], progress: dict, checkpo
         kind = "train worker died"
     elif "ray.data" in text or any(isinstance(c, ray.exceptions.ObjectLostError) for c in causes):
         kind = "data task failed"
-    elif "WorkerGroupStartup" in text + type(error).__name__:
+    elif "WorkerGroupStartup" in text:
         kind = "workers did not start"
     else:
         kind = "error"
