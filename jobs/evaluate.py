@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from jobs.predict import add_inference_arguments, check_numbers, pool_size
+from jobs.predict import add_inference_arguments, check_numbers, score
 from training import storage
 from training.config import error_line
 from training.driver import plots
@@ -46,17 +46,14 @@ def main(argv=None) -> int:
     from training.driver.session import quiet_ray_env
 
     quiet_ray_env()  # before Ray is imported below: it reads the console's settings then (training/driver/session.py)
-    from training.driver.session import (
-        connect,
-        driver_notices_skipped,
-        start_failure,
-    )  # looked up at the call: the tests replace it
     from training.forms.data import DataError
-    from training.predict import inference, scoring
+    from training.predict import inference
 
-    out = args.out or storage.join(storage.parent(args.model), "eval")
+    out = storage.join(storage.parent(args.model), "eval") if args.out is None else args.out
     try:
         actors = check_numbers(args)
+        if not out.strip():  # an unset shell variable: not the working folder
+            raise ValueError("--out is empty; give a folder for the evaluation's files, or drop --out for eval/")
         info = inference.load_model_file(args.model)
         val_fraction = float(info.setting("val_fraction", 0.2))
         splits = inference.input_splits(args.data, info, args.split, val_fraction)
@@ -76,26 +73,9 @@ def main(argv=None) -> int:
     except (inference.ModelFileError, DataError, storage.StorageError, ValueError) as e:
         print(error_line(e), file=sys.stderr)
         return 2
-    try:
-        connect()
-    except Exception as e:  # noqa: BLE001  (Ray's own start-up or join: one line, as jobs.train says it)
-        print(error_line(f"Ray did not start: {start_failure(e)}"), file=sys.stderr)
-        return 1
-    try:
-        actors = pool_size(actors, args.device, args.gpus_per_actor)
-    except ValueError as e:  # more actors than the cluster holds
-        print(error_line(e), file=sys.stderr)
-        return 2
-    with driver_notices_skipped():  # Ray's C++ notice about its actor pool, from this process
-        report = scoring.score_to(
-            info,
-            splits,
-            storage.join(out, "predictions.csv"),
-            batch_size=args.batch_size,
-            actors=actors,
-            device=args.device,
-            gpus_per_actor=args.gpus_per_actor,
-        )
+    report = score(args, info, splits, actors, storage.join(out, "predictions.csv"))
+    if isinstance(report, int):
+        return report
     names = list(info.class_names)
     stats = inference.per_class(report.confusion, names)
     storage.write_bytes(storage.join(out, "confusion.png"), plots.confusion_png(report.confusion, names))

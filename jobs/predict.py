@@ -16,6 +16,7 @@ printed. Exit codes: 0 done; 2 bad input (model file, data folder, --out), one l
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from training import storage
@@ -81,13 +82,8 @@ def main(argv=None) -> int:
     from training.driver.session import quiet_ray_env
 
     quiet_ray_env()  # before Ray is imported below: it reads the console's settings then (training/driver/session.py)
-    from training.driver.session import (
-        connect,
-        driver_notices_skipped,
-        start_failure,
-    )  # looked up at the call: the tests replace it
     from training.forms.data import DataError
-    from training.predict import inference, scoring
+    from training.predict import inference
 
     try:  # bad flags, --model, --data or --out: exit 2 before Ray starts
         actors = check_numbers(args)
@@ -97,26 +93,9 @@ def main(argv=None) -> int:
     except (inference.ModelFileError, DataError, storage.StorageError, ValueError) as e:
         print(error_line(e), file=sys.stderr)
         return 2
-    try:
-        connect()
-    except Exception as e:  # noqa: BLE001  (Ray's own start-up or join: one line, as jobs.train says it)
-        print(error_line(f"Ray did not start: {start_failure(e)}"), file=sys.stderr)
-        return 1
-    try:
-        actors = pool_size(actors, args.device, args.gpus_per_actor)
-    except ValueError as e:  # more actors than the cluster holds
-        print(error_line(e), file=sys.stderr)
-        return 2
-    with driver_notices_skipped():  # Ray's C++ notice about its actor pool, from this process
-        report = scoring.score_to(
-            info,
-            splits,
-            args.out,
-            batch_size=args.batch_size,
-            actors=actors,
-            device=args.device,
-            gpus_per_actor=args.gpus_per_actor,
-        )
+    report = score(args, info, splits, actors, args.out)
+    if isinstance(report, int):
+        return report
     print(f"wrote {args.out}: {report.scored} predictions")
     if report.unread:
         first = sorted(report.unread)[0]
@@ -124,6 +103,36 @@ def main(argv=None) -> int:
     if report.labelled:
         print(f"accuracy {report.correct / report.labelled:.4f} ({report.correct}/{report.labelled} labelled images)")
     return 0
+
+
+def score(args, info, splits, actors: tuple[int, int] | None, out: str):
+    """Join or start Ray, size the actor pool (pool_size) and score `splits` into `out`
+    (training/predict/scoring.py score_to): its ScoreReport, or the exit code once its one line
+    is said (1: Ray did not start; 2: more actors than the cluster holds). jobs.evaluate scores
+    through it too."""
+    from training.driver import session  # looked up at the call: the tests replace session.connect
+    from training.predict import scoring
+
+    try:
+        session.connect()
+    except Exception as e:  # noqa: BLE001  (Ray's own start-up or join: one line, as jobs.train says it)
+        print(error_line(f"Ray did not start: {session.start_failure(e)}"), file=sys.stderr)
+        return 1
+    try:
+        actors = pool_size(actors, args.device, args.gpus_per_actor)
+    except ValueError as e:  # more actors than the cluster holds
+        print(error_line(e), file=sys.stderr)
+        return 2
+    with session.driver_notices_skipped():  # Ray's C++ notice about its actor pool, from this process
+        return scoring.score_to(
+            info,
+            splits,
+            out,
+            batch_size=args.batch_size,
+            actors=actors,
+            device=args.device,
+            gpus_per_actor=args.gpus_per_actor,
+        )
 
 
 def check_numbers(args) -> tuple[int, int] | None:
@@ -162,14 +171,27 @@ def pool_size(actors: tuple[int, int] | None, device: str, gpus_per_actor: float
     return actors
 
 
+# names of files of another format: a mistake, not the name of a folder for Parquet files
+OTHER_FORMATS = (".json", ".jsonl", ".txt", ".tsv", ".xlsx", ".xls", ".npy", ".npz", ".pkl", ".pt", ".feather")
+
+
 def check_out(out: str, overwrite: bool) -> None:
-    """StorageError unless `out` can be written: its folder writable, and what is there already replaced
-        only with --overwrite (a folder: the Parquet files an earlier jobs.predict wrote there, by its record;
-    a folder with Parquet files of someone else's is refused)."""
+    """StorageError unless `out` can be written: CSV or Parquet (a name of another format's file is a
+    mistake), its folder writable, and what is there already replaced only with --overwrite (a
+    folder: the Parquet files an earlier jobs.predict wrote there, by its record; a folder with
+    Parquet files of someone else's is refused)."""
     from training.predict import scoring
 
+    if not out.strip():  # an unset shell variable: not the working folder
+        raise storage.StorageError("--out is empty; give FILE.csv, FILE.parquet or a folder for Parquet files")
     kind = scoring.out_kind(out)
     target = out.rstrip("/")
+    suffix = os.path.splitext(target)[1].lower()
+    if kind == "dir" and not out.endswith("/") and suffix in OTHER_FORMATS:  # not a folder for Parquet files
+        raise storage.StorageError(
+            f"--out {target}: jobs.predict writes CSV or Parquet, not {suffix}; give "
+            f"{target[: -len(suffix)]}.csv or .parquet, or a folder"
+        )
     storage.check_writable(storage.parent(target) if kind != "dir" else target, "--out")
     if kind != "dir" and storage.is_dir(out):  # else found only after the whole inference
         raise storage.StorageError(f"--out {target}: a folder; give a file to write, e.g. {target}/predictions.csv")

@@ -309,6 +309,40 @@ def test_predict_out_naming_a_folder_is_one_line_before_ray(model_and_tree, tmp_
     assert err == f"error: --out {folder}: a folder; give a file to write, e.g. {folder}/predictions.csv\n"
 
 
+@pytest.mark.parametrize(
+    "module, out, expected",
+    [
+        ("jobs.predict", "", "error: --out is empty; give FILE.csv, FILE.parquet or a folder for Parquet files"),
+        ("jobs.evaluate", "", "error: --out is empty; give a folder for the evaluation's files, or drop --out"),
+        (
+            "jobs.predict",
+            "preds.json",
+            "error: --out {out}: jobs.predict writes CSV or Parquet, not .json; give {stem}",
+        ),
+    ],
+    ids=["predict-empty", "evaluate-empty", "predict-json"],
+)
+def test_an_empty_out_or_one_of_another_format_is_one_line_before_ray(
+    module, out, expected, model_and_tree, tmp_path, capsys, monkeypatch
+):
+    """An unset shell variable is not the working folder (evaluate wrote into eval/ beside the model),
+    and preds.json is not a folder for Parquet files (predict made one by that name)."""
+    import importlib
+
+    from training.driver import session
+
+    monkeypatch.setattr(session, "connect", lambda *a, **k: pytest.fail("Ray was started"))
+    model, data = model_and_tree
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir()), sorted(p.name for p in model.parent.iterdir())
+    target = str(tmp_path / out) if out else out
+    assert importlib.import_module(module).main(["--model", str(model), "--data", str(data), "--out", target]) == 2
+    err = capsys.readouterr().err
+    line = expected.format(out=target, stem=target.rsplit(".", 1)[0])
+    assert err.count("\n") == 1 and err.startswith(line), err
+    assert (sorted(p.name for p in tmp_path.iterdir()), sorted(p.name for p in model.parent.iterdir())) == before
+
+
 @pytest.mark.parametrize("module", ["jobs.predict", "jobs.evaluate"])
 def test_an_existing_output_is_kept_and_refused_in_one_line_before_ray(
     module, model_and_tree, tmp_path, capsys, monkeypatch
