@@ -255,6 +255,27 @@ def test_the_guides_examples_print_jobs_predicts_classes_and_confidences(model_a
     assert np.abs(np.array([float(p) for _, _, p in printed]) - probs.max(1).values.numpy()).max() < TOLERANCE
 
 
+def test_an_onnx_export_writes_its_out_and_nothing_in_the_users_home(model_and_images, tmp_path):
+    """onnxruntime's telemetry wrote ~/.cache/Microsoft/DeveloperTools/.onnxruntime/{deviceid,
+    onnxruntime.db} when the export ran its file: a file outside --out that the user did not ask for."""
+    import os
+    import subprocess
+    import sys
+
+    model, _ = model_and_images
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("XDG_CACHE_HOME", "ORT_DISABLE_TELEMETRY")}
+    out = tmp_path / "model.onnx"
+    run = subprocess.run(
+        [sys.executable, "-m", "jobs.export", "--model", str(model), "--format", "onnx", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, env=env | {"HOME": str(home)},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "model.onnx", "model.onnx.json"]
+    assert [str(p.relative_to(home)) for p in home.rglob("*")] == []
+
+
 def test_an_export_that_differs_from_jobs_predict_is_not_written(model_and_images, tmp_path, capsys, monkeypatch):
     """The check before writing: logits 1e-3 away (a stand-in for an exporter's error) are exit 1, one
     line, and no file."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import io
 import json
+import os
 import warnings
 
 import numpy as np
@@ -41,8 +42,15 @@ class MissingLibrary(ImportError):
     """A format's library is not installed (the `export` extra)."""
 
 
+def no_telemetry() -> None:
+    """onnxruntime's telemetry writes a device id and a database under ~/.cache/Microsoft when it is
+    imported, unless told not to: an export writes its --out and nothing else. Before its import."""
+    os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
+
+
 def check_libraries(fmt: str) -> None:
     """MissingLibrary, one line naming the extra, when `fmt` needs a package that does not import."""
+    no_telemetry()
     for name in NEEDS[fmt]:
         try:
             importlib.import_module(name)
@@ -195,6 +203,7 @@ def torchvision_model(spec: dict) -> torch.nn.Module:
 def run_export(fmt: str, data: bytes, images: torch.Tensor, info: ModelFile) -> np.ndarray:
     """The exported file's logits for uint8 (B, S, S, 3) `images`, each format by its own runtime."""
     if fmt == "onnx":
+        no_telemetry()
         import onnxruntime
 
         session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
