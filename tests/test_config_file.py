@@ -42,6 +42,7 @@ def test_without_a_file_the_defaults_stand(tmp_path):
         ("fresh: yes please\n", "fresh must be true or false"),
         ("- epochs\n", "expected a mapping"),
         ("epochs: [\n", "not valid YAML"),
+        ('{"epochs": 2,\n', "not valid JSON (did not find expected node content at line 2"),  # was "not valid YAML"
     ],
 )
 def test_bad_files_are_config_errors(tmp_path, text, fragment):

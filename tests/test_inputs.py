@@ -281,3 +281,25 @@ def test_a_folder_or_a_pipe_named_as_a_file_is_refused_for_what_it_is(tree, tmp_
     for flags, line in cases:
         assert exits_2([*base, *flags], capsys).startswith(f"error: {line}"), flags
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_file_uri_is_the_local_path_it_names(tmp_path):
+    """file:///data (Ray's docs write local storage so) is the local /data, through every entry point's
+    flags and the Python API's TrainConfig: the checks before Ray refused --storage-path file://NEW/runs,
+    naming their own probe file, because a URI's folders are not made as a local path's are."""
+    from jobs import predict
+    from jobs import train as train_job
+    from tests.conftest import write_tree
+    from training.driver import lease
+    from training.driver.flags import parse_config
+
+    data = write_tree(tmp_path / "data", {"a": 4, "b": 4})
+    runs = tmp_path / "new" / "runs"
+    argv = ["--data", f"file://{data}", "--storage-path", f"file://{runs}", "--name", "r"]
+    cfg, _ = parse_config(train_job.parser(), argv)
+    assert (cfg.data, cfg.storage_path) == (str(data), str(runs))
+    train_job.prepare(cfg)  # the checks before Ray pass, and the run's lease is taken in the local folder
+    assert (runs / "r" / lease.LEASE_FILE).is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["data", "new"]
+    assert TrainConfig(data=f"FILE://{data}").data == str(data)
+    args = predict.parse(["--model", f"file://{tmp_path}/model.pt", "--data", f"file://{data}", "--out", "p.csv"])
+    assert (args.model, args.data, args.out) == (f"{tmp_path}/model.pt", str(data), "p.csv")

@@ -15,6 +15,7 @@ import time
 from typing import Optional
 
 from augment.schedule import MIN_IMAGE_SIZE
+from training.storage import local_path
 
 
 class ConfigError(ValueError):
@@ -334,6 +335,8 @@ class TrainConfig:
                 raise ConfigError(f"{flag} must be {words}, got {shown} (a {type(value).__name__})")
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"--{field.name.replace('_', '-')} must be a finite number, got {value}")
+            if isinstance(value, str) and value != local_path(value):  # file:///data: the local /data
+                object.__setattr__(self, field.name, local_path(value))
         # an empty path is an unset shell variable more often than a choice: it would train on the bundled
         # digits, or write the runs into the working folder itself
         if self.data is not None and not self.data.strip():

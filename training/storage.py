@@ -47,6 +47,13 @@ def is_uri(path: str) -> bool:
     return "://" in path
 
 
+def local_path(path: str) -> str:
+    """A file:// URI as the local path it names (file:///data/x: /data/x), anything else as it is.
+    Ray and pyarrow take both, but this job writes a local path through the OS (folders made as
+    needed) and a URI as an object store; the entry points hand every path through here."""
+    return path[len("file://") :] if path[:7].lower() == "file://" else path
+
+
 def filesystem(path: str):
     """(pyarrow filesystem, the path inside it, the prefix that turns such a path back into a URI)."""
     import pyarrow as pa

@@ -141,7 +141,8 @@ def read_settings(text: str) -> dict[str, Scalar | str] | None:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = " ".join(str(getattr(e, "problem", None) or e).split())
-        raise SettingsError(f"not valid YAML ({shown(problem)[1:-1]}{where})") from None
+        kind = "JSON" if text.lstrip()[:1] == "{" else "YAML"  # a JSON file is read as the YAML it also is
+        raise SettingsError(f"not valid {kind} ({shown(problem)[1:-1]}{where})") from None
     if root is None:
         return None
     if not isinstance(root, yaml.MappingNode):

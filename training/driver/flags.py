@@ -11,7 +11,7 @@ import re
 
 from training import userfiles
 from training.config import ConfigError, TrainConfig
-from training.storage import decode_text
+from training.storage import decode_text, local_path
 
 
 class FlagParser(argparse.ArgumentParser):
@@ -21,6 +21,14 @@ class FlagParser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        """As argparse's, with each file:// URI given as the local path it names (storage.local_path)."""
+        parsed, rest = super().parse_known_args(args, namespace)
+        for key, value in vars(parsed).items():
+            if isinstance(value, str):
+                setattr(parsed, key, local_path(value))
+        return parsed, rest
 
     def error(self, message: str):
         hints = []

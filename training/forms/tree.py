@@ -174,7 +174,7 @@ def _scan(root: str, val_fraction: float) -> ImageTree:
     fs, base, uri_prefix = storage.filesystem(root)
     if not _is_dir(fs, base):
         missing = "no objects under this prefix" if storage.is_uri(root) else "no such directory"
-        raise DataError(f"{root}: {missing}; pass --data with a folder laid out as <class>/<image>")
+        raise DataError(f"{root}: {missing}; give a folder laid out as <class>/<image>")
 
     sides = _split_folders(fs, base, uri_prefix + base)  # (train, val) folder names; None: a hash split
     train_root = f"{base}/{sides[0]}" if sides else base
