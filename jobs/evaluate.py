@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from jobs.predict import add_inference_arguments, check_numbers, score
+from jobs.predict import add_inference_arguments, check_numbers, score, stopped
 from training import storage
 from training.config import error_line
 from training.driver import plots
@@ -73,8 +73,13 @@ def main(argv=None) -> int:
     except (inference.ModelFileError, DataError, storage.StorageError, ValueError) as e:
         print(error_line(e), file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while a big --data is listed
+        return stopped(storage.join(out, "predictions.csv"), terminated=False)
+    made = not storage.exists(out)
     report = score(args, info, splits, actors, storage.join(out, "predictions.csv"))
     if isinstance(report, int):
+        if made and storage.exists(out) and storage.is_empty_dir(out):  # the folder Ray Data made for the parts
+            storage.remove_tree(out)
         return report
     names = list(info.class_names)
     stats = inference.per_class(report.confusion, names)

@@ -93,6 +93,8 @@ def main(argv=None) -> int:
     except (inference.ModelFileError, DataError, storage.StorageError, ValueError) as e:
         print(error_line(e), file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while a big --data is listed
+        return stopped(args.out, terminated=False)
     report = score(args, info, splits, actors, args.out)
     if isinstance(report, int):
         return report
@@ -115,24 +117,37 @@ def score(args, info, splits, actors: tuple[int, int] | None, out: str):
 
     try:
         session.connect()
+    except KeyboardInterrupt:
+        return stopped(out, terminated=False)
     except Exception as e:  # noqa: BLE001  (Ray's own start-up or join: one line, as jobs.train says it)
         print(error_line(f"Ray did not start: {session.start_failure(e)}"), file=sys.stderr)
         return 1
+    terminated = session.stop_on_sigterm()  # after Ray's start, whose own handler would dump the stack and abort
     try:
         actors = pool_size(actors, args.device, args.gpus_per_actor)
+        with session.driver_notices_skipped():  # Ray's C++ notice about its actor pool, from this process
+            return scoring.score_to(
+                info,
+                splits,
+                out,
+                batch_size=args.batch_size,
+                actors=actors,
+                device=args.device,
+                gpus_per_actor=args.gpus_per_actor,
+            )
     except ValueError as e:  # more actors than the cluster holds
         print(error_line(e), file=sys.stderr)
         return 2
-    with session.driver_notices_skipped():  # Ray's C++ notice about its actor pool, from this process
-        return scoring.score_to(
-            info,
-            splits,
-            out,
-            batch_size=args.batch_size,
-            actors=actors,
-            device=args.device,
-            gpus_per_actor=args.gpus_per_actor,
-        )
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: scoring.write removed what it had written
+        return stopped(out, terminated=terminated.is_set())
+
+
+def stopped(out: str, *, terminated: bool) -> int:
+    """Say that the job stopped before `out` was written; its exit code (143 after SIGTERM, else 130)."""
+    how = "terminated (SIGTERM)" if terminated else "interrupted"
+    line = f"stopped: {how}; {out} was not written (its parts so far are removed); run the same command again"
+    print(line, file=sys.stderr)
+    return 143 if terminated else 130
 
 
 def check_numbers(args) -> tuple[int, int] | None:

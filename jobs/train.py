@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import signal
 import sys
 import threading
 
@@ -24,7 +23,7 @@ from training.config import ConfigError, error_line
 from training.driver import console
 from training.driver.flags import FlagParser, add_arguments, parse_config
 from training.driver.inputs import prepare
-from training.driver.session import connect, quiet_ray_env, start_failure
+from training.driver.session import connect, quiet_ray_env, start_failure, stop_on_sigterm
 from training.forms.data import DataError
 from training.storage import StorageError
 
@@ -131,21 +130,6 @@ def main(argv=None) -> int:
     if summary["epochs"] < cfg.epochs:  # --stop-after
         print(f"stopped after epoch {summary['epochs']} of {cfg.epochs}; to continue: {rerun_command(argv, cfg)}")
     return 0
-
-
-def stop_on_sigterm() -> threading.Event:
-    """SIGTERM (what `ray job stop`, a scheduler or `kill` sends) stops the run as Ctrl-C does: Ray
-    Train aborts the attempt, the driver says which checkpoint the same command resumes from and
-    exits 143. The event is set once SIGTERM came."""
-    came = threading.Event()
-
-    def on_term(signum, frame):
-        came.set()
-        signal.raise_signal(signal.SIGINT)  # to whichever SIGINT handler is current: Ray Train's while it fits
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, on_term)
-    return came
 
 
 def rerun_command(argv, cfg) -> str:

@@ -420,6 +420,34 @@ def test_the_command_prints_its_own_lines_and_not_rays(module, model_and_tree, t
     assert not noise, said
 
 
+@pytest.mark.ray
+def test_sigterm_while_predict_writes_is_one_line_exit_143_and_leaves_nothing(model_and_tree, tmp_path):
+    """What a scheduler or `kill` sends, once the output's parts are being written: Ray's own handler
+    dumped the C++ stack and aborted (exit 134), and Ctrl-C gave a traceback; both left p.csv.parts,
+    which refused the next run. Now one line, exit 143, nothing of the output left."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    model, _ = model_and_tree
+    data = write_tree(tmp_path / "data", {"cat": 300, "dog": 300})  # a few seconds of scoring
+    out = tmp_path / "p.csv"
+    args = [sys.executable, "-m", "jobs.predict", "--model", str(model), "--data", str(data), "--out", str(out)]
+    job = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "p.csv.parts").exists() and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    job.send_signal(signal.SIGTERM)
+    stdout, stderr = job.communicate(timeout=60)
+    assert job.returncode == 143, stdout[-2000:] + stderr[-3000:]
+    assert stderr.strip().splitlines() == [
+        f"stopped: terminated (SIGTERM); {out} was not written (its parts so far are removed); run the same command "
+        "again"
+    ], stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
 @pytest.mark.parametrize("module", ["jobs.train", "jobs.predict", "jobs.evaluate"])
 def test_a_ray_address_where_nothing_answers_is_one_line_at_once(module, model_and_tree, tmp_path):
     """RAY_ADDRESS naming a port nothing listens on: ray.init would retry it for minutes, printing Ray's

@@ -54,3 +54,57 @@ def test_as_rows_names_the_classes_and_leaves_unlabelled_rows_blank():
     rows = scoring.as_rows(batch, ["cat", "dog", "emu"])
     assert rows["predicted"].tolist() == ["emu", "cat", "dog"]
     assert rows["label"].tolist() == ["emu", "", "cat"]
+
+
+class Stopped:
+    """A dataset whose write is stopped half way (Ctrl-C, SIGTERM): two part files are in its folder
+    (made as Ray Data makes it) when the KeyboardInterrupt comes."""
+
+    def _write(self, folder: str, suffix: str) -> None:
+        storage.write_bytes(storage.join(folder, f"a_000000-0.{suffix}"), b"path,predicted\n")
+        storage.write_bytes(storage.join(folder, f"a_000001-0.{suffix}"), b"path,predicted\n")
+        raise KeyboardInterrupt
+
+    def write_csv(self, folder: str) -> None:
+        self._write(folder, "csv")
+
+    def write_parquet(self, folder: str) -> None:
+        self._write(folder, "parquet")
+
+
+@pytest.mark.parametrize("name", ["p.csv", "p.parquet", "preds"])
+def test_a_write_stopped_half_way_leaves_nothing_of_its_own(tmp_path, name):
+    """Ctrl-C in jobs.predict left p.csv.parts behind, which refused the next run ("in the way");
+    a new --out folder kept its half-written parts. Both go; the folder made for them too."""
+    with pytest.raises(KeyboardInterrupt):
+        scoring.write(Stopped(), str(tmp_path / name))
+    assert list(tmp_path.iterdir()) == []
+    check_out(str(tmp_path / name), overwrite=False)  # the same command goes again
+
+
+def test_a_stopped_write_keeps_what_was_there_before_it(tmp_path, monkeypatch):
+    """An earlier prediction's file stays until the merge starts to replace it (--overwrite); the
+    user's files in an --out folder stay, and the folder's earlier parts with them."""
+    earlier = tmp_path / "p.csv"
+    earlier.write_text("earlier\n")
+    with pytest.raises(KeyboardInterrupt):
+        scoring.write(Stopped(), str(earlier))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.csv"] and earlier.read_text() == "earlier\n"
+
+    def half_merge(parts, out):
+        storage.write_bytes(out, b"path,predicted\nhalf")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(scoring, "merge_csv", half_merge)
+    monkeypatch.setattr(Stopped, "_write", lambda self, folder, suffix: storage.write_bytes(f"{folder}/x.csv", b""))
+    with pytest.raises(KeyboardInterrupt):
+        scoring.write(Stopped(), str(earlier))
+    assert list(tmp_path.iterdir()) == []  # a half-merged file is not a prediction
+
+    out = _folder(tmp_path, ours=("1_000000_000000.parquet",), theirs=("notes.txt",))
+    monkeypatch.undo()
+    with pytest.raises(KeyboardInterrupt):
+        scoring.write(Stopped(), str(out))
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["1_000000_000000.parquet", scoring.PARTS_RECORD, "notes.txt"]
+    )

@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import re
+import signal
 import socket
 import sys
 import threading
@@ -274,3 +275,20 @@ def quiet_worker_process() -> None:
         from training import ray_private
 
         ray_private.configure_ray_data_logging()
+
+
+def stop_on_sigterm() -> threading.Event:
+    """SIGTERM (what `ray job stop`, a scheduler or `kill` sends) stops the job as Ctrl-C does:
+    jobs.train's Ray Train aborts the attempt and the driver says which checkpoint the same
+    command resumes from; jobs.predict and jobs.evaluate remove what they had written. Set after
+    Ray has started, whose own handler would print a stack dump and abort. The event is set once
+    SIGTERM came (the job then exits 143, not 130)."""
+    came = threading.Event()
+
+    def on_term(signum, frame):
+        came.set()
+        signal.raise_signal(signal.SIGINT)  # to whichever SIGINT handler is current: Ray Train's while it fits
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_term)
+    return came

@@ -152,23 +152,41 @@ def as_rows(batch: dict, names: list[str]) -> dict:
 
 
 def write(ds, out: str) -> None:
-    """Ray Data's tasks write the parts; a one-file output is merged from them, then they go."""
+    """Ray Data's tasks write the parts; a one-file output is merged from them, then they go.
+    Stopped on the way (Ctrl-C, SIGTERM, a failed task), it removes what it wrote, and only
+    that: the parts, a half-merged file, a folder's new Parquet files (and the folder, made
+    here); an output an earlier run wrote stays until the merge begins to replace it."""
     kind = out_kind(out)
     if kind == "dir":
-        before = set(part_files(out, ".parquet")) if storage.exists(out) else set()
-        ds.write_parquet(out)
+        made = not storage.exists(out)
+        before = set() if made else set(part_files(out, ".parquet"))
+        try:
+            ds.write_parquet(out)
+        except BaseException:
+            if storage.exists(out):
+                for part in set(part_files(out, ".parquet")) - before:
+                    storage.remove_file(part)
+                if made and storage.is_empty_dir(out):
+                    storage.remove_tree(out)
+            raise
         ours = [f.rsplit("/", 1)[-1] for f in part_files(out, ".parquet") if f not in before]
         storage.write_json(storage.join(out, PARTS_RECORD), {"parts": ours})
         return
-    parts = f"{out}.parts"
-    if kind == "csv":
-        ds.write_csv(parts)
-    else:
-        ds.write_parquet(parts)
+    parts, merging = f"{out}.parts", False
     try:
+        if kind == "csv":
+            ds.write_csv(parts)
+        else:
+            ds.write_parquet(parts)
+        merging = True
         (merge_csv if kind == "csv" else merge_parquet)(parts, out)
+    except BaseException:
+        if merging and storage.exists(out):
+            storage.remove_file(out)
+        raise
     finally:
-        storage.remove_tree(parts)
+        if storage.exists(parts):
+            storage.remove_tree(parts)
 
 
 def part_files(folder: str, suffix: str) -> list[str]:
