@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from jobs.predict import add_inference_arguments, check_numbers, score, stopped
+from jobs.predict import add_inference_arguments, check_numbers, score
 from training import storage
 from training.config import error_line
 from training.driver import plots
@@ -43,7 +43,7 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    from training.driver.session import quiet_ray_env
+    from training.driver.session import quiet_ray_env, stopped
 
     quiet_ray_env()  # before Ray is imported below: it reads the console's settings then (training/driver/session.py)
     from training.forms.data import DataError

@@ -79,7 +79,7 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    from training.driver.session import quiet_ray_env
+    from training.driver.session import quiet_ray_env, stopped
 
     quiet_ray_env()  # before Ray is imported below: it reads the console's settings then (training/driver/session.py)
     from training.forms.data import DataError
@@ -118,7 +118,7 @@ def score(args, info, splits, actors: tuple[int, int] | None, out: str):
     try:
         session.connect()
     except KeyboardInterrupt:
-        return stopped(out, terminated=False)
+        return session.stopped(out, terminated=False)
     except Exception as e:  # noqa: BLE001  (Ray's own start-up or join: one line, as jobs.train says it)
         print(error_line(f"Ray did not start: {session.start_failure(e)}"), file=sys.stderr)
         return 1
@@ -139,15 +139,7 @@ def score(args, info, splits, actors: tuple[int, int] | None, out: str):
         print(error_line(e), file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: scoring.write removed what it had written
-        return stopped(out, terminated=terminated.is_set())
-
-
-def stopped(out: str, *, terminated: bool) -> int:
-    """Say that the job stopped before `out` was written; its exit code (143 after SIGTERM, else 130)."""
-    how = "terminated (SIGTERM)" if terminated else "interrupted"
-    line = f"stopped: {how}; {out} was not written (its parts so far are removed); run the same command again"
-    print(line, file=sys.stderr)
-    return 143 if terminated else 130
+        return session.stopped(out, terminated=terminated.is_set())
 
 
 def check_numbers(args) -> tuple[int, int] | None:

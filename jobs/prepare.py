@@ -54,12 +54,14 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     args = parse(argv)
+    from training.driver.session import stop_on_sigterm, stopped
     from training.forms.data import DataError
     from training.forms.parquet import prepare_tree
 
     if args.shard_mb <= 0 or args.threads <= 0:
         print("error: --shard-mb and --threads must be positive", file=sys.stderr)
         return 2
+    terminated = stop_on_sigterm()  # as Ctrl-C: prepare_tree removes what it wrote
     try:
         manifest = prepare_tree(
             args.data,
@@ -72,6 +74,8 @@ def main(argv=None) -> int:
     except (DataError, StorageError) as e:
         print(error_line(e), file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return stopped(args.out, terminated=terminated.is_set())
     splits = manifest["splits"]
     print(
         f"prepared {args.out}: {len(manifest['class_names'])} classes, {splits['train']['images']} train / "

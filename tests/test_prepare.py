@@ -99,3 +99,27 @@ def test_prepare_refuses_an_out_inside_the_tree_and_empty_paths_and_writes_nothi
         assert capsys.readouterr().err == f"error: {word} is empty; give the image tree and a new directory\n"
     assert sorted(p.relative_to(tree_dir) for p in tree_dir.rglob("*")) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
+def test_a_prepare_stopped_half_way_leaves_out_as_it_found_it(tmp_path):
+    """Ctrl-C (or SIGTERM, which jobs.prepare takes as Ctrl-C) after the first shard: it gave a
+    traceback and left OUT with shards and no manifest, which the next run refused ("already exists
+    and is not empty; ... delete it"). OUT, new or empty before, is so again; the same call then works."""
+    import pytest
+
+    from training.forms.parquet import prepare_tree
+
+    data = write_tree(tmp_path / "data", {"a": 12, "b": 12})
+
+    def stop_after_a_shard(line):
+        if "wrote" in line:
+            raise KeyboardInterrupt
+
+    new, empty = tmp_path / "new", tmp_path / "empty"
+    empty.mkdir()
+    for out in (new, empty):
+        with pytest.raises(KeyboardInterrupt):
+            prepare_tree(str(data), str(out), shard_mb=0.001, log=stop_after_a_shard)
+    assert not new.exists() and list(empty.iterdir()) == []
+    manifest = prepare_tree(str(data), str(new), shard_mb=0.001, log=lambda line: None)
+    assert manifest["splits"]["train"]["images"] + manifest["splits"]["val"]["images"] == 24 and is_prepared(str(new))

@@ -292,3 +292,27 @@ def stop_on_sigterm() -> threading.Event:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, on_term)
     return came
+
+
+def stopped(out: str, *, terminated: bool) -> int:
+    """Say that a job stopped by Ctrl-C or SIGTERM (`terminated`) before `out` was written, having
+    removed what it wrote of it (jobs.predict, jobs.evaluate, jobs.prepare); its exit code."""
+    how = "terminated (SIGTERM)" if terminated else "interrupted"
+    line = f"stopped: {how}; {out} was not written (its parts so far are removed); run the same command again"
+    print(line, file=sys.stderr)
+    return 143 if terminated else 130
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """stop_on_sigterm for a span (a sweep's Tune run, in the caller's process when called from
+    Python): the event it sets; the handler before it comes back at the end (the default where it
+    was not Python's: Ray's C++ one, which dumps the stack)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield threading.Event()
+        return
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        yield stop_on_sigterm()
+    finally:
+        signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)

@@ -116,8 +116,6 @@ def prepare_tree(
     files (prepared data is never overwritten in place), storage.StorageError for storage
     that refuses either; all before the first file is read.
     """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
 
     fs, base, prefix = _check_out(out, root)  # before listing the tree, which can take minutes on object storage
     tree = scan_tree(root, val_fraction)
@@ -134,38 +132,61 @@ def prepare_tree(
         "class_names": list(tree.class_names),
         "splits": {},
     }
-    for name, split in (("train", tree.train), ("val", tree.val)):
-        order = stream_rng("prepare_order", seed).permutation(len(split)) if name == "train" else np.arange(len(split))
-        fs.create_dir(f"{base}/{name}", recursive=True)
-        # at least one image a shard, however small --shard-mb: no empty shard files
-        n_shards = min(len(split), max(1, math.ceil(split.total_bytes / shard_bytes)))
-        shards, split_paths = [], split.paths
-        for s, rows in enumerate(np.array_split(order, n_shards) if n_shards else []):
-            paths = [split_paths[i] for i in rows]
-            data = _read_all(src_fs, paths, threads)
-            sizes = [_image_size(b) for b in data]
-            table = pa.table(
-                {
-                    BYTES: pa.array(data, type=pa.binary()),
-                    LABEL: pa.array(split.labels[rows], type=pa.int64()),
-                    KEY: pa.array(split.keys[rows], type=pa.int64()),
-                    HEIGHT: pa.array([h for h, _ in sizes], type=pa.int32()),
-                    WIDTH: pa.array([w for _, w in sizes], type=pa.int32()),
-                    PATH: pa.array(
-                        [str(PurePosixPath(p.split("://", 1)[-1]).relative_to(src_base)) for p in paths],
-                        type=pa.string(),
-                    ),
-                }
-            )
-            shard = f"{name}/part-{s:05d}.parquet"
-            # row groups: the units training reads in a new order every epoch (training/stream/ingest.py)
-            pq.write_table(table, f"{base}/{shard}", filesystem=fs, row_group_size=ROW_GROUP)
-            shards.append(shard)
-            log(f"{name}: wrote {prefix}{base}/{shard} ({len(rows)} images)")
-        manifest["splits"][name] = {"images": len(split), "bytes": split.total_bytes, "shards": shards}
-    with fs.open_output_stream(f"{base}/{MANIFEST}") as f:  # last: a half-written OUT has no manifest
-        f.write((json.dumps(manifest, indent=2) + "\n").encode())
+    new = not storage.exists(out)
+    try:
+        for name, split in (("train", tree.train), ("val", tree.val)):
+            folder = f"{base}/{name}"
+            shards = _write_split(fs, folder, split, (src_fs, src_base), (shard_bytes, seed, threads), prefix, log)
+            files = [f"{name}/{shard}" for shard in shards]
+            manifest["splits"][name] = {"images": len(split), "bytes": split.total_bytes, "shards": files}
+        with fs.open_output_stream(f"{base}/{MANIFEST}") as f:  # last: a half-written OUT has no manifest
+            f.write((json.dumps(manifest, indent=2) + "\n").encode())
+    except BaseException:  # Ctrl-C, SIGTERM, a failed read: OUT was new or empty, so all in it is this run's
+        if not new:
+            storage.clear_dir(out)
+        elif storage.exists(out):
+            storage.remove_tree(out)
+        raise
     return manifest
+
+
+def _write_split(fs, folder: str, split, source, sizing: tuple[int, int, int], prefix: str, log) -> list[str]:
+    """Write the shards of one split under `folder` (OUT/train or OUT/val on `fs`; `prefix` makes it
+    a URI again), each said through `log` as it lands; their file names. `source`: (filesystem,
+    base path) of the tree; `sizing`: (bytes a shard, the seed of the train order, threads that read)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (src_fs, src_base), (shard_bytes, seed, threads) = source, sizing
+    train = folder.endswith("/train")
+    order = stream_rng("prepare_order", seed).permutation(len(split)) if train else np.arange(len(split))
+    fs.create_dir(folder, recursive=True)
+    # at least one image a shard, however small --shard-mb: no empty shard files
+    n_shards = min(len(split), max(1, math.ceil(split.total_bytes / shard_bytes)))
+    shards, split_paths = [], split.paths
+    for s, rows in enumerate(np.array_split(order, n_shards) if n_shards else []):
+        paths = [split_paths[i] for i in rows]
+        data = _read_all(src_fs, paths, threads)
+        sizes = [_image_size(b) for b in data]
+        table = pa.table(
+            {
+                BYTES: pa.array(data, type=pa.binary()),
+                LABEL: pa.array(split.labels[rows], type=pa.int64()),
+                KEY: pa.array(split.keys[rows], type=pa.int64()),
+                HEIGHT: pa.array([h for h, _ in sizes], type=pa.int32()),
+                WIDTH: pa.array([w for _, w in sizes], type=pa.int32()),
+                PATH: pa.array(
+                    [str(PurePosixPath(p.split("://", 1)[-1]).relative_to(src_base)) for p in paths],
+                    type=pa.string(),
+                ),
+            }
+        )
+        shard = f"part-{s:05d}.parquet"
+        # row groups: the units training reads in a new order every epoch (training/stream/ingest.py)
+        pq.write_table(table, f"{folder}/{shard}", filesystem=fs, row_group_size=ROW_GROUP)
+        shards.append(shard)
+        log(f"{folder.rsplit('/', 1)[-1]}: wrote {prefix}{folder}/{shard} ({len(rows)} images)")
+    return shards
 
 
 def read_manifest(root: str) -> dict:
