@@ -157,8 +157,9 @@ def test_a_sweep_of_four_trials_under_asha_interrupted_and_continued(ray_cluster
     """4 trials of up to 3 epochs, 2 at a time, under ASHA (grace 1 epoch, reduction factor 2): lr 3
     and 2 learn the two colours at once, 1e-6 cannot and starts third, once a trial has ended (and so
     reported its first epoch): ASHA stops it at its first epoch, whatever the timing. 1e30 fails (its
-    loss turns non-finite): that costs the trial, not the sweep. Ctrl-C (Tune's SIGUSR1, the same
-    handler) once the poor trial is stopped; the same call again continues without running the
+    loss turns non-finite): that costs the trial, not the sweep. SIGTERM once the poor trial is
+    stopped, which the sweep takes as Ctrl-C (Tune's SIGINT handler; Ray's own dumped the stack and
+    aborted), exit 143; the same call again continues without running the
     ended trials again, its event lines going where the first call's went."""
     import ray
 
@@ -173,6 +174,7 @@ def test_a_sweep_of_four_trials_under_asha_interrupted_and_continued(ray_cluster
     options = SweepOptions(trials=1, max_concurrent=2, grace_epochs=1)
     lines, lr_of = [], {}
     began_ms = time.time() * 1000
+    before = signal.getsignal(signal.SIGTERM)
 
     def log(line):
         lines.append(line)
@@ -180,13 +182,15 @@ def test_a_sweep_of_four_trials_under_asha_interrupted_and_continued(ray_cluster
         if " started: lr=" in line:
             lr_of[trial] = float(line.split("lr=")[1])
         if " stopped early after epoch" in line and lr_of.get(trial) == POOR:
-            os.kill(os.getpid(), signal.SIGUSR1)  # Tune's interrupt, as Ctrl-C
+            os.kill(os.getpid(), signal.SIGTERM)  # what a scheduler sends: Ctrl-C's way from here
 
     try:
         tune(base, space, options, log=log)
         pytest.fail("ASHA did not stop the poor trial:\n" + "\n".join(lines))
     except JobError as stopped:
-        assert stopped.exit_code == 130 and "the same command continues the sweep" in str(stopped), str(stopped)
+        assert stopped.exit_code == 143 and str(stopped).startswith("stopped: terminated (SIGTERM) with "), str(stopped)
+        assert "the same command continues the sweep" in str(stopped), str(stopped)
+    assert signal.getsignal(signal.SIGTERM) is before, "the sweep kept its SIGTERM handler"
     sweep_dir = tmp_path / "runs" / "sw"
     with open(sweep_dir / "trials.csv") as f:
         first = {float(r["lr"]): r for r in csv.DictReader(f)}

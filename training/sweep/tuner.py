@@ -29,6 +29,7 @@ from training import ray_private
 from training.config import ConfigError, TrainConfig, error_line
 from training.driver import lease
 from training.driver.api import JobError, as_config, fit
+from training.driver.session import sigterm_as_interrupt
 from training.storage import RUN_MARKER, StorageError
 from training.sweep.space import Dimension, check_space, read_space
 
@@ -195,7 +196,8 @@ def tune(config, space: str, options: SweepOptions | None = None, *, name=None, 
         raise JobError(error_line(e), 2) from None
     try:
         share = connect_and_share(cfg, options, log)
-        grid = run_tuner(cfg, dims, options, share, log)
+        with sigterm_as_interrupt() as terminated:  # SIGTERM stops the sweep as Ctrl-C does (Tune saves it)
+            grid = run_tuner(cfg, dims, options, share, log)
         from training.sweep.report import finish
 
         result = finish(cfg, dims, options, grid, log)
@@ -204,9 +206,11 @@ def tune(config, space: str, options: SweepOptions | None = None, *, name=None, 
     # the grid lists the trials made so far: those Tune had not drawn yet are unfinished too
     expected = options.trials * math.prod(len(d.args) for d in dims if d.kind == "grid")
     unfinished = sum(r["status"] == "interrupted" for r in result.rows) + max(0, expected - len(result.rows))
-    if unfinished:  # Ctrl-C (Tune saves the experiment and returns)
+    if unfinished:  # Ctrl-C or SIGTERM (Tune saves the experiment and returns)
+        how = "terminated (SIGTERM)" if terminated.is_set() else "interrupted"
         raise JobError(
-            f"stopped: interrupted with {unfinished} trial(s) unfinished; the same command continues the sweep", 130
+            f"stopped: {how} with {unfinished} trial(s) unfinished; the same command continues the sweep",
+            143 if terminated.is_set() else 130,
         )
     return result
 
