@@ -124,7 +124,11 @@ def score(args, info, splits, actors: tuple[int, int] | None, out: str):
         return 1
     terminated = session.stop_on_sigterm()  # after Ray's start, whose own handler would dump the stack and abort
     try:
-        actors = pool_size(actors, args.device, args.gpus_per_actor)
+        try:
+            actors = pool_size(actors, args.device, args.gpus_per_actor)
+        except ValueError as e:  # more actors than the cluster holds
+            print(error_line(e), file=sys.stderr)
+            return 2
         with session.driver_notices_skipped():  # Ray's C++ notice about its actor pool, from this process
             return scoring.score_to(
                 info,
@@ -135,9 +139,6 @@ def score(args, info, splits, actors: tuple[int, int] | None, out: str):
                 device=args.device,
                 gpus_per_actor=args.gpus_per_actor,
             )
-    except ValueError as e:  # more actors than the cluster holds
-        print(error_line(e), file=sys.stderr)
-        return 2
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: scoring.write removed what it had written
         return session.stopped(out, terminated=terminated.is_set())
 
