@@ -123,3 +123,25 @@ def test_a_prepare_stopped_half_way_leaves_out_as_it_found_it(tmp_path):
     assert not new.exists() and list(empty.iterdir()) == []
     manifest = prepare_tree(str(data), str(new), shard_mb=0.001, log=lambda line: None)
     assert manifest["splits"]["train"]["images"] + manifest["splits"]["val"]["images"] == 24 and is_prepared(str(new))
+
+
+def test_a_stopped_prepare_keeps_a_file_someone_put_into_out_meanwhile(tmp_path):
+    """A long scan: someone saves a file into OUT (new or empty before) while it runs, then the run
+    stops. Only the run's own splits and manifest go; the file, and so OUT, stay."""
+    import pytest
+
+    from training.forms.parquet import prepare_tree
+
+    data = write_tree(tmp_path / "data", {"a": 12, "b": 12})
+    new, empty = tmp_path / "new", tmp_path / "empty"
+    empty.mkdir()
+    for out in (new, empty):
+
+        def a_file_arrives_then_stop(line, out=out):
+            if "wrote" in line:
+                (out / "notes.txt").write_text("mine")
+                raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            prepare_tree(str(data), str(out), shard_mb=0.001, log=a_file_arrives_then_stop)
+        assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"

@@ -141,13 +141,24 @@ def prepare_tree(
             manifest["splits"][name] = {"images": len(split), "bytes": split.total_bytes, "shards": files}
         with fs.open_output_stream(f"{base}/{MANIFEST}") as f:  # last: a half-written OUT has no manifest
             f.write((json.dumps(manifest, indent=2) + "\n").encode())
-    except BaseException:  # Ctrl-C, SIGTERM, a failed read: OUT was new or empty, so all in it is this run's
-        if not new:
-            storage.clear_dir(out)
-        elif storage.exists(out):
-            storage.remove_tree(out)
+    except BaseException:  # Ctrl-C, SIGTERM, a failed read
+        _remove_written(out, new)
         raise
     return manifest
+
+
+def _remove_written(out: str, new: bool) -> None:
+    """Remove what prepare_tree wrote into `out` (its splits' folders and the manifest), and `out`
+    itself where this run made it and nothing else came into it meanwhile: a file someone put
+    there during a long scan stays."""
+    for name in ("train", "val", MANIFEST):
+        path = storage.join(out, name)
+        if storage.is_dir(path):
+            storage.remove_tree(path)
+        elif storage.exists(path):
+            storage.remove_file(path)
+    if new and storage.exists(out) and storage.is_empty_dir(out):
+        storage.remove_tree(out)
 
 
 def _write_split(fs, folder: str, split, source, sizing: tuple[int, int, int], prefix: str, log) -> list[str]:
