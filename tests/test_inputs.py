@@ -303,3 +303,15 @@ def test_a_file_uri_is_the_local_path_it_names(tmp_path):
     assert TrainConfig(data=f"FILE://{data}").data == str(data)
     args = predict.parse(["--model", f"file://{tmp_path}/model.pt", "--data", f"file://{data}", "--out", "p.csv"])
     assert (args.model, args.data, args.out) == (f"{tmp_path}/model.pt", str(data), "p.csv")
+
+
+def test_a_file_uri_of_localhost_is_local_and_one_of_another_host_is_refused(tmp_path, capsys, no_ray):
+    """RFC 8089: file://localhost/data is this machine's /data; file://host/data names another
+    machine's, which was read as the relative folder host/data here."""
+    from tests.conftest import exits_2, write_tree
+
+    data = write_tree(tmp_path / "data", {"a": 4, "b": 4})
+    assert TrainConfig(data=f"file://localhost{data}").data == str(data)
+    err = exits_2(["--data", f"file://nas{data}", "--storage-path", str(tmp_path / "runs")], capsys)
+    assert err.startswith(f"error: file://nas{data}: ") and "give a local path" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]

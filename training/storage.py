@@ -48,10 +48,16 @@ def is_uri(path: str) -> bool:
 
 
 def local_path(path: str) -> str:
-    """A file:// URI as the local path it names (file:///data/x: /data/x), anything else as it is.
+    """A file:// URI as the local path it names (file:///data/x and file://localhost/data/x:
+    /data/x), anything else as it is (file://host/x, another machine's, is refused as a URI).
     Ray and pyarrow take both, but this job writes a local path through the OS (folders made as
     needed) and a URI as an object store; the entry points hand every path through here."""
-    return path[len("file://") :] if path[:7].lower() == "file://" else path
+    if path[:7].lower() != "file://":
+        return path
+    rest = path[len("file://") :]
+    if rest[:10].lower() == "localhost/":  # RFC 8089: this machine, named
+        return rest[len("localhost") :]
+    return rest if rest.startswith("/") else path  # file://host/x names another machine: refused as a URI
 
 
 def filesystem(path: str):
