@@ -57,9 +57,10 @@ def test_cli_exits_2_with_one_line(tmp_path, capsys):
     assert err.count("\n") == 0 and err.startswith("error: --config") and "unknown key 'epochz'" in err
     assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
     assert "no such file" in capsys.readouterr().err
-    # a value the file gives is checked like the flag's
-    assert main(["--config", _write(tmp_path, "epochs: 0\n")]) == 2
-    assert "--epochs must be positive" in capsys.readouterr().err
+    # a value the file gives is checked like the flag's, and the line names the file
+    path = _write(tmp_path, "epochs: 0\n")
+    assert main(["--config", path]) == 2
+    assert f"--config {path}: epochs must be positive" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["cifar-local.yaml", "imagenet-cluster.yaml"])
@@ -100,6 +101,31 @@ def test_non_finite_and_out_of_range_numbers_exit_2_before_ray(flags, message, t
     from tests.conftest import exits_2
 
     assert exits_2(["--data", str(tree), *flags], capsys) == f"error: {message}\n"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("lr: .nan\n", "lr must be a finite number, got nan"),
+        ("momentum: 1.5\n", "momentum must be in [0, 1], got 1.5"),
+        ("storage_path: ' '\n", "storage_path is empty; give a folder or bucket, or leave it out for ./runs"),
+    ],
+)
+def test_a_refused_value_from_the_config_file_names_the_file(tmp_path, text, message, tree, no_ray, capsys):
+    """TrainConfig's checks named the flag (`--lr must be ...`), which the command did not give: the
+    line names the file and its key; a flag that overrides the file's value is checked as a flag."""
+    from tests.conftest import exits_2
+
+    path = _write(tmp_path, text)
+    assert exits_2(["--data", str(tree), "--config", path], capsys) == f"error: --config {path}: {message}\n"
+    key = text.split(":")[0]
+    flag = ["--" + key.replace("_", "-"), "1e-3" if key == "lr" else "0.5" if key == "momentum" else ""]
+    if key == "storage_path":
+        assert exits_2(["--data", str(tree), "--config", path, *flag], capsys).startswith("error: --storage-path is")
+    else:
+        assert exits_2(["--data", str(tree), "--config", path, *flag, "--epochs", "0"], capsys).startswith(
+            "error: --epochs"
+        )
 
 
 def test_an_error_is_one_line_with_one_prefix_whatever_its_message_holds():

@@ -114,6 +114,16 @@ def load_config_file(path: str) -> dict:
     return out
 
 
+def _from_the_file(error: ConfigError, path, from_file: dict, args) -> ConfigError:
+    """TrainConfig's refusal of a value (`--lr must be ...`) as the file's where the file gave it and no
+    flag overrode it (`--config f.yaml: lr must be ...`): the user looks in the file, not the command."""
+    for key, value in from_file.items():
+        flag = "--" + key.replace("_", "-") + " "
+        if str(error).startswith(flag) and (getattr(args, key) is value or getattr(args, key) == value):
+            return ConfigError(f"--config {path}: {key} {str(error)[len(flag) :]}")
+    return error
+
+
 def setting_value(field, raw_key: str, value, where: str):
     """A settings file's `value` (training.userfiles.Scalar, or what else it was) of `field`."""
     if isinstance(value, str):  # a list or a mapping
@@ -144,7 +154,10 @@ def parse_config(parser: argparse.ArgumentParser, argv=None) -> tuple[TrainConfi
     from_file = load_config_file(first.config) if first.config else {}
     parser.set_defaults(**from_file)
     args = parser.parse_args(argv)
-    cfg = from_args(args)
+    try:
+        cfg = from_args(args)
+    except ConfigError as e:
+        raise _from_the_file(e, first.config, from_file, args) from None
     defaults = TrainConfig.__dataclass_fields__
     sources = {}
     for name, field in defaults.items():
