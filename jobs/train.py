@@ -23,7 +23,7 @@ from training.config import ConfigError, error_line
 from training.driver import console
 from training.driver.flags import FlagParser, add_arguments, parse_config
 from training.driver.inputs import prepare
-from training.driver.session import connect, quiet_ray_env, start_failure, stop_on_sigterm
+from training.driver.session import connect, mute_ray_output, quiet_ray_env, start_failure, stop_on_sigterm
 from training.forms.data import DataError
 from training.storage import StorageError
 
@@ -113,6 +113,7 @@ def main(argv=None) -> int:
         print(error_line(e), file=sys.stderr)
         return 2
     except job.Interrupted as e:
+        mute_ray_output()
         again = "to resume" if e.checkpoint else "to start it again"
         how = "terminated (SIGTERM)" if terminated.is_set() else "interrupted"
         where = str(e).removeprefix("interrupted")
@@ -122,6 +123,7 @@ def main(argv=None) -> int:
         print(error_line(e), file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # outside the trainer's fit: planning, the datasets, the results
+        mute_ray_output()
         how = "terminated (SIGTERM)" if terminated.is_set() else "interrupted"
         print(f"stopped: {how} outside training; to go on: {rerun_command(argv, cfg)}", file=sys.stderr)
         return 143 if terminated.is_set() else 130

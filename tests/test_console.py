@@ -188,3 +188,30 @@ def test_the_driver_prints_a_workers_output_without_rays_sigterm_traceback(monke
     printed = [line for line in err.splitlines() if "(pid=4810" in line]  # with Ray's prefix, as Ray prints them
     assert [line.split("m ", 1)[1] for line in printed] == ["a line of the worker's own", *A_REAL_ERROR], err
     assert len(dispatcher.handlers) == 1
+
+
+def test_once_the_job_stops_rays_teardown_lines_are_not_printed(monkeypatch, capsys):
+    """A predict stopped by SIGTERM printed its `stopped:` line, then the GCS's "Failed to kill actor
+    ... Socket closed" as its cluster went down. From the stop on, the driver prints none of Ray's
+    lines; a Python caller's sweep span ends the mute (the caller's next run shows them again)."""
+    import functools
+
+    from ray._private import ray_logging, worker
+
+    from training import ray_private
+    from training.driver.session import mute_ray_output, shown_lines, sigterm_as_interrupt
+
+    dispatcher = ray_logging.WorkerStandardStreamDispatcher()
+    dispatcher.add_handler("ray_print_logs", functools.partial(worker.print_to_stdstream, ignore_prefix=False))
+    monkeypatch.setattr(ray_logging, "global_worker_stdstream_dispatcher", dispatcher)
+    ray_private.filter_worker_output(shown_lines)
+    gcs = {"ip": "192.0.2.1", "pid": "gcs_server", "is_err": True, "actor_name": "", "task_name": ""}
+    teardown = "gcs_actor_scheduler.cc:538: Failed to kill actor 05e6, return status: Invalid: Socket closed"
+    with sigterm_as_interrupt():
+        dispatcher.emit(gcs | {"lines": ["before the stop"]})
+        mute_ray_output()
+        dispatcher.emit(gcs | {"lines": [teardown]})
+        err = capsys.readouterr().err
+        assert "before the stop" in err and "Failed to kill" not in err, err
+    dispatcher.emit(gcs | {"lines": ["a later run's line"]})
+    assert "a later run's line" in capsys.readouterr().err

@@ -111,7 +111,7 @@ def connect(verbose: bool = False, dashboard: bool = False, worker_logs: bool = 
         started = True
     quiet_ray_data(verbose)  # after ray.init: importing Ray Data first would delay the cluster's start
     if not verbose:
-        ray_private.filter_worker_output(without_stop_tracebacks)
+        ray_private.filter_worker_output(shown_lines)
     return started
 
 
@@ -169,6 +169,22 @@ def start_failure(error: Exception) -> str:
     if address:
         return f"joining RAY_ADDRESS={address}: {first}; check the address and that the cluster is up (ray status)"
     return f"{first}; its logs are in /tmp/ray/session_latest/logs; on a busy machine a second try often starts"
+
+
+_stopping = threading.Event()  # set once the job stops on Ctrl-C or SIGTERM (mute_ray_output)
+
+
+def mute_ray_output() -> None:
+    """Once a job stops on Ctrl-C or SIGTERM, the lines Ray's processes send this driver are its
+    teardown's (the GCS failing to kill an actor whose worker already went, a worker's SIGTERM):
+    none of them is shown below or after the job's own `stopped:` line. Ray's log files keep them."""
+    _stopping.set()
+
+
+def shown_lines(lines: list[str]) -> list[str]:
+    """What the driver prints of other processes' output (connect's filter): nothing once the job
+    is stopping, else all but Ray's SIGTERM tracebacks."""
+    return [] if _stopping.is_set() else without_stop_tracebacks(lines)
 
 
 def without_stop_tracebacks(lines: list[str]) -> list[str]:
@@ -287,6 +303,7 @@ def stop_on_sigterm() -> threading.Event:
 
     def on_term(signum, frame):
         came.set()
+        mute_ray_output()
         signal.raise_signal(signal.SIGINT)  # to whichever SIGINT handler is current: Ray Train's while it fits
 
     if threading.current_thread() is threading.main_thread():
@@ -297,6 +314,7 @@ def stop_on_sigterm() -> threading.Event:
 def stopped(out: str, *, terminated: bool) -> int:
     """Say that a job stopped by Ctrl-C or SIGTERM (`terminated`) before `out` was written, having
     removed what it wrote of it (jobs.predict, jobs.evaluate, jobs.prepare); its exit code."""
+    mute_ray_output()
     how = "terminated (SIGTERM)" if terminated else "interrupted"
     line = f"stopped: {how}; {out} was not written (its parts so far are removed); run the same command again"
     print(line, file=sys.stderr)
@@ -316,3 +334,4 @@ def sigterm_as_interrupt():
         yield stop_on_sigterm()
     finally:
         signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
+        _stopping.clear()  # a Python caller's later runs show Ray's output again
