@@ -115,14 +115,14 @@ def score(args, info, splits, actors: tuple[int, int] | None, out: str):
     from training.driver import session  # looked up at the call: the tests replace session.connect
     from training.predict import scoring
 
+    terminated = session.stop_on_sigterm()  # connect() keeps it past ray.init's own
     try:
         session.connect()
-    except KeyboardInterrupt:
-        return session.stopped(out, terminated=False)
+    except KeyboardInterrupt as e:
+        return session.stopped(out, terminated=terminated.is_set() or isinstance(e, session.TerminatedWhileStarting))
     except Exception as e:  # noqa: BLE001  (Ray's own start-up or join: one line, as jobs.train says it)
         print(error_line(f"Ray did not start: {session.start_failure(e)}"), file=sys.stderr)
         return 1
-    terminated = session.stop_on_sigterm()  # after Ray's start, whose own handler would dump the stack and abort
     try:
         try:
             actors = pool_size(actors, args.device, args.gpus_per_actor)

@@ -23,7 +23,14 @@ from training.config import ConfigError, error_line
 from training.driver import console
 from training.driver.flags import FlagParser, add_arguments, parse_config
 from training.driver.inputs import prepare
-from training.driver.session import connect, mute_ray_output, quiet_ray_env, start_failure, stop_on_sigterm
+from training.driver.session import (
+    connect,
+    how_stopped,
+    mute_ray_output,
+    quiet_ray_env,
+    start_failure,
+    stop_on_sigterm,
+)
 from training.forms.data import DataError
 from training.storage import StorageError
 
@@ -86,15 +93,16 @@ def main(argv=None) -> int:
     log(console.format_config(cfg.to_dict(), sources))
     for note in tree.notes:  # the scan's warnings (one file under two names): before Ray, even with --quiet
         print(note, file=sys.stderr, flush=True)
+    terminated = stop_on_sigterm()  # connect() keeps it past ray.init's own
     try:
         own_cluster = connect(cfg.verbose, cfg.dashboard)
-    except KeyboardInterrupt:
-        print(f"stopped: interrupted while Ray started; to start again: {rerun_command(argv, cfg)}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        how, code = how_stopped(e, terminated)
+        print(f"stopped: {how} while Ray started; to start again: {rerun_command(argv, cfg)}", file=sys.stderr)
+        return code
     except Exception as e:  # Ray's own start-up or join failed: no traceback for a fault outside the job
         print(error_line(f"Ray did not start: {start_failure(e)}"), file=sys.stderr)
         return 1
-    terminated = stop_on_sigterm()  # after Ray's start, whose own handler would print a stack dump
     preset = preload.result()  # a file preset was checked above; a built-in one cannot fail
     from training.driver import job
 

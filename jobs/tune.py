@@ -18,7 +18,7 @@ import sys
 from training.config import ConfigError, error_line
 from training.driver.api import JobError
 from training.driver.flags import FlagParser, add_arguments, parse_config
-from training.driver.session import quiet_ray_env
+from training.driver.session import how_stopped, quiet_ray_env
 from training.sweep.tuner import SweepOptions, tune
 
 
@@ -66,9 +66,10 @@ def main(argv=None) -> int:
     except JobError as e:
         print(str(e), file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
-        print("stopped: interrupted; the same command continues the sweep", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        how, code = how_stopped(e)
+        print(f"stopped: {how}; the same command continues the sweep", file=sys.stderr)
+        return code
     return 0
 
 

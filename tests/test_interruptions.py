@@ -276,3 +276,32 @@ def test_ctrl_c_outside_the_trainer_is_one_line_and_exit_130(small_tree, tmp_pat
     err = capsys.readouterr().err
     assert err.startswith("stopped: interrupted outside training; to go on: ") and err.count("\n") == 1, err
     assert "--name early" in err and "Traceback" not in err
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("after_s", [0.0, 1.5])
+def test_sigterm_while_ray_starts_is_one_line_and_exit_143(small_tree, tmp_path, after_s):
+    """A scheduler cancels the job as it starts, the job a shell script's background job (SIGINT
+    ignored): SIGTERM as `import ray` runs (0 s after the settings are printed) or inside ray.init
+    (1.5 s). Ray's handler there exited 15 without a word, and before it Python's default ended the
+    process (-15); SIGTERM between the start and the trainer, passed on as an ignored SIGINT, was
+    lost and the run trained to its end. Now the same line as Ctrl-C, exit 143, no process left."""
+    args = [sys.executable, "-m", "jobs.train", "--data", str(small_tree), "--storage-path", str(tmp_path)]
+    ignore_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731  (`cmd &` in a script)
+    job = subprocess.Popen(
+        [*args, "--name", "cancelled", "--epochs", "1", "--small-stem", TEST_STEM],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ignore_sigint,
+    )  # fmt: skip
+    for line in job.stdout:  # the settings' table ends with `sampler`; connect() comes next
+        if line.lstrip().startswith("sampler"):
+            break
+    time.sleep(after_s)
+    ours = descendants(job.pid)
+    job.send_signal(signal.SIGTERM)
+    out, err = job.communicate(timeout=120)
+    assert job.returncode == 143, out[-2000:] + err[-3000:]
+    (line,) = err.strip().splitlines()
+    assert line.startswith("stopped: terminated (SIGTERM) while Ray started; to start again: "), err[-3000:]
+    rerun = f"-m jobs.train --data {small_tree} --storage-path {tmp_path} --epochs 1 --small-stem {TEST_STEM}"
+    assert line.endswith(f"{rerun} --name cancelled"), line
+    _gone(ours | descendants(job.pid))

@@ -424,7 +424,10 @@ def test_the_command_prints_its_own_lines_and_not_rays(module, model_and_tree, t
 def test_sigterm_while_predict_writes_is_one_line_exit_143_and_leaves_nothing(model_and_tree, tmp_path):
     """What a scheduler or `kill` sends, once the output's parts are being written: Ray's own handler
     dumped the C++ stack and aborted (exit 134), and Ctrl-C gave a traceback; both left p.csv.parts,
-    which refused the next run. Now one line, exit 143, nothing of the output left."""
+    which refused the next run. Now one line, exit 143, nothing of the output left. The job runs with
+    SIGINT ignored, as a shell script's background job (`cmd &`) does: SIGTERM, passed on as SIGINT,
+    was then lost, and the job went on to write its output and exit 0."""
+    import functools
     import signal
     import subprocess
     import sys
@@ -434,7 +437,10 @@ def test_sigterm_while_predict_writes_is_one_line_exit_143_and_leaves_nothing(mo
     data = write_tree(tmp_path / "data", {"cat": 300, "dog": 300})  # a few seconds of scoring
     out = tmp_path / "p.csv"
     args = [sys.executable, "-m", "jobs.predict", "--model", str(model), "--data", str(data), "--out", str(out)]
-    job = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    background = functools.partial(signal.signal, signal.SIGINT, signal.SIG_IGN)  # `cmd &` in a script
+    job = subprocess.Popen(
+        args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=background
+    )
     deadline = time.monotonic() + 120
     while not (tmp_path / "p.csv.parts").exists() and job.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -131,12 +131,14 @@ def fit(config, callbacks: list[EpochCallback] | tuple = (), *, log=None, share=
 
 def _train(cfg, tree, name, preset, callbacks, log, connect, share=None) -> RunResult:
     from training.driver import job
-    from training.driver.session import start_failure
+    from training.driver.session import TerminatedWhileStarting, start_failure
     from training.forms.data import DataError
 
     started = time.time()
     try:
         own = connect(cfg.verbose, cfg.dashboard)
+    except TerminatedWhileStarting:  # ray.init's handler would have exited the caller's process (SystemExit 15)
+        raise JobError("stopped: terminated (SIGTERM) while Ray started", 143) from None
     except Exception as e:  # noqa: BLE001  (Ray's own start-up; one line, as the CLI says it)
         raise JobError(error_line(f"Ray did not start: {start_failure(e)}"), 1) from None
     preset = preset or load_preset(name)

@@ -100,19 +100,41 @@ def connect(verbose: bool = False, dashboard: bool = False, worker_logs: bool = 
     kwargs = quiet_ray_env(verbose) | ({} if worker_logs else {"log_to_driver": False})
     import ray
 
-    if ray.is_initialized():
-        started = owns_cluster()
-    elif os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"):
-        check_answers(os.environ.get("RAY_ADDRESS", ""))
-        ray.init(**kwargs, **joined_runtime_env(verbose))
-        started = False
-    else:
-        start_local(dashboard, kwargs)
-        started = True
-    quiet_ray_data(verbose)  # after ray.init: importing Ray Data first would delay the cluster's start
+    own_handler = signal.getsignal(signal.SIGTERM)  # stop_on_sigterm's, where the job set it first
+    try:
+        if ray.is_initialized():
+            started = owns_cluster()
+        elif os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"):
+            check_answers(os.environ.get("RAY_ADDRESS", ""))
+            ray.init(**kwargs, **joined_runtime_env(verbose))
+            started = False
+        else:
+            start_local(dashboard, kwargs)
+            started = True
+        quiet_ray_data(verbose)  # after ray.init: importing Ray Data first would delay the cluster's start
+    except SystemExit as e:  # ray.init's SIGTERM handler: sys.exit(15), which the job left unsaid (exit 15)
+        if e.code != signal.SIGTERM:
+            raise
+        raise TerminatedWhileStarting from None
+    if callable(own_handler) and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, own_handler)  # back from ray.init's, which exits without a word
     if not verbose:
         ray_private.filter_worker_output(shown_lines)
     return started
+
+
+class TerminatedWhileStarting(KeyboardInterrupt):
+    """SIGTERM (a scheduler cancelling the job) while connect() started or joined Ray. A
+    KeyboardInterrupt, so each job's Ctrl-C path at its start says its line; `how_stopped` tells
+    them apart."""
+
+
+def how_stopped(error: BaseException, terminated: threading.Event | None = None) -> tuple[str, int]:
+    """(the words, the exit code) of a job stopped by Ctrl-C or by SIGTERM (`terminated`: the event
+    of stop_on_sigterm, set once SIGTERM came; TerminatedWhileStarting: it came inside ray.init)."""
+    if isinstance(error, TerminatedWhileStarting) or (terminated is not None and terminated.is_set()):
+        return "terminated (SIGTERM)", 143
+    return "interrupted", 130
 
 
 ANSWER_WAIT_S = 10.0  # how long a cluster's address may take to accept a connection
@@ -296,14 +318,18 @@ def quiet_worker_process() -> None:
 def stop_on_sigterm() -> threading.Event:
     """SIGTERM (what `ray job stop`, a scheduler or `kill` sends) stops the job as Ctrl-C does:
     jobs.train's Ray Train aborts the attempt and the driver says which checkpoint the same
-    command resumes from; jobs.predict and jobs.evaluate remove what they had written. Set after
-    Ray has started, whose own handler would print a stack dump and abort. The event is set once
-    SIGTERM came (the job then exits 143, not 130)."""
+    command resumes from; jobs.predict and jobs.evaluate remove what they had written. Set before
+    connect(), which puts it back after ray.init's own (a silent exit 15, and later Ray's stack
+    dump). Where SIGINT is ignored (a shell script's background job), SIGTERM raises
+    KeyboardInterrupt itself: passed on as SIGINT it was lost. The event is set once SIGTERM came
+    (the job then exits 143, not 130)."""
     came = threading.Event()
 
     def on_term(signum, frame):
         came.set()
         mute_ray_output()
+        if not callable(signal.getsignal(signal.SIGINT)):  # ignored, as in a shell script's background job
+            raise KeyboardInterrupt
         signal.raise_signal(signal.SIGINT)  # to whichever SIGINT handler is current: Ray Train's while it fits
 
     if threading.current_thread() is threading.main_thread():
