@@ -68,18 +68,26 @@ def main(argv=None) -> int:
     except (export.MissingLibrary, inference.ModelFileError, storage.StorageError) as e:
         print(error_line(e), file=sys.stderr)
         return 2
+    from training.driver.session import stop_on_sigterm, stopped
+
+    terminated = stop_on_sigterm()  # as Ctrl-C: what this run wrote is removed
+    there = {p for p in (args.out, args.out + ".json") if storage.exists(p)}  # --overwrite's earlier export
     try:
         data, sidecar = export.export_bytes(info, args.format)
         diff = export.check_export(info, args.format, data)
+        storage.write_bytes(args.out, data)
+        storage.write_json(args.out + ".json", sidecar | {"file": args.out.rstrip("/").rsplit("/", 1)[-1]})
     except export.ExportError as e:
         print(error_line(e), file=sys.stderr)
         return 1
-    try:
-        storage.write_bytes(args.out, data)
-        storage.write_json(args.out + ".json", sidecar | {"file": args.out.rstrip("/").rsplit("/", 1)[-1]})
     except OSError as e:
         print(error_line(f"--out {args.out}: writing failed ({e}); choose a writable path"), file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        for path in {args.out, args.out + ".json"} - there:
+            if storage.exists(path):
+                storage.remove_file(path)
+        return stopped(args.out, terminated=terminated.is_set())
     print(f"wrote {args.out} ({args.format}, {len(data) / 1e6:.1f} MB) and {args.out}.json")
     print(f"checked: logits within {diff:.1e} of jobs.predict's model on random images (batch of 3)")
     return 0

@@ -308,3 +308,29 @@ def test_model_and_out_on_object_storage(s3, model_and_images, capsys):
     assert json.loads(s3.read("s3://runs/export/m.st.json"))["class_names"] == ["cat", "dog", "eel"]
     code, err = run_main(argv, capsys)
     assert code == 2 and "s3://runs/export/m.st and s3://runs/export/m.st.json exist already" in err, err
+
+
+@pytest.mark.parametrize("where", ["export", "sidecar"])
+def test_ctrl_c_while_exporting_is_one_line_and_leaves_nothing(model_and_images, tmp_path, capsys, monkeypatch, where):
+    """Ctrl-C (or SIGTERM, taken as Ctrl-C) while the model is exported and checked, or between the
+    file and its sidecar: a traceback, and in the second case a file without its sidecar, which the
+    same command then refused ("exists already"). Now one line, exit 130, nothing of this run's left;
+    the same command then writes both."""
+    from training import storage
+    from training.predict import export
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    model, _ = model_and_images
+    out = tmp_path / "m.safetensors"
+    argv = ["--model", str(model), "--format", "safetensors", "--out", str(out)]
+    with monkeypatch.context() as patched:
+        patched.setattr(*((export, "check_export") if where == "export" else (storage, "write_json")), stop)
+        code, err = run_main(argv, capsys)
+    assert code == 130, err
+    said = f"stopped: interrupted; {out} was not written (its parts so far are removed); run the same command again"
+    assert err == said + "\n"
+    assert list(tmp_path.iterdir()) == []
+    assert run_main(argv, capsys)[0] == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name, f"{out.name}.json"]

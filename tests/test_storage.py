@@ -346,3 +346,17 @@ def test_a_staging_folder_name_taken_by_a_file_falls_back_to_the_temp_folder(tmp
     with staging_dir() as folder:
         assert Path(folder).parent == tmp_path and Path(folder).is_dir()
     assert not Path(folder).exists()
+
+
+def test_a_write_that_fails_leaves_no_temporary_file_beside_the_users(tmp_path):
+    """write_bytes writes a temporary file and moves it into place; where the move fails (here the
+    name is a folder of the user's) or Ctrl-C comes, the temporary file stayed in the user's folder."""
+    import pytest
+
+    from training.storage import write_bytes
+
+    (tmp_path / "model.onnx").mkdir()
+    (tmp_path / "model.onnx" / "mine.txt").write_text("mine")
+    with pytest.raises(OSError):
+        write_bytes(str(tmp_path / "model.onnx"), b"onnx")
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["model.onnx", "model.onnx/mine.txt"]

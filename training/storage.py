@@ -287,9 +287,14 @@ def write_bytes(uri: str, data: bytes) -> None:
         return
     fs.create_dir(os.path.dirname(path), recursive=True)
     tmp = f"{path}.tmp{os.getpid()}"
-    with fs.open_output_stream(tmp) as f:
-        f.write(data)
-    fs.move(tmp, path)
+    try:
+        with fs.open_output_stream(tmp) as f:
+            f.write(data)
+        fs.move(tmp, path)
+    except BaseException:  # a full disk, Ctrl-C: no half-written file of ours beside the user's
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def read_bytes(uri: str) -> bytes:
