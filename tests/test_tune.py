@@ -449,3 +449,25 @@ def test_a_sweep_beside_another_ray_cluster_finishes_its_trials_and_a_failed_one
     with open(tmp_path / "runs" / "s" / "trials.csv") as f:
         rows = sorted((float(r["lr"]), r["status"]) for r in csv.DictReader(f))
     assert rows == [(0.01, "finished"), (FAILS, "failed")], console
+
+
+def test_sigterm_while_a_sweeps_ray_starts_is_one_line_and_exit_143(tmp_path, capsys, monkeypatch):
+    """A real SIGTERM to this process while the sweep connects (before Tune): Ray's handler in ray.init
+    exited 15 without a word, and after it, before the sweep's own handler was set, so did any
+    SIGTERM. Now one line, exit 143, and the same command starts the sweep."""
+    from jobs import tune as tune_job
+    from training.driver import session
+
+    def sigterm_while_connecting(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises here
+        pytest.fail("SIGTERM did not stop the sweep")
+
+    monkeypatch.setattr(session, "connect", sigterm_while_connecting)
+    data = write_tree(tmp_path / "data", {"a": 4, "b": 4})
+    args = ["--data", str(data), "--storage-path", str(tmp_path / "runs"), "--name", "s"]
+    before = signal.getsignal(signal.SIGTERM)
+    assert tune_job.main([*args, "--space", _space(tmp_path, "lr: choice([0.1, 0.01])\n")]) == 143
+    said = "stopped: terminated (SIGTERM) before the sweep began; the same command starts it"
+    assert capsys.readouterr().err == said + "\n"
+    assert signal.getsignal(signal.SIGTERM) is before  # the caller's handler is back

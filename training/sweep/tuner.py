@@ -29,7 +29,7 @@ from training import ray_private
 from training.config import ConfigError, TrainConfig, error_line
 from training.driver import lease
 from training.driver.api import JobError, as_config, fit
-from training.driver.session import sigterm_as_interrupt
+from training.driver.session import how_stopped, sigterm_as_interrupt
 from training.storage import RUN_MARKER, StorageError
 from training.sweep.space import Dimension, check_space, read_space
 
@@ -195,8 +195,12 @@ def tune(config, space: str, options: SweepOptions | None = None, *, name=None, 
     except (ConfigError, DataError, PresetError, StorageError) as e:
         raise JobError(error_line(e), 2) from None
     try:
-        share = connect_and_share(cfg, options, log)
         with sigterm_as_interrupt() as terminated:  # SIGTERM stops the sweep as Ctrl-C does (Tune saves it)
+            try:
+                share = connect_and_share(cfg, options, log)
+            except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM while Ray starts: no trial began
+                how, code = how_stopped(e, terminated)
+                raise JobError(f"stopped: {how} before the sweep began; the same command starts it", code) from None
             grid = run_tuner(cfg, dims, options, share, log)
         from training.sweep.report import finish
 
