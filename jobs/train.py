@@ -76,12 +76,18 @@ class _Preload(threading.Thread):
 
 
 def main(argv=None) -> int:
+    terminated = stop_on_sigterm()  # connect() keeps it past ray.init's own
     try:
         cfg, sources = parse_config(parser(), argv)
         cfg, tree, name, preset = prepare(cfg)  # light but for a preset file: no Ray, no torch yet
     except (DataError, ConfigError, PresetError, StorageError) as e:
         print(error_line(e), file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # a long listing (a bucket of millions of images): no traceback
+        how, code = how_stopped(e, terminated)
+        print(f"stopped: {how} while the inputs were checked; nothing was trained; run the same command again",
+              file=sys.stderr)  # fmt: skip
+        return code
     # Two threads import at once below. Safe: the preload thread's torch imports no Ray module
     # (a preset file, and Kornia if it uses it, loaded above), and Ray Data (main thread,
     # below) imports neither torch nor Ray Train; the preload thread's Ray Train waits for
@@ -93,7 +99,6 @@ def main(argv=None) -> int:
     log(console.format_config(cfg.to_dict(), sources))
     for note in tree.notes:  # the scan's warnings (one file under two names): before Ray, even with --quiet
         print(note, file=sys.stderr, flush=True)
-    terminated = stop_on_sigterm()  # connect() keeps it past ray.init's own
     try:
         own_cluster = connect(cfg.verbose, cfg.dashboard)
     except KeyboardInterrupt as e:

@@ -305,3 +305,32 @@ def test_sigterm_while_ray_starts_is_one_line_and_exit_143(small_tree, tmp_path,
     rerun = f"-m jobs.train --data {small_tree} --storage-path {tmp_path} --epochs 1 --small-stem {TEST_STEM}"
     assert line.endswith(f"{rerun} --name cancelled"), line
     _gone(ours | descendants(job.pid))
+
+
+def test_sigterm_or_ctrl_c_while_the_inputs_are_checked_is_one_line(small_tree, tmp_path, capsys, monkeypatch):
+    """A real SIGTERM to this process, and Ctrl-C, while jobs.train lists its data (minutes for a bucket
+    of millions of images): Python's default ended the process (-15) and Ctrl-C gave a traceback."""
+    from jobs import train as train_job
+
+    def sigterm_while_listing(cfg):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises here
+        pytest.fail("SIGTERM did not stop the run")
+
+    def ctrl_c_while_listing(cfg):
+        raise KeyboardInterrupt
+
+    argv = ["--data", str(small_tree), "--storage-path", str(tmp_path), "--name", "early"]
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        for stop, code, how in (
+            (sigterm_while_listing, 143, "terminated (SIGTERM)"),
+            (ctrl_c_while_listing, 130, "interrupted"),
+        ):
+            monkeypatch.setattr(train_job, "prepare", stop)
+            assert train_job.main(argv) == code
+            said = f"stopped: {how} while the inputs were checked; nothing was trained; run the same command again\n"
+            assert capsys.readouterr().err == said
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert list(tmp_path.iterdir()) == []
