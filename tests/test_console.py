@@ -193,7 +193,7 @@ def test_the_driver_prints_a_workers_output_without_rays_sigterm_traceback(monke
 def test_once_the_job_stops_rays_teardown_lines_are_not_printed(monkeypatch, capsys):
     """A predict stopped by SIGTERM printed its `stopped:` line, then the GCS's "Failed to kill actor
     ... Socket closed" as its cluster went down. From the stop on, the driver prints none of Ray's
-    lines; a Python caller's sweep span ends the mute (the caller's next run shows them again)."""
+    lines; a Python caller's sweep span, or the next job's connect in this process, ends the mute."""
     import functools
 
     from ray._private import ray_logging, worker
@@ -215,3 +215,14 @@ def test_once_the_job_stops_rays_teardown_lines_are_not_printed(monkeypatch, cap
         assert "before the stop" in err and "Failed to kill" not in err, err
     dispatcher.emit(gcs | {"lines": ["a later run's line"]})
     assert "a later run's line" in capsys.readouterr().err
+    # a job stopped in this process (a test's, a notebook's): the next job's connect shows Ray's lines again
+    import ray
+
+    from training.driver import session
+
+    mute_ray_output()
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(session, "owns_cluster", lambda: True)
+    session.connect()
+    dispatcher.emit(gcs | {"lines": ["the next job's line"]})
+    assert "the next job's line" in capsys.readouterr().err

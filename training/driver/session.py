@@ -100,6 +100,7 @@ def connect(verbose: bool = False, dashboard: bool = False, worker_logs: bool = 
     kwargs = quiet_ray_env(verbose) | ({} if worker_logs else {"log_to_driver": False})
     import ray
 
+    _stopping.clear()  # a new job in this process (a test's, a Python caller's): Ray's lines are shown again
     own_handler = signal.getsignal(signal.SIGTERM)  # stop_on_sigterm's, where the job set it first
     try:
         if ray.is_initialized():
@@ -199,7 +200,8 @@ _stopping = threading.Event()  # set once the job stops on Ctrl-C or SIGTERM (mu
 def mute_ray_output() -> None:
     """Once a job stops on Ctrl-C or SIGTERM, the lines Ray's processes send this driver are its
     teardown's (the GCS failing to kill an actor whose worker already went, a worker's SIGTERM):
-    none of them is shown below or after the job's own `stopped:` line. Ray's log files keep them."""
+    none of them is shown below or after the job's own `stopped:` line, until the next connect()
+    in this process. Ray's log files keep them."""
     _stopping.set()
 
 
@@ -360,4 +362,4 @@ def sigterm_as_interrupt():
         yield stop_on_sigterm()
     finally:
         signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
-        _stopping.clear()  # a Python caller's later runs show Ray's output again
+        _stopping.clear()  # a Python caller's later output shows Ray's lines again
