@@ -43,9 +43,10 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    from training.driver.session import quiet_ray_env, stopped
+    from training.driver.session import quiet_ray_env, stop_on_sigterm, stopped
 
     quiet_ray_env()  # before Ray is imported below: it reads the console's settings then (training/driver/session.py)
+    terminated = stop_on_sigterm()  # while --data is listed: one line, as later
     from training.forms.data import DataError
     from training.predict import inference
 
@@ -73,8 +74,8 @@ def main(argv=None) -> int:
     except (inference.ModelFileError, DataError, storage.StorageError, ValueError) as e:
         print(error_line(e), file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C while a big --data is listed
-        return stopped(storage.join(out, "predictions.csv"), terminated=False)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM while a big --data is listed
+        return stopped(storage.join(out, "predictions.csv"), terminated=terminated.is_set())
     made = not storage.exists(out)
     report = score(args, info, splits, actors, storage.join(out, "predictions.csv"))
     if isinstance(report, int):

@@ -108,3 +108,36 @@ def test_a_stopped_write_keeps_what_was_there_before_it(tmp_path, monkeypatch):
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["1_000000_000000.parquet", scoring.PARTS_RECORD, "notes.txt"]
     )
+
+
+@pytest.mark.parametrize("module", ["jobs.predict", "jobs.evaluate"])
+def test_sigterm_while_data_is_listed_is_one_line_and_exit_143(module, tmp_path, capsys, monkeypatch):
+    """A real SIGTERM to this process while --data is listed (minutes for a big bucket), before Ray:
+    Python's default ended the process (-15) without a word. Now the job's one line, exit 143."""
+    import importlib
+    import os
+    import signal
+    import time
+    import types
+
+    from training.predict import inference
+
+    def sigterm_while_listing(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises here
+        pytest.fail("SIGTERM did not stop the job")
+
+    model_file = types.SimpleNamespace(setting=lambda key, default: default)  # what evaluate reads first
+    monkeypatch.setattr(inference, "load_model_file", lambda path: model_file)
+    monkeypatch.setattr(inference, "input_splits", sigterm_while_listing)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        main = importlib.import_module(module).main
+        out = tmp_path / ("p.csv" if module == "jobs.predict" else "eval")
+        assert main(["--model", str(tmp_path / "model.pt"), "--data", str(tmp_path), "--out", str(out)]) == 143
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    written = out if module == "jobs.predict" else out / "predictions.csv"
+    said = f"stopped: terminated (SIGTERM); {written} was not written (its parts so far are removed); run the same"
+    assert capsys.readouterr().err == said + " command again\n"
+    assert list(tmp_path.iterdir()) == []
