@@ -272,6 +272,21 @@ def own_cluster():
 
 
 @pytest.fixture()
+def fresh_signals():
+    """SIGINT as a fresh `python -m` process has it (Python's KeyboardInterrupt, whatever an earlier
+    test left), and SIGTERM failing the test should the job under test not take it; both put back
+    after. For tests that send this process a real SIGTERM."""
+    import signal
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *a: pytest.fail("SIGTERM reached the test's handler: the job set none"))
+    yield
+    for sig, handler in before.items():
+        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+@pytest.fixture()
 def tree(tmp_path) -> Path:
     return write_tree(tmp_path / "data", {"cat": 12, "dog": 12, "eel": 12})
 

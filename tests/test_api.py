@@ -61,6 +61,16 @@ def test_callbacks_get_typed_records_a_stop_rule_ends_the_run_and_a_failing_one_
     assert result.summary["epochs"] == 2 and result.run_dir == str(run_dir)
 
 
+def test_a_run_leaves_the_callers_ctrl_c_handler_as_it_was(tracked_run):
+    """Ray Train's fit sets a SIGINT handler of its own (it aborts that run's controller) and left it
+    set: in the caller's process (a notebook, a pipeline's step, this test process, which ran
+    `tracked_run` in it) a later Ctrl-C, or a SIGTERM a later job hands to SIGINT, went to a finished
+    run's controller and was lost. Python's own handler is back once fit returns."""
+    import signal
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_bad_input_raises_the_clis_line_never_exits(tmp_path, capsys, no_ray):
     tree = write_tree(tmp_path / "data", {"a": 4, "b": 4})
     args = {"data": str(tmp_path / "nowhere"), "storage_path": str(tmp_path / "runs"), "name": "r"}

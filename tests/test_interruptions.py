@@ -307,7 +307,9 @@ def test_sigterm_while_ray_starts_is_one_line_and_exit_143(small_tree, tmp_path,
     _gone(ours | descendants(job.pid))
 
 
-def test_sigterm_or_ctrl_c_while_the_inputs_are_checked_is_one_line(small_tree, tmp_path, capsys, monkeypatch):
+def test_sigterm_or_ctrl_c_while_the_inputs_are_checked_is_one_line(
+    small_tree, tmp_path, capsys, monkeypatch, fresh_signals
+):
     """A real SIGTERM to this process, and Ctrl-C, while jobs.train lists its data (minutes for a bucket
     of millions of images): Python's default ended the process (-15) and Ctrl-C gave a traceback."""
     from jobs import train as train_job
@@ -321,16 +323,12 @@ def test_sigterm_or_ctrl_c_while_the_inputs_are_checked_is_one_line(small_tree, 
         raise KeyboardInterrupt
 
     argv = ["--data", str(small_tree), "--storage-path", str(tmp_path), "--name", "early"]
-    before = signal.getsignal(signal.SIGTERM)
-    try:
-        for stop, code, how in (
-            (sigterm_while_listing, 143, "terminated (SIGTERM)"),
-            (ctrl_c_while_listing, 130, "interrupted"),
-        ):
-            monkeypatch.setattr(train_job, "prepare", stop)
-            assert train_job.main(argv) == code
-            said = f"stopped: {how} while the inputs were checked; nothing was trained; run the same command again\n"
-            assert capsys.readouterr().err == said
-    finally:
-        signal.signal(signal.SIGTERM, before)
+    for stop, code, how in (
+        (sigterm_while_listing, 143, "terminated (SIGTERM)"),
+        (ctrl_c_while_listing, 130, "interrupted"),
+    ):
+        monkeypatch.setattr(train_job, "prepare", stop)
+        assert train_job.main(argv) == code
+        said = f"stopped: {how} while the inputs were checked; nothing was trained; run the same command again\n"
+        assert capsys.readouterr().err == said
     assert list(tmp_path.iterdir()) == []

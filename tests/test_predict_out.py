@@ -111,7 +111,7 @@ def test_a_stopped_write_keeps_what_was_there_before_it(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("module", ["jobs.predict", "jobs.evaluate"])
-def test_sigterm_while_data_is_listed_is_one_line_and_exit_143(module, tmp_path, capsys, monkeypatch):
+def test_sigterm_while_data_is_listed_is_one_line_and_exit_143(module, tmp_path, capsys, monkeypatch, fresh_signals):
     """A real SIGTERM to this process while --data is listed (minutes for a big bucket), before Ray:
     Python's default ended the process (-15) without a word. Now the job's one line, exit 143."""
     import importlib
@@ -130,13 +130,9 @@ def test_sigterm_while_data_is_listed_is_one_line_and_exit_143(module, tmp_path,
     model_file = types.SimpleNamespace(setting=lambda key, default: default)  # what evaluate reads first
     monkeypatch.setattr(inference, "load_model_file", lambda path: model_file)
     monkeypatch.setattr(inference, "input_splits", sigterm_while_listing)
-    before = signal.getsignal(signal.SIGTERM)
-    try:
-        main = importlib.import_module(module).main
-        out = tmp_path / ("p.csv" if module == "jobs.predict" else "eval")
-        assert main(["--model", str(tmp_path / "model.pt"), "--data", str(tmp_path), "--out", str(out)]) == 143
-    finally:
-        signal.signal(signal.SIGTERM, before)
+    main = importlib.import_module(module).main
+    out = tmp_path / ("p.csv" if module == "jobs.predict" else "eval")
+    assert main(["--model", str(tmp_path / "model.pt"), "--data", str(tmp_path), "--out", str(out)]) == 143
     written = out if module == "jobs.predict" else out / "predictions.csv"
     said = f"stopped: terminated (SIGTERM); {written} was not written (its parts so far are removed); run the same"
     assert capsys.readouterr().err == said + " command again\n"

@@ -451,7 +451,7 @@ def test_a_sweep_beside_another_ray_cluster_finishes_its_trials_and_a_failed_one
     assert rows == [(0.01, "finished"), (FAILS, "failed")], console
 
 
-def test_sigterm_while_a_sweeps_ray_starts_is_one_line_and_exit_143(tmp_path, capsys, monkeypatch):
+def test_sigterm_while_a_sweeps_ray_starts_is_one_line_and_exit_143(tmp_path, capsys, monkeypatch, fresh_signals):
     """A real SIGTERM to this process while the sweep connects (before Tune): Ray's handler in ray.init
     exited 15 without a word, and after it, before the sweep's own handler was set, so did any
     SIGTERM. Now one line, exit 143, and the same command starts the sweep."""

@@ -51,6 +51,7 @@ from training.driver.planning import (
     wait_for_a_plan,
 )
 from training.driver.results import BestEpoch, report_bad_files, write_bad_files, write_results
+from training.driver.session import sigint_kept
 from training.driver.tracking import Tracking, parse_log_to
 from training.forms.data import DataError, ImageTree
 from training.records import RunRecord
@@ -424,7 +425,8 @@ def _load(checkpoint) -> tuple[RunRecord, dict]:
 def _attempt(trainer, status, run_dir: str):
     """(result, None) of a trainer that finished, or (None, the error) of one that failed."""
     try:
-        result = trainer.fit()
+        with sigint_kept():
+            result = trainer.fit()
     except (KeyboardInterrupt, SystemExit):  # Ray Train's SIGINT handler aborts the run, then sys.exit(0)
         raise Interrupted(ray.get(status.last_checkpoint.remote()), run_dir) from None
     except Exception as e:  # Ray wraps worker errors: _after_fault names the cause

@@ -350,6 +350,22 @@ def stopped(out: str, *, terminated: bool) -> int:
 
 
 @contextlib.contextmanager
+def sigint_kept():
+    """Around Ray Train's fit: it sets a SIGINT handler of its own (Ctrl-C aborts the controller)
+    and leaves it set when fit returns. In a process that goes on (a notebook, a pipeline's step,
+    a test) the stale handler then took Ctrl-C, and the SIGTERM that stop_on_sigterm hands to
+    SIGINT, for the finished run's controller: the stop was lost. The handler before fit comes back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before if before is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
 def sigterm_as_interrupt():
     """stop_on_sigterm for a span (a sweep's Tune run, in the caller's process when called from
     Python): the event it sets; the handler before it comes back at the end (the default where it
