@@ -75,7 +75,7 @@ def main(argv=None) -> int:
         print(error_line(e), file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM while a big --data is listed
-        return stopped(storage.join(out, "predictions.csv"), terminated=terminated.is_set())
+        return stopped(storage.join(out, "predictions.csv"), terminated=terminated)
     made = not storage.exists(out)
     report = score(args, info, splits, actors, storage.join(out, "predictions.csv"))
     if isinstance(report, int):

@@ -87,7 +87,7 @@ def main(argv=None) -> int:
         for path in {args.out, args.out + ".json"} - there:
             if storage.exists(path):
                 storage.remove_file(path)
-        return stopped(args.out, terminated=terminated.is_set())
+        return stopped(args.out, terminated=terminated)
     print(f"wrote {args.out} ({args.format}, {len(data) / 1e6:.1f} MB) and {args.out}.json")
     print(f"checked: logits within {diff:.1e} of jobs.predict's model on random images (batch of 3)")
     return 0

@@ -95,7 +95,7 @@ def main(argv=None) -> int:
         print(error_line(e), file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM while a big --data is listed
-        return stopped(args.out, terminated=terminated.is_set())
+        return stopped(args.out, terminated=terminated)
     report = score(args, info, splits, actors, args.out)
     if isinstance(report, int):
         return report
@@ -120,7 +120,7 @@ def score(args, info, splits, actors: tuple[int, int] | None, out: str):
     try:
         session.connect()
     except KeyboardInterrupt as e:
-        return session.stopped(out, terminated=terminated.is_set() or isinstance(e, session.TerminatedWhileStarting))
+        return session.stopped(out, e, terminated)
     except Exception as e:  # noqa: BLE001  (Ray's own start-up or join: one line, as jobs.train says it)
         print(error_line(f"Ray did not start: {session.start_failure(e)}"), file=sys.stderr)
         return 1
@@ -141,7 +141,7 @@ def score(args, info, splits, actors: tuple[int, int] | None, out: str):
                 gpus_per_actor=args.gpus_per_actor,
             )
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: scoring.write removed what it had written
-        return session.stopped(out, terminated=terminated.is_set())
+        return session.stopped(out, terminated=terminated)
 
 
 def check_numbers(args) -> tuple[int, int] | None:

@@ -75,7 +75,7 @@ def main(argv=None) -> int:
         print(error_line(e), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        return stopped(args.out, terminated=terminated.is_set())
+        return stopped(args.out, terminated=terminated)
     splits = manifest["splits"]
     print(
         f"prepared {args.out}: {len(manifest['class_names'])} classes, {splits['train']['images']} train / "

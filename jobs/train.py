@@ -128,18 +128,18 @@ def main(argv=None) -> int:
     except job.Interrupted as e:
         mute_ray_output()
         again = "to resume" if e.checkpoint else "to start it again"
-        how = "terminated (SIGTERM)" if terminated.is_set() else "interrupted"
+        how, code = how_stopped(terminated=terminated)
         where = str(e).removeprefix("interrupted")
         print(f"stopped: {how}{where}; {again}: {rerun_command(argv, cfg)}", file=sys.stderr)
-        return 143 if terminated.is_set() else 130
+        return code
     except job.TrainingFailed as e:
         print(error_line(e), file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # outside the trainer's fit: planning, the datasets, the results
+    except KeyboardInterrupt as e:  # outside the trainer's fit: planning, the datasets, the results
         mute_ray_output()
-        how = "terminated (SIGTERM)" if terminated.is_set() else "interrupted"
+        how, code = how_stopped(e, terminated)
         print(f"stopped: {how} outside training; to go on: {rerun_command(argv, cfg)}", file=sys.stderr)
-        return 143 if terminated.is_set() else 130
+        return code
     print(console.summary_table(summary))
     print(f"done: {cfg.run_dir} (summary.json has every figure)")
     if summary["epochs"] < cfg.epochs:  # --stop-after

@@ -130,7 +130,7 @@ class TerminatedWhileStarting(KeyboardInterrupt):
     them apart."""
 
 
-def how_stopped(error: BaseException, terminated: threading.Event | None = None) -> tuple[str, int]:
+def how_stopped(error: BaseException | None = None, terminated: threading.Event | None = None) -> tuple[str, int]:
     """(the words, the exit code) of a job stopped by Ctrl-C or by SIGTERM (`terminated`: the event
     of stop_on_sigterm, set once SIGTERM came; TerminatedWhileStarting: it came inside ray.init)."""
     if isinstance(error, TerminatedWhileStarting) or (terminated is not None and terminated.is_set()):
@@ -339,14 +339,15 @@ def stop_on_sigterm() -> threading.Event:
     return came
 
 
-def stopped(out: str, *, terminated: bool) -> int:
-    """Say that a job stopped by Ctrl-C or SIGTERM (`terminated`) before `out` was written, having
-    removed what it wrote of it (jobs.predict, jobs.evaluate, jobs.prepare); its exit code."""
+def stopped(out: str, error: BaseException | None = None, terminated: threading.Event | None = None) -> int:
+    """Say that a job stopped by Ctrl-C or SIGTERM (how_stopped's arguments) before `out` was written,
+    having removed what it wrote of it (jobs.predict, jobs.evaluate, jobs.prepare, jobs.export); its
+    exit code."""
     mute_ray_output()
-    how = "terminated (SIGTERM)" if terminated else "interrupted"
+    how, code = how_stopped(error, terminated)
     line = f"stopped: {how}; {out} was not written (its parts so far are removed); run the same command again"
     print(line, file=sys.stderr)
-    return 143 if terminated else 130
+    return code
 
 
 @contextlib.contextmanager

@@ -211,11 +211,9 @@ def tune(config, space: str, options: SweepOptions | None = None, *, name=None, 
     expected = options.trials * math.prod(len(d.args) for d in dims if d.kind == "grid")
     unfinished = sum(r["status"] == "interrupted" for r in result.rows) + max(0, expected - len(result.rows))
     if unfinished:  # Ctrl-C or SIGTERM (Tune saves the experiment and returns)
-        how = "terminated (SIGTERM)" if terminated.is_set() else "interrupted"
-        raise JobError(
-            f"stopped: {how} with {unfinished} trial(s) unfinished; the same command continues the sweep",
-            143 if terminated.is_set() else 130,
-        )
+        how, code = how_stopped(terminated=terminated)
+        line = f"stopped: {how} with {unfinished} trial(s) unfinished; the same command continues the sweep"
+        raise JobError(line, code)
     return result
 
 
