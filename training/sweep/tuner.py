@@ -29,7 +29,7 @@ from training import ray_private
 from training.config import ConfigError, TrainConfig, error_line
 from training.driver import lease
 from training.driver.api import JobError, as_config, fit
-from training.driver.session import how_stopped, sigterm_as_interrupt
+from training.driver.session import how_stopped, sigint_kept, sigterm_as_interrupt
 from training.storage import RUN_MARKER, StorageError
 from training.sweep.space import Dimension, check_space, read_space
 
@@ -294,7 +294,8 @@ def run_tuner(cfg: TrainConfig, dims: list[Dimension], options: SweepOptions, sh
     tune_log = logging.getLogger("ray.tune.tune")  # its "Trials did not complete: [...]": the end table lists them
     tune_log.addFilter(said_by_the_table)
     try:
-        return tuner.fit()
+        with sigint_kept():  # Tune leaves its SIGINT handler set after a stopped sweep, as Ray Train's fit does
+            return tuner.fit()
     finally:
         EVENT_LOGS.pop(cfg.run_dir, None)
         tune_log.removeFilter(said_by_the_table)
